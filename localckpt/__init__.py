@@ -1,0 +1,42 @@
+"""localckpt: node-local, checksummed, atomically committed checkpoints for distributed PyTorch."""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CheckpointingError,
+    CheckpointingException,
+    CollectiveError,
+    CollectiveTimeoutError,
+    ConfigurationError,
+    CorruptShardError,
+    IncompleteCheckpointError,
+    InsufficientSpaceError,
+    InvalidIterationError,
+    NoCheckpointError,
+    RankFailureError,
+    UnsupportedFormatError,
+    WorldSizeMismatchError,
+)
+from .manager import CkptID, LocalCheckpointManager  # noqa: E402
+from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict  # noqa: E402
+
+__all__ = [
+    "BasicTensorAwareStateDict",
+    "CheckpointingError",
+    "CheckpointingException",
+    "CkptID",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "ConfigurationError",
+    "CorruptShardError",
+    "IncompleteCheckpointError",
+    "InsufficientSpaceError",
+    "InvalidIterationError",
+    "LocalCheckpointManager",
+    "NoCheckpointError",
+    "RankFailureError",
+    "TensorAwareStateDict",
+    "UnsupportedFormatError",
+    "WorldSizeMismatchError",
+    "__version__",
+]

@@ -1,0 +1,125 @@
+"""localckpt's own process group and the few collectives it needs.
+
+Every collective runs on a gloo group created by the manager from the default group (never on the
+training group), with a timeout, and exchanges JSON (never pickle: a peer's bytes are data, not
+code). :meth:`CheckpointGroup.exchange` is the exception-robust collective every global decision
+goes through: each rank runs a local step, all ranks gather (value or error), and either every rank
+gets every value or every rank raises the same exception listing each failing rank's cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import (
+    CheckpointingError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    describe_failure,
+    error_from_failures,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CheckpointGroup:
+    """A gloo group spanning the default group's ranks, or a world of one without distributed.
+
+    Construction is collective: every rank of the default group must create it, in the same order
+    as any other ``new_group`` call. Once a collective failed (peer lost, timeout) the group is
+    marked broken and every later call raises CollectiveError at once: a gloo group cannot be
+    trusted to realign after a partial collective, so the job must restart.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._broken: CollectiveError | None = None
+        self.group: dist.ProcessGroup | None = None
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        else:
+            self.rank, self.world_size = 0, 1
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except (RuntimeError, ValueError) as exc:  # already torn down with the default group
+                logger.debug("destroying localckpt group: %s", exc)
+        self.group = None
+
+    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the
+        timeout passed (CollectiveTimeoutError); a lost peer raises CollectiveError."""
+        if self._broken is not None:
+            raise CollectiveError(f"{what}: localckpt's process group is unusable after an "
+                                  f"earlier failure ({self._broken}); restart the job")
+        if self.group is None:
+            return [payload]
+        started = time.monotonic()
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64),
+                            group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            if payload:
+                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(out, mine, group=self.group)
+        except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            self._broken = _collective_error(what, exc, time.monotonic() - started, self.timeout)
+            raise self._broken from exc
+        return [bytes(o[: int(s.item())].numpy()) for o, s in zip(out, sizes, strict=True)]
+
+    def exchange(self, step: str, local: Callable[[], T]) -> list[T]:
+        """Run ``local()`` on this rank, then gather every rank's JSON-able result.
+
+        Returns all results in rank order, or raises on every rank the same exception built from
+        each failing rank's error (see :func:`localckpt.errors.error_from_failures`); on the rank
+        whose ``local()`` failed it is chained to the original exception.
+        """
+        local_exc: BaseException | None = None
+        try:
+            doc: dict[str, Any] = {"ok": local()}
+        except Exception as exc:
+            local_exc = exc
+            doc = {"error": describe_failure(exc)}
+        gathered = [json.loads(b) for b in self.all_gather_bytes(
+            json.dumps(doc, allow_nan=False).encode(), step)]
+        failures = {r: tuple(d["error"]) for r, d in enumerate(gathered) if "error" in d}
+        if failures:
+            err = error_from_failures(step, failures)  # type: ignore[arg-type]
+            raise err from local_exc
+        return [d["ok"] for d in gathered]
+
+    def agree(self, step: str, local_exc: BaseException | None) -> None:
+        """Raise on every rank if ``local_exc`` is set on any rank; return otherwise."""
+        def check() -> None:
+            if local_exc is not None:
+                raise local_exc
+
+        self.exchange(step, check)
+
+
+def _collective_error(what: str, exc: BaseException, elapsed: float,
+                      timeout: float) -> CollectiveError:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    timed_out = "timeout" in text.lower() or "timed out" in text.lower() or elapsed >= timeout
+    cls = CollectiveTimeoutError if timed_out else CollectiveError
+    return cls(
+        f"{what}: collective on localckpt's gloo group failed after {elapsed:.1f}s "
+        f"(timeout {timeout:g}s): {text}. A peer rank probably died or is stuck; "
+        "restart the job (its last finalized checkpoint is intact)."
+    )

@@ -1,0 +1,125 @@
+"""Global decisions as pure functions over the inventories every rank gathered.
+
+No I/O and no processes: these are unit-tested with thousands of simulated ranks. Every rank runs
+them on the same gathered input and so reaches the same answer without further communication.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import (
+    ConfigurationError,
+    InvalidIterationError,
+    WorldSizeMismatchError,
+)
+
+ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What one rank can read from its node-local root: committed shards of its session."""
+
+    rank: int
+    session_id: str
+    shards: frozenset[ShardKey]
+
+    def to_json(self) -> dict[str, Any]:
+        by_iter: dict[int, list[list[int]]] = defaultdict(list)
+        for it, owner, world in sorted(self.shards):
+            by_iter[it].append([owner, world])
+        return {"rank": self.rank, "session": self.session_id,
+                "shards": [[it, pairs] for it, pairs in sorted(by_iter.items())]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Inventory:
+        shards = frozenset((int(it), int(o), int(w)) for it, pairs in doc["shards"]
+                           for o, w in pairs)
+        return cls(int(doc["rank"]), str(doc["session"]), shards)
+
+
+def check_sessions(inventories: Sequence[Inventory]) -> None:
+    """All ranks must use the same session id; ConfigurationError names the odd ones."""
+    sessions = {inv.session_id for inv in inventories}
+    if len(sessions) > 1:
+        by = {inv.rank: inv.session_id for inv in inventories}
+        raise ConfigurationError(f"every rank must use the same session_id, got {by}")
+
+
+def complete_iterations(inventories: Sequence[Inventory], world_size: int,
+                        fetchable: bool) -> list[int]:
+    """Iterations, newest first, that every rank of a ``world_size`` job can load.
+
+    Without ``fetchable`` (no replication) rank r must hold shard (it, r) itself; with it, every
+    owner's shard only has to be held by some rank. Shards of other world sizes never count.
+    """
+    if len(inventories) != world_size:
+        raise ValueError(f"expected {world_size} inventories, got {len(inventories)}")
+    owners: dict[int, set[int]] = defaultdict(set)
+    for inv in inventories:
+        for it, owner, world in inv.shards:
+            if world == world_size and 0 <= owner < world_size and (fetchable or owner == inv.rank):
+                owners[it].add(owner)
+    return sorted((it for it, o in owners.items() if len(o) == world_size), reverse=True)
+
+
+def choose_latest(inventories: Sequence[Inventory], world_size: int,
+                  fetchable: bool = False) -> int:
+    """The newest iteration every rank can load, or -1 when there is none."""
+    check_sessions(inventories)
+    complete = complete_iterations(inventories, world_size, fetchable)
+    return complete[0] if complete else -1
+
+
+def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], world_size: int,
+                  fetchable: bool = False) -> int:
+    """Check a save request gathered from every rank; return the iteration to save.
+
+    Raises InvalidIterationError (not an int, negative, different across ranks, not newer than the
+    latest committed checkpoint), WorldSizeMismatchError (shards of another world size on disk), or
+    ConfigurationError (different session ids).
+    """
+    check_sessions(inventories)
+    distinct = sorted({repr(i) for i in iterations})
+    if len(distinct) > 1:
+        by = {r: it for r, it in enumerate(iterations)}
+        raise InvalidIterationError(f"every rank must save the same iteration, got {by}")
+    iteration = iterations[0]
+    if type(iteration) is not int:
+        raise InvalidIterationError(
+            f"iteration: expected a non-negative int, got {type(iteration).__name__} {iteration!r}")
+    if iteration < 0:
+        raise InvalidIterationError(f"iteration: expected a non-negative int, got {iteration}")
+    foreign = sorted({(w, inv.rank) for inv in inventories for _, _, w in inv.shards
+                      if w != world_size})
+    if foreign:
+        sizes = sorted({w for w, _ in foreign})
+        ranks = sorted({r for _, r in foreign})
+        raise WorldSizeMismatchError(
+            f"checkpoints on disk were written by a job of world size {sizes}, this job has world "
+            f"size {world_size} (seen by ranks {ranks}). localckpt does not reshard: remove those "
+            "checkpoints (`localckpt gc`, or delete the session directory) or use another session_id"
+        )
+    latest = choose_latest(inventories, world_size, fetchable)
+    if iteration <= latest:
+        raise InvalidIterationError(
+            f"iteration: expected a value newer than the latest committed checkpoint {latest}, got "
+            f"{iteration}; nothing was written and checkpoint {latest} is untouched"
+        )
+    return iteration
+
+
+def retained_iterations(inventories: Sequence[Inventory], world_size: int, keep_last: int,
+                        fetchable: bool = False) -> set[int]:
+    """The ``keep_last`` newest complete iterations: everything else may be deleted."""
+    return set(complete_iterations(inventories, world_size, fetchable)[:keep_last])
+
+
+def shards_to_delete(mine: Inventory, keep: Iterable[int]) -> list[ShardKey]:
+    """This rank's own shards (owner == rank) outside ``keep``: incomplete or beyond retention."""
+    keep = set(keep)
+    return sorted(k for k in mine.shards if k[1] == mine.rank and k[0] not in keep)

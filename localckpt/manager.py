@@ -1,0 +1,289 @@
+"""LocalCheckpointManager: save, find_latest and load of node-local checkpoints.
+
+Names and call pattern follow NVIDIA's local checkpoint manager so users can switch:
+``save(state_dict, iteration)``, ``find_latest() -> int`` (-1 when none),
+``load() -> (state_dict, (iteration, rank, session_id))``. Every public method is collective: all
+ranks of the job call it, in the same order. Collectives run on the manager's own gloo group with
+``timeout``; a failure on any rank raises the same exception on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .collectives import CheckpointGroup
+from .coverage import (
+    Inventory,
+    choose_latest,
+    retained_iterations,
+    shards_to_delete,
+    validate_save,
+)
+from .errors import (
+    ConfigurationError,
+    CorruptShardError,
+    IncompleteCheckpointError,
+    NoCheckpointError,
+)
+from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
+from .staging import StagingArena, plan_layout, tensor_view
+from .state_dict import (
+    BasicTensorAwareStateDict,
+    TensorAwareStateDict,
+    as_tensor_aware,
+    restore_devices,
+)
+from .store import DEFAULT_CHUNK_NBYTES, ShardRef, ShardStore, bytes_needed, check_free_space, chunking
+
+logger = logging.getLogger(__name__)
+
+CkptID = tuple[int, int, str]
+
+
+class LocalCheckpointManager:
+    """Saves each rank's shard to node-local storage and restores the newest complete one.
+
+    Args:
+        root_local_ckpt_dir: node-local directory (tmpfs such as /dev/shm, or NVMe). Created if
+            missing. Ranks of one node may share it.
+        session_id: separates jobs sharing a root; "" is the default session.
+        repl_strategy: replication across nodes (not available yet: must be None).
+        keep_last: complete iterations kept after a successful save (>= 1).
+        timeout: seconds any collective of the manager may take before it raises.
+        chunk_nbytes: target size of the data chunk files.
+        io_threads: threads that checksum and write / read chunk files in parallel.
+
+    Construction is collective when torch.distributed is initialised (it creates a gloo group from
+    the default group); without it the manager runs as a world of one.
+    """
+
+    def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
+                 repl_strategy: Any = None, *, keep_last: int = 1, timeout: float = 300.0,
+                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, io_threads: int = 2) -> None:
+        if repl_strategy is not None:
+            raise NotImplementedError(
+                "repl_strategy: replication is not available in this version; pass None")
+        if type(keep_last) is not int or keep_last < 1:
+            raise ConfigurationError(f"keep_last: expected an int >= 1, got {keep_last!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
+        if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
+            raise ConfigurationError(f"chunk_nbytes: expected an int >= 4096, got {chunk_nbytes!r}")
+        if type(io_threads) is not int or io_threads < 1:
+            raise ConfigurationError(f"io_threads: expected an int >= 1, got {io_threads!r}")
+        root = Path(root_local_ckpt_dir)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise ConfigurationError(
+                f"root_local_ckpt_dir: expected a directory, got {root} ({exc.strerror})"
+            ) from exc
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ConfigurationError(f"root_local_ckpt_dir: {root} is not writable by this process")
+        self.root = root
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self.keep_last = keep_last
+        self.timeout = float(timeout)
+        self._group = CheckpointGroup(self.timeout)
+        self.rank = self._group.rank
+        self.world_size = self._group.world_size
+        self._store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
+                                 chunk_nbytes=chunk_nbytes)
+        self._store.remove_leftovers()
+        self._arena = StagingArena()
+        self.latest_iteration = -1  # set by find_latest and by a successful save
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Release the I/O threads and the manager's process group. Not collective."""
+        self._store.close()
+        self._group.close()
+
+    def __enter__(self) -> LocalCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ckpt_id(self, iteration: int) -> CkptID:
+        return (iteration, self.rank, self.session_id)
+
+    def _inventory(self) -> Inventory:
+        shards = frozenset((s.iteration, s.owner_rank, s.world_size) for s in self._store.list())
+        return Inventory(self.rank, self.session_id, shards)
+
+    def _gather_inventories(self, step: str) -> list[Inventory]:
+        docs = self._group.exchange(step, lambda: self._inventory().to_json())
+        return [Inventory.from_json(d) for d in docs]
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> None:
+        """Save this rank's ``state_dict`` as its shard of ``iteration`` and finalize.
+
+        Collective. Blocks until the shard is committed on every rank and older iterations beyond
+        ``keep_last`` are removed. ``state_dict`` is a TensorAwareStateDict or a plain nested
+        dict/list/tuple (wrapped automatically); it is never mutated, and once ``save`` returns
+        later in-place changes to its tensors do not affect the checkpoint.
+
+        Raises, on every rank alike: InvalidIterationError, WorldSizeMismatchError,
+        InsufficientSpaceError (checked before writing), RankTypeError (unsupported leaf on some
+        rank), IncompleteCheckpointError or the failing rank's error if a write failed (the partial
+        iteration is then removed), CollectiveError / CollectiveTimeoutError. Nothing committed
+        earlier is touched by a failed save.
+        """
+        if is_async:
+            raise NotImplementedError("is_async=True is not available in this version; "
+                                      "call save(..., is_async=False)")
+        started = time.monotonic()
+        prepared: dict[str, Any] = {}
+
+        def prepare() -> dict[str, Any]:
+            tasd = as_tensor_aware(state_dict)
+            layout = plan_layout(tasd.tensors)
+            chunk_nbytes, chunk_count = chunking(layout.nbytes, self._store.chunk_nbytes)
+            check_free_space(self.root, bytes_needed(256 * len(tasd.tensors) + 4096,
+                                                     chunk_nbytes, chunk_count))
+            prepared.update(tasd=tasd, layout=layout, chunking=(chunk_nbytes, chunk_count),
+                            container="basic" if tasd is state_dict else "plain")
+            return {"iteration": iteration if type(iteration) is int else repr(iteration),
+                    "inventory": self._inventory().to_json()}
+
+        gathered = self._group.exchange("save: validation", prepare)
+        inventories = [Inventory.from_json(g["inventory"]) for g in gathered]
+        # Every rank reaches the same verdict from the same gathered input.
+        iterations = [g["iteration"] for g in gathered]
+        validate_save(iterations, inventories, self.world_size)
+
+        write_error: BaseException | None = None
+        try:
+            self._write_own_shard(iteration, prepared)
+        except Exception as exc:
+            write_error = exc
+            logger.error("rank %d: writing shard of iteration %d failed: %s", self.rank,
+                         iteration, exc)
+        self._finalize(iteration, write_error)
+        logger.info("rank %d: saved iteration %d in %.3fs", self.rank, iteration,
+                    time.monotonic() - started)
+
+    def _write_own_shard(self, iteration: int, prepared: dict[str, Any]) -> ShardRef:
+        tasd: TensorAwareStateDict = prepared["tasd"]
+        layout = prepared["layout"]
+        chunk_nbytes, chunk_count = prepared["chunking"]
+        payload = self._arena.stage(tasd.tensors, layout, chunk_nbytes * chunk_count)
+        entries = tuple(
+            TensorEntry(key_path=path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                        offset=off, nbytes=size, device=str(t.device))
+            for t, path, off, size in zip(tasd.tensors, tasd.key_paths, layout.offsets,
+                                          layout.sizes, strict=True)
+        )
+        manifest = ShardManifest(
+            session_id=self.session_id, iteration=iteration, owner_rank=self.rank,
+            world_size=self.world_size, tensors=entries, hollow=tasd.hollow_structure(),
+            container=prepared["container"], data_nbytes=layout.nbytes,
+            chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
+            identity=_identity(),
+        )
+        return self._store.write(manifest, payload)
+
+    def _finalize(self, iteration: int, write_error: BaseException | None) -> None:
+        """Collective: agree the iteration is complete, then apply retention; or remove it."""
+        def report() -> dict[str, Any]:
+            if write_error is not None:
+                raise write_error
+            return self._inventory().to_json()
+
+        try:
+            inventories = [Inventory.from_json(d)
+                           for d in self._group.exchange("save: finalize", report)]
+            latest = choose_latest(inventories, self.world_size)
+            if latest != iteration:
+                missing = [inv.rank for inv in inventories
+                           if (iteration, inv.rank, self.world_size) not in inv.shards]
+                raise IncompleteCheckpointError(
+                    f"save of iteration {iteration}: expected a shard from every rank, ranks "
+                    f"{missing} have none; the latest complete iteration is {latest}")
+        except Exception:
+            self._remove_own_shard(iteration)
+            self.latest_iteration = -1
+            raise
+        self.latest_iteration = iteration
+        keep = retained_iterations(inventories, self.world_size, self.keep_last)
+        me = inventories[self.rank]
+        for it, owner, world in shards_to_delete(me, keep):
+            self._store.delete(ShardRef(it, owner, world,
+                                        self._store.path_of(it, owner, world)))
+        self._store.remove_leftovers()
+
+    def _remove_own_shard(self, iteration: int) -> None:
+        path = self._store.path_of(iteration, self.rank, self.world_size)
+        self._store.delete(ShardRef(iteration, self.rank, self.world_size, path))
+
+    # ------------------------------------------------------------------ restore
+
+    def find_latest(self) -> int:
+        """The newest iteration for which every rank holds its shard, or -1. Collective.
+
+        Lists committed shards (no data is read), all-gathers the inventories and picks the
+        newest complete iteration with :func:`localckpt.coverage.choose_latest`. Checksums are
+        verified by ``load``.
+        """
+        inventories = self._gather_inventories("find_latest")
+        self.latest_iteration = choose_latest(inventories, self.world_size)
+        return self.latest_iteration
+
+    def load(self) -> tuple[Any, CkptID]:
+        """Load this rank's shard of the latest complete iteration. Collective.
+
+        Calls ``find_latest`` first if it has not been called (or found nothing). Returns the
+        state dict in the form it was saved (a plain dict, or a BasicTensorAwareStateDict when a
+        TensorAwareStateDict was saved), tensors on their original devices (CPU, with a warning,
+        where that device is absent), and ``(iteration, rank, session_id)``.
+
+        Raises on every rank: NoCheckpointError, CorruptShardError naming the bad file (checksum
+        mismatch, truncation, missing chunk), UnsupportedFormatError, CollectiveError.
+        """
+        if self.latest_iteration < 0:
+            self.find_latest()
+        iteration = self.latest_iteration
+        if iteration < 0:
+            raise NoCheckpointError(
+                f"no complete checkpoint of session {self.session_id!r} under {self.root} "
+                f"for a world of {self.world_size} ranks")
+
+        def read() -> None:
+            ref = ShardRef(iteration, self.rank, self.world_size,
+                           self._store.path_of(iteration, self.rank, self.world_size))
+            if not ref.path.is_dir():
+                raise CorruptShardError(f"{ref.path}: shard disappeared after find_latest")
+            loaded.append(self._store.read(ref))
+
+        loaded: list[tuple[ShardManifest, torch.Tensor]] = []
+        self._group.exchange(f"load of iteration {iteration}", read)
+        manifest, buffer = loaded[0]
+        return _rebuild(manifest, buffer), self._ckpt_id(iteration)
+
+
+def _rebuild(manifest: ShardManifest, buffer: torch.Tensor) -> Any:
+    """The state dict of ``manifest``; tensors alias ``buffer`` until moved to their devices."""
+    tensors = [tensor_view(buffer, e.offset, e.nbytes, dtype_from_name(e.dtype), e.shape)
+               for e in manifest.tensors]
+    tensors = restore_devices(tensors, [e.device for e in manifest.tensors])
+    tasd = BasicTensorAwareStateDict.from_hollow(manifest.hollow, tensors,
+                                                 [e.key_path for e in manifest.tensors])
+    return tasd.to_state_dict() if manifest.container == "plain" else tasd
+
+
+def _identity() -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "pid": os.getpid(),
+            "torch": torch.__version__, "localckpt": __version__}

@@ -1,0 +1,146 @@
+"""The shard manifest: versioned JSON, typed dataclasses, strict parsing.
+
+The manifest is stored in the zarr group's attributes under ``"localckpt"`` together with a CRC-32C
+of its canonical JSON form, so a flipped byte in the manifest is detected like one in the data.
+Format history: version 1 (this one). A reader rejects any other version with
+:class:`UnsupportedFormatError` rather than guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import crc32c
+import torch
+
+from .errors import CorruptShardError, UnsupportedFormatError
+
+FORMAT_VERSION = 1
+
+# torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16",
+        "complex128", "complex64", "complex32",
+        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Stable name of ``dtype``; raises TypeError for a dtype localckpt cannot store."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported tensor dtype: expected one of {sorted(_DTYPES)}, got {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UnsupportedFormatError(
+            f"manifest names dtype {name!r}, which this torch ({torch.__version__}) does not have"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's place in the packed data array."""
+
+    key_path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    device: str
+
+
+@dataclass(frozen=True)
+class ShardManifest:
+    """What a committed shard holds. ``data_nbytes`` bytes of the packed array are meaningful; the
+    array is ``chunk_count * chunk_nbytes`` long (padding is zero)."""
+
+    session_id: str
+    iteration: int
+    owner_rank: int
+    world_size: int
+    tensors: tuple[TensorEntry, ...]
+    hollow: Any
+    container: str  # "plain": the user passed a plain state dict; "basic": a TensorAwareStateDict
+    data_nbytes: int
+    chunk_nbytes: int
+    chunk_count: int
+    chunk_crc32c: tuple[int, ...]
+    created_unix: float = field(default_factory=time.time)
+    identity: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def ckpt_id(self) -> tuple[int, int, str]:
+        return (self.iteration, self.owner_rank, self.session_id)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["tensors"] = [asdict(t) for t in self.tensors]
+        return {"manifest": body, "crc32c": _crc_of(body)}
+
+    @classmethod
+    def from_json_dict(cls, doc: Any, where: str) -> ShardManifest:
+        """Parse and verify a manifest read from ``where`` (named in every error)."""
+        if not isinstance(doc, dict) or "manifest" not in doc or "crc32c" not in doc:
+            raise CorruptShardError(f"{where}: expected a localckpt manifest, found none")
+        body = doc["manifest"]
+        if not isinstance(body, dict):
+            raise CorruptShardError(f"{where}: manifest is {type(body).__name__}, expected object")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{where}: manifest format version {version!r}; this localckpt reads version "
+                f"{FORMAT_VERSION}"
+            )
+        if _crc_of(body) != doc["crc32c"]:
+            raise CorruptShardError(f"{where}: manifest checksum mismatch")
+        try:
+            tensors = tuple(
+                TensorEntry(
+                    key_path=str(t["key_path"]),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(int(s) for s in t["shape"]),
+                    offset=int(t["offset"]),
+                    nbytes=int(t["nbytes"]),
+                    device=str(t["device"]),
+                )
+                for t in body["tensors"]
+            )
+            return cls(
+                session_id=str(body["session_id"]),
+                iteration=int(body["iteration"]),
+                owner_rank=int(body["owner_rank"]),
+                world_size=int(body["world_size"]),
+                tensors=tensors,
+                hollow=body["hollow"],
+                container=str(body["container"]),
+                data_nbytes=int(body["data_nbytes"]),
+                chunk_nbytes=int(body["chunk_nbytes"]),
+                chunk_count=int(body["chunk_count"]),
+                chunk_crc32c=tuple(int(c) for c in body["chunk_crc32c"]),
+                created_unix=float(body["created_unix"]),
+                identity=dict(body.get("identity") or {}),
+                format_version=int(version),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
+
+
+def _crc_of(body: dict[str, Any]) -> int:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return int(crc32c.crc32c(canonical.encode("utf-8")))

@@ -1,0 +1,238 @@
+"""Tensor-aware state dicts: a state dict split into a hollow structure and a list of tensors.
+
+The hollow structure is plain JSON (see :func:`encode_hollow`), so the non-tensor part of a
+checkpoint is read back without unpickling anything. Supported leaves: ``torch.Tensor`` (any dtype,
+any device, strided layout), ``None``, ``bool``, ``int``, ``float`` (bit-exact, nan/inf included),
+``complex``, ``str`` and ``bytes``; containers: ``dict``, ``collections.OrderedDict``, ``list`` and
+``tuple`` (dict keys: any supported scalar, or a tuple of them). Anything else raises ``TypeError``
+naming the key path and the type.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dict[str, JSON]
+
+_SCALAR_TYPES = (type(None), bool, int, str)
+
+
+class TensorAwareStateDict(ABC):
+    """A state dict whose tensors can be taken out, staged and put back.
+
+    Implementations never mutate the caller's state dict. ``tensors`` and ``key_paths`` are in the
+    same stable order; ``hollow_structure`` refers to tensors by their index in that order.
+    """
+
+    @property
+    @abstractmethod
+    def tensors(self) -> Sequence[torch.Tensor]:
+        """The tensors, in the order the hollow structure refers to them."""
+
+    @property
+    @abstractmethod
+    def key_paths(self) -> Sequence[str]:
+        """A readable path per tensor, e.g. ``optimizer/state/0/exp_avg``."""
+
+    @abstractmethod
+    def hollow_structure(self) -> JSON:
+        """The non-tensor part as JSON, tensors replaced by their index."""
+
+    @abstractmethod
+    def to_state_dict(self) -> Any:
+        """The state dict this object stands for (the tensors currently held, not copies)."""
+
+
+class BasicTensorAwareStateDict(TensorAwareStateDict):
+    """Wraps a nested dict / list / tuple / OrderedDict state dict.
+
+    The constructor walks the structure once (raising ``TypeError`` on an unsupported leaf) and
+    keeps references to the caller's tensors; nothing is copied or mutated here. The snapshot is
+    taken when the manager stages the tensors inside ``save``.
+    """
+
+    def __init__(self, state_dict: Any) -> None:
+        tensors: list[torch.Tensor] = []
+        paths: list[str] = []
+        self._hollow = encode_hollow(state_dict, tensors, paths)
+        self._tensors = tensors
+        self._paths = paths
+
+    @classmethod
+    def from_hollow(
+        cls, hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str]
+    ) -> BasicTensorAwareStateDict:
+        """Rebuild from a stored hollow structure and its tensors (in index order)."""
+        obj = cls.__new__(cls)
+        obj._hollow = hollow
+        obj._tensors = list(tensors)
+        obj._paths = list(key_paths)
+        return obj
+
+    @property
+    def tensors(self) -> Sequence[torch.Tensor]:
+        return self._tensors
+
+    @property
+    def key_paths(self) -> Sequence[str]:
+        return self._paths
+
+    def hollow_structure(self) -> JSON:
+        return self._hollow
+
+    def to_state_dict(self) -> Any:
+        return decode_hollow(self._hollow, self._tensors)
+
+
+def as_tensor_aware(state_dict: Any) -> TensorAwareStateDict:
+    """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict."""
+    if isinstance(state_dict, TensorAwareStateDict):
+        return state_dict
+    return BasicTensorAwareStateDict(state_dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Hollow structure encoding. Every JSON object node has exactly one tag key, so decoding is exact.
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def _encode_key(key: Any, path: tuple[Any, ...]) -> JSON:
+    if isinstance(key, tuple) and type(key) is tuple:
+        return {"tuple": [_encode_key(k, path) for k in key]}
+    if isinstance(key, (torch.Tensor, list, dict)):
+        raise TypeError(
+            f"state dict key at {_path_str(path)!r}: expected a str, int, float, bool, None, bytes "
+            f"or tuple key, got {type(key).__name__}"
+        )
+    return _encode_leaf(key, path)
+
+
+def _encode_leaf(value: Any, path: tuple[Any, ...]) -> JSON:
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
+        return value
+    if kind is float:
+        return {"f": value.hex()}
+    if kind is complex:
+        return {"c": [value.real.hex(), value.imag.hex()]}
+    if kind is bytes:
+        return {"b": base64.b64encode(value).decode("ascii")}
+    raise TypeError(
+        f"unsupported value at state dict key {_path_str(path)!r}: expected a tensor, dict, "
+        f"OrderedDict, list, tuple, None, bool, int, float, complex, str or bytes, "
+        f"got {kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(
+            f"unsupported tensor at state dict key {_path_str(path)!r}: expected a plain "
+            f"torch.Tensor or nn.Parameter, got subclass {type(t).__qualname__}"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"unsupported tensor at state dict key {_path_str(path)!r}: expected layout "
+            f"torch.strided, got {t.layout}"
+        )
+    if t.device.type == "meta":
+        raise TypeError(
+            f"unsupported tensor at state dict key {_path_str(path)!r}: meta tensors hold no data"
+        )
+
+
+def encode_hollow(
+    obj: Any, tensors: list[torch.Tensor], paths: list[str], path: tuple[Any, ...] = ()
+) -> JSON:
+    """JSON form of ``obj`` with tensors appended to ``tensors`` and replaced by ``{"T": i}``."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        _check_tensor(obj, path)
+        tensors.append(obj)
+        paths.append(_path_str(path))
+        return {"T": len(tensors) - 1}
+    if kind is dict or kind is OrderedDict:
+        items = [
+            [_encode_key(k, path), encode_hollow(v, tensors, paths, (*path, k))]
+            for k, v in obj.items()
+        ]
+        return {"odict" if kind is OrderedDict else "dict": items}
+    if kind is list:
+        return [encode_hollow(v, tensors, paths, (*path, i)) for i, v in enumerate(obj)]
+    if kind is tuple:
+        return {"tuple": [encode_hollow(v, tensors, paths, (*path, i)) for i, v in enumerate(obj)]}
+    return _encode_leaf(obj, path)
+
+
+def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor]) -> Any:
+    """Inverse of :func:`encode_hollow`. Raises ``ValueError`` on a malformed node."""
+    if node is None or type(node) in (bool, int, str):
+        return node
+    if type(node) is list:
+        return [decode_hollow(v, tensors) for v in node]
+    if type(node) is dict and len(node) == 1:
+        (tag, value), = node.items()
+        if tag == "T":
+            if type(value) is not int or not 0 <= value < len(tensors):
+                raise ValueError(f"hollow structure refers to tensor {value!r} of {len(tensors)}")
+            return tensors[value]
+        if tag == "f":
+            return float.fromhex(value)
+        if tag == "c":
+            return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+        if tag == "b":
+            return base64.b64decode(value.encode("ascii"), validate=True)
+        if tag == "tuple":
+            return tuple(decode_hollow(v, tensors) for v in value)
+        if tag in ("dict", "odict"):
+            pairs = [(decode_hollow(k, tensors), decode_hollow(v, tensors)) for k, v in value]
+            return OrderedDict(pairs) if tag == "odict" else dict(pairs)
+    raise ValueError(f"malformed hollow structure node: {str(node)[:200]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+
+
+def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None) -> torch.device:
+    """The device a tensor saved from ``recorded`` goes back to: itself when it exists here, else
+    CPU (with a warning, once per device string per call site cache)."""
+    if _cache is not None and recorded in _cache:
+        return _cache[recorded]
+    device = torch.device(recorded)
+    if device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            logger.warning(
+                "checkpoint tensor was saved on %s, which does not exist here (%s); "
+                "restoring it to CPU",
+                recorded,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            device = torch.device("cpu")
+    if _cache is not None:
+        _cache[recorded] = device
+    return device
+
+
+def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> list[torch.Tensor]:
+    """``tensors`` (on CPU) moved to their recorded devices, CPU where a device is absent."""
+    cache: dict[str, torch.device] = {}
+    out = []
+    for t, recorded in zip(tensors, devices, strict=True):
+        device = resolve_device(recorded, cache)
+        out.append(t if device.type == "cpu" else t.to(device))
+    return out

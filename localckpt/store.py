@@ -1,0 +1,385 @@
+"""Shard store: committed shards on node-local storage, one zarr v3 group per (iteration, owner).
+
+Layout (see docs/format.md)::
+
+    <root>/<session>/iter_<iteration:010d>/rank_<owner:05d>_of_<world:05d>/
+        zarr.json          group metadata; attributes["localckpt"] = manifest (written last)
+        data/zarr.json     uint8 array, regular chunks, codecs [bytes, crc32c]
+        data/c/<i>         chunk i: chunk_nbytes of packed tensor bytes + CRC-32C (little endian)
+
+The chunk files are exactly what zarr's ``bytes`` + ``crc32c`` codec pipeline produces, so plain
+``zarr.open_group(path)`` reads the data (and checks the checksums), but they are written and read
+here directly from the staging buffer: no per-chunk copies, checksum and write overlapped across
+threads. Commit = write into ``.tmp-*`` in the iteration directory, fsync files and directories,
+rename. Listing looks only at committed names; anything else is a leftover that never blocks a
+later save and is removed by :func:`remove_leftovers`.
+
+Several ranks of one node share a root. A rank only ever writes, replaces or deletes shard
+directories it was asked to (its own shards, later the replicas it keeps) and only removes its own
+leftovers (their names carry the writer's rank).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+from .errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from .manifest import ShardManifest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_NBYTES = 16 << 20
+_SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ITER_RE = re.compile(r"iter_(\d{10})")
+_SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
+_DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
+_READ_BLOCK = 1 << 30
+
+
+@dataclass(frozen=True, order=True)
+class ShardRef:
+    """A committed shard on this node: checkpoint id plus where it lives."""
+
+    iteration: int
+    owner_rank: int
+    world_size: int
+    path: Path
+
+
+def session_dir(root: Path, session_id: str) -> Path:
+    """``root/<session>``; raises ConfigurationError for a session id that is not a safe name."""
+    if session_id == "":
+        return root / _DEFAULT_SESSION_DIR
+    if not _SESSION_RE.fullmatch(session_id):
+        raise ConfigurationError(
+            "session_id: expected 1-128 characters of [A-Za-z0-9._-] not starting with '.', "
+            f"'-' or '_', got {session_id!r}"
+        )
+    return root / session_id
+
+
+def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
+    return (session_dir(root, session_id) / f"iter_{iteration:010d}"
+            / f"rank_{owner:05d}_of_{world_size:05d}")
+
+
+def chunking(data_nbytes: int, target_chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> tuple[int, int]:
+    """(chunk_nbytes, chunk_count) splitting ``data_nbytes`` into near-equal chunks of at most
+    ``target_chunk_nbytes``. Equal chunks keep zarr's padded edge chunk under ``chunk_count``
+    bytes instead of up to a whole chunk."""
+    if data_nbytes == 0:
+        return 1, 0
+    count = -(-data_nbytes // target_chunk_nbytes)
+    return -(-data_nbytes // count), count
+
+
+def list_shards(root: Path, session_id: str) -> list[ShardRef]:
+    """Committed shards of ``session_id`` under ``root``, sorted. Never raises for a missing root
+    or stray files; ignores temporary and trash directories."""
+    out = []
+    base = session_dir(root, session_id)
+    for it_entry in _scandir(base):
+        m = _ITER_RE.fullmatch(it_entry.name)
+        if not m or not it_entry.is_dir():
+            continue
+        for entry in _scandir(Path(it_entry.path)):
+            s = _SHARD_RE.fullmatch(entry.name)
+            if s and entry.is_dir():
+                out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
+    return sorted(out)
+
+
+def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            yield from it
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def check_free_space(root: Path, needed: int) -> None:
+    """Raise InsufficientSpaceError if ``root`` has fewer than ``needed`` free bytes."""
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        total = st.f_blocks * st.f_frsize
+        raise InsufficientSpaceError(
+            f"checkpoint root {root} has {free / 2**20:.1f} MiB free (of {total / 2**20:.1f} MiB), "
+            f"this save needs {needed / 2**20:.1f} MiB. Enlarge the file system (for /dev/shm in "
+            "Docker: `docker run --shm-size=<size>`; for a tmpfs: `mount -o remount,size=<size>`), "
+            "lower keep_last, or choose another root."
+        )
+
+
+def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) -> int:
+    """Disk bytes a shard takes: chunks with their checksums, metadata, slack for inodes."""
+    return chunk_count * (chunk_nbytes + 4) + manifest_estimate + 64 * 1024
+
+
+def _array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [chunk_nbytes * chunk_count],
+        "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_nbytes]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+        "attributes": {},
+        "storage_transformers": [],
+    }
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view[:_READ_BLOCK])
+        view = view[written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        if trailer:
+            _write_all(fd, memoryview(trailer))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_memoryview(buffer: torch.Tensor) -> memoryview:
+    # numpy() of a CPU uint8 tensor shares its memory; pinned buffers are CPU tensors too.
+    return memoryview(buffer.numpy()).cast("B")
+
+
+class ShardStore:
+    """Writes, reads, lists and deletes shards of one session under one node-local root.
+
+    Thread-safe for distinct shards. ``writer_rank`` names this process's leftovers.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], session_id: str, writer_rank: int,
+                 io_threads: int = 2, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> None:
+        self.root = Path(root)
+        self.session_id = session_id
+        self.session_path = session_dir(self.root, session_id)
+        self.writer_rank = writer_rank
+        self.chunk_nbytes = chunk_nbytes
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="localckpt-io")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def list(self) -> list[ShardRef]:
+        return list_shards(self.root, self.session_id)
+
+    def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
+        return shard_path(self.root, self.session_id, iteration, owner, world_size)
+
+    # ---------------------------------------------------------------- write
+
+    def write(self, manifest: ShardManifest, payload: torch.Tensor) -> ShardRef:
+        """Write and commit one shard. ``payload`` is the packed uint8 buffer of
+        ``manifest.chunk_count * manifest.chunk_nbytes`` bytes; ``manifest.chunk_crc32c`` is
+        filled in here. Replaces an existing shard with the same id (a leftover of a failed save).
+
+        Blocks until the shard is durable and visible. Raises InsufficientSpaceError on ENOSPC;
+        on any failure the temporary directory is removed and nothing committed is touched.
+        """
+        final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
+        expected = manifest.chunk_count * manifest.chunk_nbytes
+        if payload.numel() != expected:
+            raise ValueError(f"payload: expected {expected} bytes, got {payload.numel()}")
+        iter_dir = final.parent
+        created_dirs = not iter_dir.exists()
+        iter_dir.mkdir(parents=True, exist_ok=True)
+        tmp = iter_dir / f".tmp-{final.name}-w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+        try:
+            (tmp / "data" / "c").mkdir(parents=True)
+            crcs = self._write_chunks(tmp / "data" / "c", payload, manifest.chunk_nbytes,
+                                      manifest.chunk_count)
+            manifest = replace(manifest, chunk_crc32c=tuple(crcs))
+            _write_file(tmp / "data" / "zarr.json",
+                        json.dumps(_array_metadata(manifest.chunk_nbytes,
+                                                   manifest.chunk_count)).encode())
+            group = {"zarr_format": 3, "node_type": "group",
+                     "attributes": {"localckpt": manifest.to_json_dict()}}
+            _write_file(tmp / "zarr.json", json.dumps(group, allow_nan=False).encode())
+            for d in (tmp / "data" / "c", tmp / "data", tmp):
+                _fsync_dir(d)
+            self._commit(tmp, final)
+            _fsync_dir(iter_dir)
+            if created_dirs:
+                _fsync_dir(iter_dir.parent)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    f"no space left writing shard {final}: {exc.strerror}. Enlarge the file "
+                    "system (Docker: --shm-size) or lower keep_last."
+                ) from exc
+            raise
+        return ShardRef(manifest.iteration, manifest.owner_rank, manifest.world_size, final)
+
+    def _write_chunks(self, directory: Path, payload: torch.Tensor, chunk_nbytes: int,
+                      count: int) -> list[int]:
+        view = _as_memoryview(payload)
+
+        def one(i: int) -> int:
+            chunk = view[i * chunk_nbytes : (i + 1) * chunk_nbytes]
+            crc = crc32c.crc32c(chunk)
+            _write_file(directory / str(i), chunk, crc.to_bytes(4, "little"))
+            return int(crc)
+
+        return list(self._pool.map(one, range(count)))
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Same id already committed (a save of this iteration that failed elsewhere):
+            # move it aside atomically first so listing never sees a half-deleted shard.
+            trash = self._trash_name(final)
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ---------------------------------------------------------------- read
+
+    def read_manifest(self, ref: ShardRef) -> ShardManifest:
+        """Parse and verify the manifest of ``ref``; CorruptShardError names the file."""
+        path = ref.path / "zarr.json"
+        try:
+            doc = json.loads(path.read_bytes())
+        except FileNotFoundError as exc:
+            raise CorruptShardError(f"{path}: manifest missing") from exc
+        except (OSError, ValueError) as exc:
+            raise CorruptShardError(f"{path}: unreadable manifest ({exc})") from exc
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        manifest = ShardManifest.from_json_dict(
+            attrs.get("localckpt") if isinstance(attrs, dict) else None, str(path)
+        )
+        ids = (manifest.session_id, manifest.iteration, manifest.owner_rank, manifest.world_size)
+        if ids != (self.session_id, ref.iteration, ref.owner_rank, ref.world_size):
+            raise CorruptShardError(
+                f"{path}: manifest says (session, iteration, owner, world size) = {ids}, "
+                f"expected {(self.session_id, ref.iteration, ref.owner_rank, ref.world_size)}"
+            )
+        if len(manifest.chunk_crc32c) != manifest.chunk_count:
+            raise CorruptShardError(f"{path}: {len(manifest.chunk_crc32c)} chunk checksums for "
+                                    f"{manifest.chunk_count} chunks")
+        return manifest
+
+    def read(self, ref: ShardRef,
+             allocate: Callable[[int], torch.Tensor] | None = None
+             ) -> tuple[ShardManifest, torch.Tensor]:
+        """Read ``ref`` into a fresh uint8 buffer (or one from ``allocate(nbytes)``), verifying
+        every chunk's CRC-32C against both the file trailer and the manifest.
+
+        Raises CorruptShardError naming the first bad file (truncated, missing, mismatching).
+        """
+        manifest = self.read_manifest(ref)
+        total = manifest.chunk_count * manifest.chunk_nbytes
+        buf = allocate(total) if allocate else torch.empty(total, dtype=torch.uint8)
+        view = _as_memoryview(buf) if total else memoryview(b"")
+        size = manifest.chunk_nbytes
+        chunk_dir = ref.path / "data" / "c"
+
+        def one(i: int) -> None:
+            path = chunk_dir / str(i)
+            trailer = bytearray(4)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    got = _read_into(f, view[i * size : (i + 1) * size])
+                    got_trailer = f.readinto(trailer)
+                    extra = f.read(1)
+            except FileNotFoundError as exc:
+                raise CorruptShardError(f"{path}: chunk file missing") from exc
+            if got != size or got_trailer != 4 or extra:
+                raise CorruptShardError(
+                    f"{path}: expected {size + 4} bytes, file has "
+                    f"{path.stat().st_size} (truncated or overwritten)"
+                )
+            crc = crc32c.crc32c(view[i * size : (i + 1) * size])
+            stored = int.from_bytes(trailer, "little")
+            if crc != stored or crc != manifest.chunk_crc32c[i]:
+                raise CorruptShardError(
+                    f"{path}: checksum mismatch (computed crc32c {crc:#010x}, file says "
+                    f"{stored:#010x}, manifest says {manifest.chunk_crc32c[i]:#010x})"
+                )
+
+        list(self._pool.map(one, range(manifest.chunk_count)))
+        return manifest, buf
+
+    # ---------------------------------------------------------------- delete
+
+    def delete(self, ref: ShardRef) -> None:
+        """Remove a committed shard: atomically hidden by a rename, then deleted. Missing is fine."""
+        trash = self._trash_name(ref.path)
+        try:
+            os.rename(ref.path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+        _remove_if_empty(ref.path.parent)
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete this writer's temporary and trash directories (crash leftovers) and empty
+        iteration directories. Returns what was removed."""
+        removed = []
+        tag = f"-w{self.writer_rank:05d}-"
+        for it_entry in _scandir(self.session_path):
+            if not _ITER_RE.fullmatch(it_entry.name):
+                continue
+            for entry in _scandir(Path(it_entry.path)):
+                if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(Path(entry.path))
+            _remove_if_empty(Path(it_entry.path))
+        return removed
+
+    def _trash_name(self, path: Path) -> Path:
+        return path.parent / f".trash-{path.name}-w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got : got + _READ_BLOCK])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+

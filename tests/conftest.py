@@ -1,0 +1,24 @@
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    """A checkpoint root on /dev/shm when it is writable (the real target), else in tmp_path."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        d = Path(tempfile.mkdtemp(prefix="localckpt-test-", dir=shm))
+        yield d
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        d = tmp_path / "ckpt-root"
+        d.mkdir()
+        yield d

@@ -1,0 +1,125 @@
+"""Run a function on N real gloo ranks (spawned processes, FileStore rendezvous in tmp_path).
+
+Each rank's outcome comes back as RankResult: its return value, or the exception's class name,
+base class names and message, so tests assert on behaviour without unpickling exceptions.
+A run that exceeds ``deadline`` kills every rank and fails: a hang is a test failure, not a stall.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None          # exception class name
+    error_bases: tuple[str, ...] = ()  # names in its MRO
+    message: str = ""
+    elapsed: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raised(self, name: str) -> bool:
+        return self.error is not None and name in self.error_bases
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
+           out: Any, args: tuple[Any, ...], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        value = fn(rank, world_size, *args)
+        out.put(RankResult(rank, value, elapsed=time.monotonic() - started))
+    except BaseException as exc:  # report everything, including SystemExit from a scenario
+        out.put(RankResult(rank, None, type(exc).__name__,
+                           tuple(c.__name__ for c in type(exc).__mro__),
+                           f"{exc}\n{traceback.format_exc()}", time.monotonic() - started))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver that has imported torch once: each rank then starts in milliseconds instead
+    of re-importing torch (seconds). The server is single-threaded, so forking it is safe."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "localckpt", "scenarios"])
+    return _CTX
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any,
+              deadline: float = 120.0, env: dict[str, str] | None = None,
+              allow_missing: bool = False) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
+
+    ``fn`` must be importable (a module-level function of a module on sys.path).
+    With ``allow_missing`` a rank that exits without reporting (e.g. killed itself) is returned as
+    an error result named "NoResult" instead of failing the run.
+    """
+    ctx = _context()
+    results: Any = ctx.Queue()
+    store_path = str(tmp_path / f"filestore-{uuid.uuid4().hex}")
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(fn, r, world_size, store_path, results, args, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, RankResult] = {}
+    end = time.monotonic() + deadline
+    try:
+        while len(got) < world_size:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world_size)) - set(got))} did not finish within "
+                    f"{deadline}s (hang); finished: {sorted(got)}")
+            try:
+                res = results.get(timeout=min(remaining, 0.5))
+                got[res.rank] = res
+            except queue.Empty:
+                if allow_missing and all(not p.is_alive() for p in procs):
+                    time.sleep(0.2)  # let queued results drain
+                    while True:
+                        try:
+                            res = results.get(timeout=0.2)
+                            got[res.rank] = res
+                        except queue.Empty:
+                            break
+                    for r in range(world_size):
+                        got.setdefault(r, RankResult(r, error="NoResult", error_bases=("NoResult",)))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world_size)]

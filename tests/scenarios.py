@@ -1,0 +1,131 @@
+"""Rank programs for the multi-process tests (run by dist_harness.run_ranks in spawned ranks)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from localckpt import LocalCheckpointManager
+
+
+def make_state(rank: int, iteration: int, n: int = 3) -> dict[str, Any]:
+    """A deterministic training-like state dict, different per rank and iteration."""
+    g = torch.Generator().manual_seed(rank * 1000 + iteration)
+    return {
+        "model": {f"layer{i}.weight": torch.randn(64, 32, generator=g) for i in range(n)}
+        | {"emb": torch.randn(100, 16, generator=g).to(torch.bfloat16)},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(iteration)),
+                                    "exp_avg": torch.randn(64, 32, generator=g)}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]},
+        "rng": torch.Generator().manual_seed(rank).get_state(),
+        "iteration": iteration,
+        "rank": rank,
+    }
+
+
+def digest(obj: Any) -> str:
+    """A hash of a state dict's structure and exact tensor bytes."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"T{x.dtype}{tuple(x.shape)}{x.device}".encode())
+            h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                     if x.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(f"D{type(x).__name__}{len(x)}".encode())
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"S{type(x).__name__}{x!r}".encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def rank_root(base: str, rank: int, ranks_per_node: int) -> Path:
+    """Simulated nodes: ranks_per_node ranks share a root, as on a real node."""
+    return Path(base) / f"node{rank // ranks_per_node}"
+
+
+def save_then_restore(rank: int, world: int, base: str, iterations: list[int],
+                      ranks_per_node: int = 1) -> dict[str, Any]:
+    root = rank_root(base, rank, ranks_per_node)
+    with LocalCheckpointManager(root, "job", timeout=30) as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it), it)
+    with LocalCheckpointManager(root, "job", timeout=30) as fresh:
+        latest = fresh.find_latest()
+        loaded, ckpt_id = fresh.load()
+    return {"latest": latest, "ckpt_id": list(ckpt_id), "digest": digest(loaded),
+            "expected": digest(make_state(rank, latest))}
+
+
+def save_only(rank: int, world: int, base: str, iterations: list[int], keep_last: int = 1,
+              ranks_per_node: int = 1) -> None:
+    root = rank_root(base, rank, ranks_per_node)
+    with LocalCheckpointManager(root, "job", keep_last=keep_last, timeout=30) as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it), it)
+
+
+def find_and_load(rank: int, world: int, base: str, ranks_per_node: int = 1) -> dict[str, Any]:
+    root = rank_root(base, rank, ranks_per_node)
+    with LocalCheckpointManager(root, "job", timeout=30) as mgr:
+        latest = mgr.find_latest()
+        if latest < 0:
+            return {"latest": latest}
+        loaded, ckpt_id = mgr.load()
+    return {"latest": latest, "ckpt_id": list(ckpt_id), "digest": digest(loaded),
+            "expected": digest(make_state(rank, latest))}
+
+
+def save_iteration_per_rank(rank: int, world: int, base: str, iterations: list[int]) -> None:
+    """Each rank saves iterations[rank]: mismatched iterations must fail on every rank."""
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30) as mgr:
+        mgr.save(make_state(rank, 0), iterations[rank])
+
+
+def save_with_bad_leaf_on(rank: int, world: int, base: str, bad_rank: int) -> None:
+    state = make_state(rank, 1)
+    if rank == bad_rank:
+        state["model"]["oops"] = object()
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30) as mgr:
+        mgr.save(state, 1)
+
+
+def write_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]:
+    """Iteration 1 saves; iteration 2's write raises on bad_rank; iteration 1 must still load."""
+    root = Path(base) / f"node{rank}"
+    with LocalCheckpointManager(root, "job", timeout=30) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        if rank == bad_rank:
+            def broken_write(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(5, "Input/output error (injected)")
+            mgr._store.write = broken_write  # type: ignore[method-assign]
+        try:
+            mgr.save(make_state(rank, 2), 2)
+        except Exception as exc:
+            error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
+        else:
+            error = None
+        leftover = sorted(p.name for p in (root / "job").iterdir())
+    return {"error": error, "dirs": leftover, **find_and_load(rank, world, base)}
+
+
+def stall_then_exit(rank: int, world: int, base: str, slow_rank: int, sleep: float) -> None:
+    """slow_rank never joins find_latest; the others must raise within the 3 s timeout."""
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=3) as mgr:
+        if rank == slow_rank:
+            time.sleep(sleep)
+            return
+        mgr.find_latest()
