@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
+from .errors import (
     CheckpointingError,
     CheckpointingException,
     CollectiveError,
@@ -17,8 +17,8 @@ from .errors import (  # noqa: E402
     UnsupportedFormatError,
     WorldSizeMismatchError,
 )
-from .manager import CkptID, LocalCheckpointManager  # noqa: E402
-from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict  # noqa: E402
+from .manager import CkptID, LocalCheckpointManager
+from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __all__ = [
     "BasicTensorAwareStateDict",

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import (
-    CheckpointingError,
     CollectiveError,
     CollectiveTimeoutError,
     describe_failure,
@@ -98,9 +97,10 @@ class CheckpointGroup:
             doc = {"error": describe_failure(exc)}
         gathered = [json.loads(b) for b in self.all_gather_bytes(
             json.dumps(doc, allow_nan=False).encode(), step)]
-        failures = {r: tuple(d["error"]) for r, d in enumerate(gathered) if "error" in d}
+        failures = {r: (str(d["error"][0]), str(d["error"][1]))
+                    for r, d in enumerate(gathered) if "error" in d}
         if failures:
-            err = error_from_failures(step, failures)  # type: ignore[arg-type]
+            err = error_from_failures(step, failures)
             raise err from local_exc
         return [d["ok"] for d in gathered]
 

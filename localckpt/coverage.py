@@ -102,7 +102,7 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], w
         raise WorldSizeMismatchError(
             f"checkpoints on disk were written by a job of world size {sizes}, this job has world "
             f"size {world_size} (seen by ranks {ranks}). localckpt does not reshard: remove those "
-            "checkpoints (`localckpt gc`, or delete the session directory) or use another session_id"
+            "checkpoints (delete the session directory) or use another session_id"
         )
     latest = choose_latest(inventories, world_size, fetchable)
     if iteration <= latest:

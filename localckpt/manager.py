@@ -41,7 +41,14 @@ from .state_dict import (
     as_tensor_aware,
     restore_devices,
 )
-from .store import DEFAULT_CHUNK_NBYTES, ShardRef, ShardStore, bytes_needed, check_free_space, chunking
+from .store import (
+    DEFAULT_CHUNK_NBYTES,
+    ShardRef,
+    ShardStore,
+    bytes_needed,
+    check_free_space,
+    chunking,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +126,8 @@ class LocalCheckpointManager:
         return (iteration, self.rank, self.session_id)
 
     def _inventory(self) -> Inventory:
-        shards = frozenset((s.iteration, s.owner_rank, s.world_size) for s in self._store.list())
+        shards = frozenset((s.iteration, s.owner_rank, s.world_size)
+                           for s in self._store.committed())
         return Inventory(self.rank, self.session_id, shards)
 
     def _gather_inventories(self, step: str) -> list[Inventory]:

@@ -40,7 +40,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"unsupported tensor dtype: expected one of {sorted(_DTYPES)}, got {dtype}") from None
+        raise TypeError(
+            f"unsupported tensor dtype: expected one of {sorted(_DTYPES)}, got {dtype}"
+        ) from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -107,10 +107,11 @@ class StagingArena:
         return buf
 
     def _stage_cuda(self, device: torch.device, tensors: Sequence[torch.Tensor],
-                    indices: list[int], layout: PackedLayout, buf: torch.Tensor) -> torch.cuda.Event:
+                    indices: list[int], layout: PackedLayout,
+                    buf: torch.Tensor) -> torch.cuda.Event:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # The side stream must see every kernel already queued that writes these tensors.
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -118,6 +119,6 @@ class StagingArena:
                 t = tensors[i]
                 dst = tensor_view(buf, layout.offsets[i], layout.sizes[i], t.dtype, t.shape)
                 dst.copy_(t.detach(), non_blocking=self._pin)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event

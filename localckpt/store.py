@@ -21,6 +21,7 @@ leftovers (their names carry the writer's rank).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -172,7 +173,8 @@ def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> N
 
 def _as_memoryview(buffer: torch.Tensor) -> memoryview:
     # numpy() of a CPU uint8 tensor shares its memory; pinned buffers are CPU tensors too.
-    return memoryview(buffer.numpy()).cast("B")
+    array: Any = buffer.numpy()
+    return memoryview(array).cast("B")
 
 
 class ShardStore:
@@ -193,7 +195,8 @@ class ShardStore:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def list(self) -> list[ShardRef]:
+    def committed(self) -> list[ShardRef]:
+        """Committed shards under this root (see :func:`list_shards`)."""
         return list_shards(self.root, self.session_id)
 
     def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
@@ -339,7 +342,7 @@ class ShardStore:
     # ---------------------------------------------------------------- delete
 
     def delete(self, ref: ShardRef) -> None:
-        """Remove a committed shard: atomically hidden by a rename, then deleted. Missing is fine."""
+        """Remove a committed shard: hidden atomically by a rename, then deleted. Missing is ok."""
         trash = self._trash_name(ref.path)
         try:
             os.rename(ref.path, trash)
@@ -378,8 +381,6 @@ def _read_into(f: Any, view: memoryview) -> int:
 
 
 def _remove_if_empty(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not empty, or already gone
         directory.rmdir()
-    except OSError:
-        pass
 

@@ -7,6 +7,7 @@ A run that exceeds ``deadline`` kills every rank and fails: a hang is a test fai
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -57,10 +58,8 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
                            f"{exc}\n{traceback.format_exc()}", time.monotonic() - started))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
 
 
 _CTX: Any = None
@@ -115,7 +114,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
                         except queue.Empty:
                             break
                     for r in range(world_size):
-                        got.setdefault(r, RankResult(r, error="NoResult", error_bases=("NoResult",)))
+                        got.setdefault(r, RankResult(r, error="NoResult",
+                                                     error_bases=("NoResult",)))
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -99,7 +99,7 @@ def test_write_failure_on_one_rank_removes_partial_iteration(tmp_path: Path, roo
     for r in results:
         assert r.ok, r.message
         name, bases, msg = r.value["error"]
-        assert "RankOSError" == name and "OSError" in bases
+        assert name == "RankOSError" and "OSError" in bases
         assert "rank 1" in msg and "injected" in msg
         assert r.value["dirs"] == ["iter_0000000001"]  # iteration 2 removed on every node
         assert r.value["latest"] == 1 and r.value["digest"] == r.value["expected"]

@@ -1,0 +1,133 @@
+"""LocalCheckpointManager without torch.distributed (a world of one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from scenarios import digest, make_state
+
+from localckpt import (
+    ConfigurationError,
+    CorruptShardError,
+    InsufficientSpaceError,
+    InvalidIterationError,
+    LocalCheckpointManager,
+    NoCheckpointError,
+)
+from localckpt import store as store_module
+
+
+def iterations_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("*/iter_*"))
+
+
+def test_retention_keeps_last_n(root: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=2) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save(make_state(0, it), it)
+            assert mgr.latest_iteration == it
+        assert iterations_on_disk(root) == [3, 4]
+
+
+def test_load_without_any_checkpoint_raises(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        assert mgr.find_latest() == -1
+        with pytest.raises(NoCheckpointError, match="no complete checkpoint"):
+            mgr.load()
+
+
+def test_load_calls_find_latest_when_needed(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(make_state(0, 3), 3)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, ckpt_id = mgr.load()
+    assert ckpt_id == (3, 0, "s") and digest(loaded) == digest(make_state(0, 3))
+
+
+def test_invalid_iterations_leave_the_checkpoint_intact(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save(make_state(0, 5), 5)
+        for bad in (5, 4, -1, 6.0, True, "7"):
+            with pytest.raises(InvalidIterationError):
+                mgr.save(make_state(0, 9), bad)  # type: ignore[arg-type]
+        assert iterations_on_disk(root) == [5]
+        loaded, _ = mgr.load()
+        assert digest(loaded) == digest(make_state(0, 5))
+
+
+def test_insufficient_space_is_detected_before_writing(root: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        full = SimpleNamespace(f_bavail=16, f_frsize=4096, f_blocks=1024)  # 64 KiB free
+        monkeypatch.setattr(store_module.os, "statvfs", lambda path: full)
+        with pytest.raises(InsufficientSpaceError, match="--shm-size"):
+            mgr.save(make_state(0, 2), 2)
+        monkeypatch.undo()
+        assert iterations_on_disk(root) == [1]
+        assert mgr.find_latest() == 1
+
+
+def test_corrupt_shard_error_names_file(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save({"w": torch.ones(1000)}, 1)
+    chunk = next(root.rglob("data/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 1
+    chunk.write_bytes(raw)
+    with LocalCheckpointManager(root) as mgr, pytest.raises(CorruptShardError) as info:
+        mgr.load()
+    assert str(chunk) in str(info.value)
+
+
+def test_staging_arena_is_reused_across_saves(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        for it in range(4):
+            mgr.save(make_state(0, it), it)
+        assert mgr._arena.allocations == 1
+        mgr.save({"big": torch.zeros(1 << 20)}, 10)
+        assert mgr._arena.allocations == 2
+
+
+def test_many_small_tensors_are_packed_into_few_chunk_files(root: Path) -> None:
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(3000)}
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save(state, 1)
+        loaded, _ = mgr.load()
+    assert len(list(root.rglob("data/c/*"))) == 1
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_async_and_replication_are_not_available_yet(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr, pytest.raises(NotImplementedError, match="is_async"):
+        mgr.save({}, 1, is_async=True)
+    with pytest.raises(NotImplementedError, match="repl_strategy"):
+        LocalCheckpointManager(root, repl_strategy=object())
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    ({"keep_last": 0}, "keep_last"), ({"timeout": 0}, "timeout"),
+    ({"chunk_nbytes": 10}, "chunk_nbytes"), ({"io_threads": 0}, "io_threads"),
+    ({"session_id": "../up"}, "session_id"),
+])
+def test_bad_arguments_are_configuration_errors(root: Path, kwargs: dict[str, Any],
+                                                text: str) -> None:
+    with pytest.raises(ConfigurationError, match=text):
+        LocalCheckpointManager(root, **kwargs)
+
+
+def test_root_that_is_a_file_is_rejected(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.touch()
+    with pytest.raises(ConfigurationError, match="expected a directory"):
+        LocalCheckpointManager(f)
+
+
+def test_empty_state_dict_roundtrips(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save({}, 0)
+        assert mgr.load()[0] == {}

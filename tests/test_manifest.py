@@ -1,0 +1,49 @@
+"""Manifest JSON: round trip, version and checksum checks (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from localckpt.errors import CorruptShardError, UnsupportedFormatError
+from localckpt.manifest import FORMAT_VERSION, ShardManifest, TensorEntry
+
+
+def _manifest() -> ShardManifest:
+    return ShardManifest(
+        session_id="s", iteration=12, owner_rank=3, world_size=8,
+        tensors=(TensorEntry("model/w", "bfloat16", (4, 2), 0, 16, "cuda:1"),
+                 TensorEntry("step", "int64", (), 64, 8, "cpu")),
+        hollow={"dict": [["model", {"dict": [["w", {"T": 0}]]}], ["step", {"T": 1}]]},
+        container="plain", data_nbytes=72, chunk_nbytes=72, chunk_count=1,
+        chunk_crc32c=(123456789,), created_unix=1700000000.25, identity={"hostname": "n1"},
+    )
+
+
+def test_json_round_trip_is_exact() -> None:
+    m = _manifest()
+    text = json.dumps(m.to_json_dict())
+    back = ShardManifest.from_json_dict(json.loads(text), "where")
+    assert back == m and back.ckpt_id == (12, 3, "s")
+
+
+def test_unknown_format_version_is_rejected_with_both_versions() -> None:
+    doc = _manifest().to_json_dict()
+    doc["manifest"]["format_version"] = FORMAT_VERSION + 1
+    with pytest.raises(UnsupportedFormatError) as info:
+        ShardManifest.from_json_dict(doc, "shard-x")
+    assert "shard-x" in str(info.value) and str(FORMAT_VERSION + 1) in str(info.value)
+
+
+def test_edited_manifest_fails_its_checksum() -> None:
+    doc = _manifest().to_json_dict()
+    doc["manifest"]["tensors"][0]["key_path"] = "model/v"
+    with pytest.raises(CorruptShardError, match="manifest checksum mismatch"):
+        ShardManifest.from_json_dict(doc, "shard-x")
+
+
+@pytest.mark.parametrize("doc", [None, [], {"manifest": 3, "crc32c": 1}, {"crc32c": 1}])
+def test_malformed_documents_are_corrupt_not_crashes(doc: object) -> None:
+    with pytest.raises(CorruptShardError):
+        ShardManifest.from_json_dict(doc, "shard-x")

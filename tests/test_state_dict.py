@@ -1,0 +1,135 @@
+"""Tensor-aware state dicts: split / restore for every dtype and structure (no processes)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from scenarios import digest
+
+from localckpt import BasicTensorAwareStateDict, LocalCheckpointManager
+from localckpt.manifest import _DTYPES
+from localckpt.state_dict import decode_hollow, restore_devices
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * 16,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(len(shape)))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return raw[: torch.Size(shape).numel() * itemsize].view(dtype).reshape(shape).clone()
+
+
+def _roundtrip(root: Path, state: Any, iteration: int = 1) -> Any:
+    with LocalCheckpointManager(root, "unit") as mgr:
+        mgr.save(state, iteration)
+    with LocalCheckpointManager(root, "unit") as mgr:
+        loaded, ckpt_id = mgr.load()
+    assert ckpt_id == (iteration, 0, "unit")
+    return loaded
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(flat(a), flat(b))
+
+
+@pytest.mark.parametrize("dtype_name", sorted(_DTYPES))
+def test_every_dtype_roundtrips_bit_exact(root: Path, dtype_name: str) -> None:
+    dtype = _DTYPES[dtype_name]
+    state = {name: _sample(dtype, shape) for name, shape in
+             {"matrix": (7, 5), "scalar": (), "empty": (0, 3), "vector": (33,)}.items()}
+    state["transposed"] = _sample(dtype, (4, 6)).t()  # non-contiguous
+    assert not state["transposed"].is_contiguous()
+    loaded = _roundtrip(root, state)
+    for key, t in state.items():
+        assert _bits_equal(loaded[key], t), key
+        assert loaded[key].shape == t.shape
+
+
+def test_nested_structures_and_scalars_roundtrip_exactly(root: Path) -> None:
+    state = OrderedDict(
+        model=OrderedDict([("b", torch.ones(2)), ("a", torch.zeros(3))]),
+        optimizer={"state": {0: {"step": torch.tensor(5.0)}, 1: {}},
+                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1],
+                                     "foreach": None, "maximize": False}]},
+        scalars=[1, -2**70, 0.1, float("inf"), float("-inf"), -0.0, 3 + 4j, "text", b"\x00\xff",
+                 None, True],
+        keys={(1, "a"): "tuple key", 2.5: "float key", None: "none key", b"k": "bytes key"},
+        empty=({}, [], ()),
+        rng=torch.get_rng_state(),
+    )
+    loaded = _roundtrip(root, state)
+    assert type(loaded) is OrderedDict and list(loaded["model"]) == ["b", "a"]
+    assert digest(loaded) == digest(state)
+    assert loaded["scalars"][5] == 0.0 and str(loaded["scalars"][5]) == "-0.0"
+
+
+def test_nan_float_survives(root: Path) -> None:
+    loaded = _roundtrip(root, {"x": float("nan")})
+    assert loaded["x"] != loaded["x"]
+
+
+@pytest.mark.parametrize("leaf,type_name", [(object(), "object"), ({1, 2}, "set"),
+                                            (bytearray(b"x"), "bytearray")])
+def test_unsupported_leaf_names_key_path_and_type(leaf: Any, type_name: str) -> None:
+    with pytest.raises(TypeError) as info:
+        BasicTensorAwareStateDict({"model": {"layers": [torch.ones(1), leaf]}})
+    assert "model/layers/1" in str(info.value) and type_name in str(info.value)
+
+
+def test_unsupported_tensor_kinds_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="layout"):
+        BasicTensorAwareStateDict({"s": torch.eye(3).to_sparse()})
+    with pytest.raises(TypeError, match="meta"):
+        BasicTensorAwareStateDict({"m": torch.empty(3, device="meta")})
+
+
+def test_caller_dict_is_not_mutated_and_save_snapshots_cpu_tensors(root: Path) -> None:
+    weights = torch.arange(6, dtype=torch.float32)
+    state = {"w": weights, "nested": {"v": [weights[:2]]}}
+    before = digest(state)
+    with LocalCheckpointManager(root, "unit") as mgr:
+        mgr.save(state, 1)
+        assert digest(state) == before and state["w"] is weights
+        weights.add_(100)  # training goes on after save returned
+    with LocalCheckpointManager(root, "unit") as mgr:
+        loaded, _ = mgr.load()
+    assert torch.equal(loaded["w"], torch.arange(6, dtype=torch.float32))
+
+
+def test_tensor_aware_state_dict_comes_back_as_one(root: Path) -> None:
+    state = BasicTensorAwareStateDict({"w": torch.ones(3)})
+    loaded = _roundtrip(root, state)
+    assert isinstance(loaded, BasicTensorAwareStateDict)
+    assert torch.equal(loaded.to_state_dict()["w"], torch.ones(3))
+    assert list(loaded.key_paths) == ["w"]
+
+
+def test_absent_device_restores_to_cpu_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    t = torch.ones(2)
+    with caplog.at_level(logging.WARNING, logger="localckpt.state_dict"):
+        out = restore_devices([t, t], ["cuda:7", "cpu"])
+    assert all(o.device.type == "cpu" for o in out)
+    if not torch.cuda.is_available() or torch.cuda.device_count() <= 7:
+        assert "cuda:7" in caplog.text and "restoring it to CPU" in caplog.text
+
+
+def test_malformed_hollow_structure_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        decode_hollow({"T": 3}, [])
+    with pytest.raises(ValueError):
+        decode_hollow({"pickle": "gASV"}, [])
+
+
+def test_loaded_tensors_own_their_storage(root: Path) -> None:
+    # torch.set_rng_state ignores a view's storage offset: a view into the read buffer breaks it.
+    loaded = _roundtrip(root, {"pad": torch.ones(3), "rng": torch.get_rng_state()})
+    for t in loaded.values():
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+    torch.set_rng_state(loaded["rng"])

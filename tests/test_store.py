@@ -1,0 +1,166 @@
+"""Shard store: commit, listing, leftovers, checksums, zarr interoperability (no processes)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from localckpt.manifest import ShardManifest
+from localckpt.store import ShardStore, check_free_space, chunking, list_shards
+
+
+def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,
+           nbytes: int = 10_000, seed: int = 0) -> tuple[torch.Tensor, Path]:
+    chunk_nbytes, count = chunking(nbytes, store.chunk_nbytes)
+    payload = torch.zeros(chunk_nbytes * count, dtype=torch.uint8)
+    payload[:nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(seed))
+    manifest = ShardManifest(store.session_id, iteration, owner, world, (), {"dict": []}, "plain",
+                             nbytes, chunk_nbytes, count, ())
+    ref = store.write(manifest, payload)
+    return payload, ref.path
+
+
+@pytest.fixture
+def store(root: Path) -> ShardStore:
+    s = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    yield s
+    s.close()
+
+
+def test_chunking_splits_evenly_with_tiny_padding() -> None:
+    assert chunking(0) == (1, 0)
+    assert chunking(10, 4) == (4, 3)
+    size, count = chunking(10_000_001, 1 << 20)
+    assert count == 10 and 0 <= size * count - 10_000_001 < count
+
+
+def test_commit_lists_and_reads_back(store: ShardStore) -> None:
+    payload, _ = _write(store, 3)
+    _write(store, 3, owner=1, world=2)
+    refs = store.committed()
+    assert [(r.iteration, r.owner_rank, r.world_size) for r in refs] == [(3, 0, 1), (3, 1, 2)]
+    manifest, data = store.read(refs[0])
+    assert torch.equal(data, payload) and manifest.chunk_count == 3
+
+
+def test_plain_zarr_opens_the_group_and_reads_the_bytes(store: ShardStore) -> None:
+    payload, path = _write(store, 1, nbytes=9000)
+    group = zarr.open_group(str(path), mode="r")
+    assert group.attrs["localckpt"]["manifest"]["iteration"] == 1
+    data = group["data"][:]
+    assert data.dtype == np.uint8 and np.array_equal(data, payload.numpy())
+
+
+def test_listing_ignores_uncommitted_and_foreign_entries(store: ShardStore, root: Path) -> None:
+    _write(store, 2)
+    it = root / "sess" / "iter_0000000002"
+    (it / ".tmp-rank_00001_of_00001-w00001-abc").mkdir()
+    (it / "rank_1_of_1").mkdir()          # not our name format
+    (it / "rank_00002_of_00003").touch()  # a file, not a directory
+    (root / "sess" / "notes.txt").touch()
+    (root / "sess" / "iter_12").mkdir()
+    _write(ShardStore(root, "other-session", writer_rank=0, chunk_nbytes=4096), 9)
+    assert [(r.iteration, r.owner_rank) for r in list_shards(root, "sess")] == [(2, 0)]
+    assert list_shards(root / "missing", "sess") == []
+
+
+def test_leftovers_never_block_a_resave_and_cleanup_removes_only_own(store: ShardStore,
+                                                                     root: Path) -> None:
+    it = root / "sess" / "iter_0000000004"
+    mine = it / ".tmp-rank_00000_of_00001-w00000-dead"
+    theirs = it / ".tmp-rank_00001_of_00002-w00001-beef"
+    (mine / "data").mkdir(parents=True)
+    theirs.mkdir()
+    _, path = _write(store, 4)          # a shard with the same id committed before
+    payload, path2 = _write(store, 4, seed=1)   # re-save of the same iteration replaces it
+    assert path == path2
+    assert torch.equal(store.read(store.committed()[0])[1], payload)
+    removed = store.remove_leftovers()
+    assert removed == [mine] and theirs.exists() and not mine.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete", "trailer"])
+def test_damaged_chunk_raises_corruption_naming_the_file(store: ShardStore, damage: str) -> None:
+    _write(store, 1)
+    ref = store.committed()[0]
+    chunk = ref.path / "data" / "c" / "1"
+    raw = bytearray(chunk.read_bytes())
+    if damage == "flip":
+        raw[17] ^= 0x01
+        chunk.write_bytes(raw)
+    elif damage == "truncate":
+        chunk.write_bytes(raw[:-100])
+    elif damage == "extend":
+        chunk.write_bytes(raw + b"\0")
+    elif damage == "delete":
+        chunk.unlink()
+    else:
+        raw[-1] ^= 0x80
+        chunk.write_bytes(raw)
+    with pytest.raises(CorruptShardError) as info:
+        store.read(ref)
+    assert str(chunk) in str(info.value)
+
+
+def test_damaged_or_missing_manifest_is_corruption(store: ShardStore) -> None:
+    _write(store, 1)
+    ref = store.committed()[0]
+    meta = ref.path / "zarr.json"
+    meta.write_bytes(meta.read_bytes().replace(b'"iteration": 1', b'"iteration": 2'))
+    with pytest.raises(CorruptShardError, match=r"zarr\.json"):
+        store.read(ref)
+    meta.unlink()
+    with pytest.raises(CorruptShardError, match="manifest missing"):
+        store.read(ref)
+
+
+
+def test_delete_hides_atomically_and_removes_empty_iteration(store: ShardStore,
+                                                             root: Path) -> None:
+    _write(store, 6)
+    ref = store.committed()[0]
+    store.delete(ref)
+    assert store.committed() == [] and not (root / "sess" / "iter_0000000006").exists()
+    store.delete(ref)  # already gone: not an error
+
+
+def test_free_space_check_explains_shm_size(root: Path) -> None:
+    check_free_space(root, 1)
+    with pytest.raises(InsufficientSpaceError) as info:
+        check_free_space(root, 1 << 60)
+    assert "--shm-size" in str(info.value) and str(root) in str(info.value)
+
+
+def test_enospc_mid_write_leaves_nothing_behind(store: ShardStore, root: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(store, 1)
+    real_write = os.write
+    calls = {"n": 0}
+
+    def failing_write(fd: int, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    with pytest.raises(InsufficientSpaceError, match="no space left"):
+        _write(store, 2)
+    monkeypatch.undo()
+    assert [r.iteration for r in store.committed()] == [1]
+    assert not [p for p in root.rglob(".tmp-*")]
+    store.read(store.committed()[0])  # the committed one is intact
+
+
+@pytest.mark.parametrize("bad", ["../x", ".hidden", "_default", "a/b", "x" * 200, " "])
+def test_unsafe_session_ids_are_rejected(root: Path, bad: str) -> None:
+    with pytest.raises(ConfigurationError, match="session_id"):
+        ShardStore(root, bad, writer_rank=0)
