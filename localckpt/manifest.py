@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
@@ -91,8 +91,17 @@ class ShardManifest:
         return (self.iteration, self.owner_rank, self.session_id)
 
     def to_json_dict(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["tensors"] = [asdict(t) for t in self.tensors]
+        # Built by hand: dataclasses.asdict deep-copies the hollow structure and every entry
+        # (1.5 s for 10,000 tensors).
+        body = {name: getattr(self, name) for name in _SCALAR_FIELDS}
+        body["tensors"] = [
+            {"key_path": t.key_path, "dtype": t.dtype, "shape": list(t.shape),
+             "offset": t.offset, "nbytes": t.nbytes, "device": t.device}
+            for t in self.tensors
+        ]
+        body["hollow"] = self.hollow
+        body["chunk_crc32c"] = list(self.chunk_crc32c)
+        body["identity"] = self.identity
         return {"manifest": body, "crc32c": _crc_of(body)}
 
     @classmethod
@@ -141,6 +150,10 @@ class ShardManifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
+
+
+_SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",
+                  "container", "data_nbytes", "chunk_nbytes", "chunk_count", "created_unix")
 
 
 def _crc_of(body: dict[str, Any]) -> int:

@@ -1,0 +1,20 @@
+"""The benchmark runs end to end with tiny sizes, so it never rots (figures are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "benchmarks.json").read_text())
+    for key in ("write_ratio_to_raw_write", "read_ratio_to_raw_read", "stage_ratio_to_memcpy"):
+        assert data["localckpt"][key] > 0
+    assert "local shard write" in (tmp_path / "benchmarks.md").read_text()
