@@ -37,7 +37,7 @@ from .errors import (
     NoCheckpointError,
 )
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
-from .staging import StagingArena, plan_layout, tensor_view
+from .staging import StagingArena, plan_layout
 from .state_dict import (
     BasicTensorAwareStateDict,
     TensorAwareStateDict,
@@ -281,18 +281,30 @@ class LocalCheckpointManager:
                            self._store.path_of(iteration, self.rank, self.world_size))
             if not ref.path.is_dir():
                 raise CorruptShardError(f"{ref.path}: shard disappeared after find_latest")
-            loaded.append(self._store.read(ref))
+            manifest = self._store.read_manifest(ref)
+            tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                       for e in manifest.tensors]
+            self._store.read_into(ref, manifest, [
+                (e.offset, _byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
+                if e.nbytes
+            ])
+            loaded.append((manifest, tensors))
 
-        loaded: list[tuple[ShardManifest, torch.Tensor]] = []
+        loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
         self._group.exchange(f"load of iteration {iteration}", read)
-        manifest, buffer = loaded[0]
-        return _rebuild(manifest, buffer), self._ckpt_id(iteration)
+        manifest, tensors = loaded[0]
+        return _rebuild(manifest, tensors), self._ckpt_id(iteration)
 
 
-def _rebuild(manifest: ShardManifest, buffer: torch.Tensor) -> Any:
-    """The state dict of ``manifest``; tensors alias ``buffer`` until moved to their devices."""
-    tensors = [tensor_view(buffer, e.offset, e.nbytes, dtype_from_name(e.dtype), e.shape)
-               for e in manifest.tensors]
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a fresh contiguous CPU tensor, writable, sharing its storage."""
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _rebuild(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:
+    """The state dict of ``manifest`` from its tensors (CPU, each in its own storage), moved to
+    their recorded devices."""
     tensors = restore_devices(tensors, [e.device for e in manifest.tensors])
     tasd = BasicTensorAwareStateDict.from_hollow(manifest.hollow, tensors,
                                                  [e.key_path for e in manifest.tensors])

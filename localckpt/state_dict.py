@@ -229,13 +229,10 @@ def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None)
 
 
 def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (CPU views into a read buffer) on their recorded devices, CPU where a
-    device is absent. Each copy owns its storage: some torch APIs ignore a view's storage offset
-    (``torch.set_rng_state`` reads from the storage start), and a small tensor must not keep a
-    whole shard's buffer alive."""
+    """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent."""
     cache: dict[str, torch.device] = {}
     out = []
     for t, recorded in zip(tensors, devices, strict=True):
         device = resolve_device(recorded, cache)
-        out.append(t.clone() if device.type == "cpu" else t.to(device))
+        out.append(t if device.type == "cpu" else t.to(device))
     return out

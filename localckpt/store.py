@@ -21,6 +21,7 @@ leftovers (their names carry the writer's rank).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import json
@@ -29,7 +30,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +50,7 @@ _ITER_RE = re.compile(r"iter_(\d{10})")
 _SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
 _READ_BLOCK = 1 << 30
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
 @dataclass(frozen=True, order=True)
@@ -301,34 +303,47 @@ class ShardStore:
     def read(self, ref: ShardRef,
              allocate: Callable[[int], torch.Tensor] | None = None
              ) -> tuple[ShardManifest, torch.Tensor]:
-        """Read ``ref`` into a fresh uint8 buffer (or one from ``allocate(nbytes)``), verifying
-        every chunk's CRC-32C against both the file trailer and the manifest.
-
-        Raises CorruptShardError naming the first bad file (truncated, missing, mismatching).
-        """
+        """Read ``ref`` into one uint8 buffer (fresh, or from ``allocate(nbytes)``), verified as
+        in :meth:`read_into`."""
         manifest = self.read_manifest(ref)
         total = manifest.chunk_count * manifest.chunk_nbytes
         buf = allocate(total) if allocate else torch.empty(total, dtype=torch.uint8)
-        view = _as_memoryview(buf) if total else memoryview(b"")
+        self.read_into(ref, manifest, [(0, _as_memoryview(buf))] if total else [])
+        return manifest, buf
+
+    def read_into(self, ref: ShardRef, manifest: ShardManifest,
+                  targets: Sequence[tuple[int, memoryview]]) -> None:
+        """Scatter-read the data of ``ref`` into ``targets``: (offset in the packed data,
+        byte buffer), sorted by offset and not overlapping. Bytes no target covers (alignment
+        and chunk padding) are read into scratch space, so every chunk's CRC-32C is still checked
+        against both the file trailer and ``manifest``; tensors land in their own storage with no
+        extra copy.
+
+        Raises CorruptShardError naming the first bad file (truncated, missing, mismatching).
+        """
         size = manifest.chunk_nbytes
         chunk_dir = ref.path / "data" / "c"
+        starts = [off for off, _ in targets]
 
         def one(i: int) -> None:
             path = chunk_dir / str(i)
-            trailer = bytearray(4)
+            pieces = _pieces(targets, starts, i * size, (i + 1) * size)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    got = _read_into(f, view[i * size : (i + 1) * size])
-                    got_trailer = f.readinto(trailer)
-                    extra = f.read(1)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError as exc:
                 raise CorruptShardError(f"{path}: chunk file missing") from exc
-            if got != size or got_trailer != 4 or extra:
+            try:
+                got = _preadv_all(fd, list(pieces), 0)
+                trailer = os.pread(fd, 5, size)
+            finally:
+                os.close(fd)
+            if got != size or len(trailer) != 4:
                 raise CorruptShardError(
-                    f"{path}: expected {size + 4} bytes, file has "
-                    f"{path.stat().st_size} (truncated or overwritten)"
-                )
-            crc = crc32c.crc32c(view[i * size : (i + 1) * size])
+                    f"{path}: expected {size + 4} bytes, file has {got + len(trailer)}"
+                    f"{'+' if len(trailer) > 4 else ''} (truncated or overwritten)")
+            crc = 0
+            for piece in pieces:
+                crc = crc32c.crc32c(piece, crc)
             stored = int.from_bytes(trailer, "little")
             if crc != stored or crc != manifest.chunk_crc32c[i]:
                 raise CorruptShardError(
@@ -337,7 +352,6 @@ class ShardStore:
                 )
 
         list(self._pool.map(one, range(manifest.chunk_count)))
-        return manifest, buf
 
     # ---------------------------------------------------------------- delete
 
@@ -370,14 +384,40 @@ class ShardStore:
         return path.parent / f".trash-{path.name}-w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}"
 
 
-def _read_into(f: Any, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got : got + _READ_BLOCK])
-        if not n:
+def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,
+            hi: int) -> list[memoryview]:
+    """The buffers that bytes [lo, hi) of the packed data go to, in order; gaps get scratch."""
+    pieces: list[memoryview] = []
+    pos = lo
+    k = max(bisect.bisect_right(starts, lo) - 1, 0)
+    while k < len(targets) and targets[k][0] < hi:
+        off, view = targets[k]
+        begin, end = max(off, pos), min(off + len(view), hi)
+        if end > begin:
+            if begin > pos:  # alignment padding between tensors
+                pieces.append(memoryview(bytearray(begin - pos)))
+            pieces.append(view[begin - off : end - off])
+            pos = end
+        k += 1
+    if pos < hi:  # padding at the end of the data
+        pieces.append(memoryview(bytearray(hi - pos)))
+    return pieces
+
+
+def _preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
+    """preadv into ``pieces`` until they are full or the file ends; returns bytes read."""
+    total, i = 0, 0
+    while i < len(pieces):
+        n = os.preadv(fd, pieces[i : i + _IOV_MAX], offset + total)
+        if n == 0:
             break
-        got += n
-    return got
+        total += n
+        while i < len(pieces) and n >= len(pieces[i]):
+            n -= len(pieces[i])
+            i += 1
+        if n:
+            pieces[i] = pieces[i][n:]
+    return total
 
 
 def _remove_if_empty(directory: Path) -> None:

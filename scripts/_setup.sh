@@ -15,7 +15,8 @@ fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing $TORCH_SPEC"
-  "$PY" -m pip install -q "$TORCH_SPEC"
+  "$PY" -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$PY" -c "import torch" || { echo "[setup] installing $TORCH_SPEC failed" >&2; exit 1; }
 fi
 echo "[setup] installing localckpt[$1] into $VENV"
 "$PY" -m pip install -q -e "$REPO[$1]" 2>&1 | grep -v "is ignored: it is neither" || true

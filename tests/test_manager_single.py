@@ -131,3 +131,15 @@ def test_empty_state_dict_roundtrips(root: Path) -> None:
     with LocalCheckpointManager(root) as mgr:
         mgr.save({}, 0)
         assert mgr.load()[0] == {}
+
+
+def test_tensors_straddling_chunk_boundaries_load_exactly(root: Path) -> None:
+    # 4 KiB chunks, odd tensor sizes: pieces of one tensor span chunks, gaps hold padding.
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randint(-100, 100, (n,), generator=g, dtype=torch.int16)
+             for i, n in enumerate([1, 2047, 2049, 5, 0, 6001, 3, 4096, 77])}
+    with LocalCheckpointManager(root, chunk_nbytes=4096) as mgr:
+        mgr.save(state, 1)
+        loaded, _ = mgr.load()
+    assert len(list(root.rglob("data/c/*"))) > 5
+    assert digest(loaded) == digest(state)
