@@ -49,7 +49,7 @@ _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ITER_RE = re.compile(r"iter_(\d{10})")
 _SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
-_READ_BLOCK = 1 << 30
+_WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -150,7 +150,7 @@ def _array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
 
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
-        written = os.write(fd, view[:_READ_BLOCK])
+        written = os.write(fd, view[:_WRITE_BLOCK])
         view = view[written:]
 
 
