@@ -104,14 +104,6 @@ class CheckpointGroup:
             raise err from local_exc
         return [d["ok"] for d in gathered]
 
-    def agree(self, step: str, local_exc: BaseException | None) -> None:
-        """Raise on every rank if ``local_exc`` is set on any rank; return otherwise."""
-        def check() -> None:
-            if local_exc is not None:
-                raise local_exc
-
-        self.exchange(step, check)
-
 
 def _collective_error(what: str, exc: BaseException, elapsed: float,
                       timeout: float) -> CollectiveError:

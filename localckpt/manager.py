@@ -48,6 +48,7 @@ from .store import (
     DEFAULT_CHUNK_NBYTES,
     ShardRef,
     ShardStore,
+    byte_view,
     bytes_needed,
     check_free_space,
     chunking,
@@ -276,6 +277,8 @@ class LocalCheckpointManager:
                 f"no complete checkpoint of session {self.session_id!r} under {self.root} "
                 f"for a world of {self.world_size} ranks")
 
+        loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
+
         def read() -> None:
             ref = ShardRef(iteration, self.rank, self.world_size,
                            self._store.path_of(iteration, self.rank, self.world_size))
@@ -285,21 +288,14 @@ class LocalCheckpointManager:
             tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
                        for e in manifest.tensors]
             self._store.read_into(ref, manifest, [
-                (e.offset, _byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
+                (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
                 if e.nbytes
             ])
             loaded.append((manifest, tensors))
 
-        loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
         self._group.exchange(f"load of iteration {iteration}", read)
         manifest, tensors = loaded[0]
         return _rebuild(manifest, tensors), self._ckpt_id(iteration)
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a fresh contiguous CPU tensor, writable, sharing its storage."""
-    array: Any = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
 
 
 def _rebuild(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:

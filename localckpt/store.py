@@ -50,7 +50,7 @@ _ITER_RE = re.compile(r"iter_(\d{10})")
 _SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
 _WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
 
 
 @dataclass(frozen=True, order=True)
@@ -173,9 +173,10 @@ def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> N
         os.close(fd)
 
 
-def _as_memoryview(buffer: torch.Tensor) -> memoryview:
-    # numpy() of a CPU uint8 tensor shares its memory; pinned buffers are CPU tensors too.
-    array: Any = buffer.numpy()
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor (any dtype, pinned included) as a writable
+    memoryview sharing its memory: what os.write / preadv / crc32c take without a copy."""
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
@@ -251,7 +252,7 @@ class ShardStore:
 
     def _write_chunks(self, directory: Path, payload: torch.Tensor, chunk_nbytes: int,
                       count: int) -> list[int]:
-        view = _as_memoryview(payload)
+        view = byte_view(payload)
 
         def one(i: int) -> int:
             chunk = view[i * chunk_nbytes : (i + 1) * chunk_nbytes]
@@ -308,7 +309,7 @@ class ShardStore:
         manifest = self.read_manifest(ref)
         total = manifest.chunk_count * manifest.chunk_nbytes
         buf = allocate(total) if allocate else torch.empty(total, dtype=torch.uint8)
-        self.read_into(ref, manifest, [(0, _as_memoryview(buf))] if total else [])
+        self.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
         return manifest, buf
 
     def read_into(self, ref: ShardRef, manifest: ShardManifest,

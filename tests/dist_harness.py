@@ -76,13 +76,10 @@ def _context() -> Any:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any,
-              deadline: float = 120.0, env: dict[str, str] | None = None,
-              allow_missing: bool = False) -> list[RankResult]:
+              deadline: float = 120.0, env: dict[str, str] | None = None) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
 
     ``fn`` must be importable (a module-level function of a module on sys.path).
-    With ``allow_missing`` a rank that exits without reporting (e.g. killed itself) is returned as
-    an error result named "NoResult" instead of failing the run.
     """
     ctx = _context()
     results: Any = ctx.Queue()
@@ -105,17 +102,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
                 res = results.get(timeout=min(remaining, 0.5))
                 got[res.rank] = res
             except queue.Empty:
-                if allow_missing and all(not p.is_alive() for p in procs):
-                    time.sleep(0.2)  # let queued results drain
-                    while True:
-                        try:
-                            res = results.get(timeout=0.2)
-                            got[res.rank] = res
-                        except queue.Empty:
-                            break
-                    for r in range(world_size):
-                        got.setdefault(r, RankResult(r, error="NoResult",
-                                                     error_bases=("NoResult",)))
+                continue
     finally:
         for p in procs:
             p.join(timeout=5)
