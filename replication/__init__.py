@@ -1,8 +1,53 @@
 """replication: where checkpoint shards are replicated across nodes, and the moving of their bytes.
 
-Works on opaque shard payloads and never imports localckpt (localckpt imports it). Strategies,
-exchange plans and the executor arrive with the replication work; this package is the home they
-are built in.
+Works on opaque shard payloads (bytes + ids) and never imports localckpt; localckpt imports it.
+Strategies and plans are pure; :mod:`replication.executor` moves bytes over a process group.
 """
 
-__all__: list[str] = []
+from .errors import ReplicationError, StaleTransferError, TopologyError, UnknownStrategyError
+from .plans import (
+    ExchangePlan,
+    RetrievalPlan,
+    Transfer,
+    retrieval_plan,
+    save_plan,
+    schedule,
+    wanted_shards,
+)
+from .strategies import (
+    CliqueReplicationStrategy,
+    LazyCliqueReplicationStrategy,
+    NodeSpreadReplicationStrategy,
+    NoReplication,
+    Placement,
+    ReplicationStrategy,
+    make_strategy,
+    register_strategy,
+    strategy_names,
+)
+from .topology import Topology, local_node_name
+
+__all__ = [
+    "CliqueReplicationStrategy",
+    "ExchangePlan",
+    "LazyCliqueReplicationStrategy",
+    "NoReplication",
+    "NodeSpreadReplicationStrategy",
+    "Placement",
+    "ReplicationError",
+    "ReplicationStrategy",
+    "RetrievalPlan",
+    "StaleTransferError",
+    "Topology",
+    "TopologyError",
+    "Transfer",
+    "UnknownStrategyError",
+    "local_node_name",
+    "make_strategy",
+    "register_strategy",
+    "retrieval_plan",
+    "save_plan",
+    "schedule",
+    "strategy_names",
+    "wanted_shards",
+]
