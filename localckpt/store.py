@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import json
 import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ import torch
 
 from .errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from .manifest import ShardManifest
+from .shard_writer import ShardWriter, trash_name
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,6 @@ _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ITER_RE = re.compile(r"iter_(\d{10})")
 _SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
-_WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
 
 
@@ -133,46 +131,6 @@ def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) ->
     return chunk_count * (chunk_nbytes + 4) + manifest_estimate + 64 * 1024
 
 
-def _array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [chunk_nbytes * chunk_count],
-        "data_type": "uint8",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_nbytes]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": 0,
-        "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
-        "attributes": {},
-        "storage_transformers": [],
-    }
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        written = os.write(fd, view[:_WRITE_BLOCK])
-        view = view[written:]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _write_all(fd, memoryview(data))
-        if trailer:
-            _write_all(fd, memoryview(trailer))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor (any dtype, pinned included) as a writable
     memoryview sharing its memory: what os.write / preadv / crc32c take without a copy."""
@@ -207,73 +165,35 @@ class ShardStore:
 
     # ---------------------------------------------------------------- write
 
-    def write(self, manifest: ShardManifest, payload: torch.Tensor) -> ShardRef:
-        """Write and commit one shard. ``payload`` is the packed uint8 buffer of
-        ``manifest.chunk_count * manifest.chunk_nbytes`` bytes; ``manifest.chunk_crc32c`` is
-        filled in here. Replaces an existing shard with the same id (a leftover of a failed save).
-
-        Blocks until the shard is durable and visible. Raises InsufficientSpaceError on ENOSPC;
-        on any failure the temporary directory is removed and nothing committed is touched.
-        """
+    def begin_write(self, manifest: ShardManifest) -> ShardWriter:
+        """Start writing the shard ``manifest`` describes; see :class:`ShardWriter`."""
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
+        return ShardWriter(manifest, final, self.writer_rank, self._pool)
+
+    def write(self, manifest: ShardManifest, payload: torch.Tensor) -> ShardRef:
+        """Write and commit one shard from the packed uint8 ``payload`` of
+        ``manifest.chunk_count * manifest.chunk_nbytes`` bytes. Checksums are computed here (or,
+        when ``manifest.chunk_crc32c`` is set, verified). Replaces an existing shard with the same
+        id (a leftover of a failed save).
+
+        Blocks until the shard is durable and visible. Raises InsufficientSpaceError on ENOSPC,
+        CorruptShardError on a checksum mismatch; on any failure the temporary directory is
+        removed and nothing committed is touched.
+        """
         expected = manifest.chunk_count * manifest.chunk_nbytes
         if payload.numel() != expected:
             raise ValueError(f"payload: expected {expected} bytes, got {payload.numel()}")
-        iter_dir = final.parent
-        created_dirs = not iter_dir.exists()
-        iter_dir.mkdir(parents=True, exist_ok=True)
-        tmp = iter_dir / f".tmp-{final.name}-w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+        writer = self.begin_write(manifest)
         try:
-            (tmp / "data" / "c").mkdir(parents=True)
-            crcs = self._write_chunks(tmp / "data" / "c", payload, manifest.chunk_nbytes,
-                                      manifest.chunk_count)
-            manifest = replace(manifest, chunk_crc32c=tuple(crcs))
-            _write_file(tmp / "data" / "zarr.json",
-                        json.dumps(_array_metadata(manifest.chunk_nbytes,
-                                                   manifest.chunk_count)).encode())
-            group = {"zarr_format": 3, "node_type": "group",
-                     "attributes": {"localckpt": manifest.to_json_dict()}}
-            _write_file(tmp / "zarr.json", json.dumps(group, allow_nan=False).encode())
-            for d in (tmp / "data" / "c", tmp / "data", tmp):
-                _fsync_dir(d)
-            self._commit(tmp, final)
-            _fsync_dir(iter_dir)
-            if created_dirs:
-                _fsync_dir(iter_dir.parent)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(
-                    f"no space left writing shard {final}: {exc.strerror}. Enlarge the file "
-                    "system (Docker: --shm-size) or lower keep_last."
-                ) from exc
+            view = byte_view(payload)
+            size = manifest.chunk_nbytes
+            for i in range(manifest.chunk_count):
+                writer.submit_chunk(i, view[i * size : (i + 1) * size])
+            path = writer.commit()
+        except BaseException:
+            writer.abort()
             raise
-        return ShardRef(manifest.iteration, manifest.owner_rank, manifest.world_size, final)
-
-    def _write_chunks(self, directory: Path, payload: torch.Tensor, chunk_nbytes: int,
-                      count: int) -> list[int]:
-        view = byte_view(payload)
-
-        def one(i: int) -> int:
-            chunk = view[i * chunk_nbytes : (i + 1) * chunk_nbytes]
-            crc = crc32c.crc32c(chunk)
-            _write_file(directory / str(i), chunk, crc.to_bytes(4, "little"))
-            return int(crc)
-
-        return list(self._pool.map(one, range(count)))
-
-    def _commit(self, tmp: Path, final: Path) -> None:
-        try:
-            os.rename(tmp, final)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            # Same id already committed (a save of this iteration that failed elsewhere):
-            # move it aside atomically first so listing never sees a half-deleted shard.
-            trash = self._trash_name(final)
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
+        return ShardRef(manifest.iteration, manifest.owner_rank, manifest.world_size, path)
 
     # ---------------------------------------------------------------- read
 
@@ -358,7 +278,7 @@ class ShardStore:
 
     def delete(self, ref: ShardRef) -> None:
         """Remove a committed shard: hidden atomically by a rename, then deleted. Missing is ok."""
-        trash = self._trash_name(ref.path)
+        trash = trash_name(ref.path, self.writer_rank)
         try:
             os.rename(ref.path, trash)
         except FileNotFoundError:
@@ -381,8 +301,6 @@ class ShardStore:
             _remove_if_empty(Path(it_entry.path))
         return removed
 
-    def _trash_name(self, path: Path) -> Path:
-        return path.parent / f".trash-{path.name}-w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}"
 
 
 def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,

@@ -1,0 +1,169 @@
+"""Writing one shard: chunk files, metadata, fsync, atomic rename.
+
+Chunks may be handed over in any order and while others are still arriving (from the staging
+buffer, or piece by piece from the network), so a replica is checksummed and written while the
+rest of it is still being received.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from .errors import CorruptShardError, InsufficientSpaceError
+from .manifest import ShardManifest
+
+_WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
+
+
+def array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [chunk_nbytes * chunk_count],
+        "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk_nbytes]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+        "attributes": {},
+        "storage_transformers": [],
+    }
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view[:_WRITE_BLOCK])
+        view = view[written:]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        if trailer:
+            _write_all(fd, memoryview(trailer))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trash_name(path: Path, writer_rank: int) -> Path:
+    return path.parent / f".trash-{path.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+
+
+class ShardWriter:
+    """A shard being written into ``.tmp-*`` next to its final path.
+
+    ``submit_chunk`` queues a chunk (checksum + write on the I/O threads; the view must stay valid
+    until ``commit`` or ``abort`` returns). ``commit`` waits for every chunk, checks the checksums
+    against ``manifest.chunk_crc32c`` when the manifest carries them (a received replica),
+    writes the metadata last, fsyncs and renames. ``abort`` removes the temporary directory.
+    Raises InsufficientSpaceError on ENOSPC and CorruptShardError on a checksum mismatch.
+    """
+
+    def __init__(self, manifest: ShardManifest, final: Path, writer_rank: int,
+                 pool: ThreadPoolExecutor) -> None:
+        self.manifest = manifest
+        self.final = final
+        self._writer_rank = writer_rank
+        self._pool = pool
+        self._futures: dict[int, Future[int]] = {}
+        iter_dir = final.parent
+        self._created_dirs = not iter_dir.exists()
+        self.tmp = iter_dir / f".tmp-{final.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+        try:
+            (self.tmp / "data" / "c").mkdir(parents=True)
+        except OSError as exc:
+            raise self._translate(exc) from exc
+
+    def submit_chunk(self, index: int, chunk: memoryview) -> None:
+        if not 0 <= index < self.manifest.chunk_count or len(chunk) != self.manifest.chunk_nbytes:
+            raise ValueError(f"chunk {index} of {len(chunk)} bytes: expected index < "
+                             f"{self.manifest.chunk_count} and {self.manifest.chunk_nbytes} bytes")
+        path = self.tmp / "data" / "c" / str(index)
+
+        def write() -> int:
+            crc = int(crc32c.crc32c(chunk))
+            _write_file(path, chunk, crc.to_bytes(4, "little"))
+            return crc
+
+        self._futures[index] = self._pool.submit(write)
+
+    def commit(self) -> Path:
+        """Wait for every chunk, verify, write metadata, fsync and rename; the final path."""
+        manifest = self.manifest
+        try:
+            if sorted(self._futures) != list(range(manifest.chunk_count)):
+                raise ValueError(f"{self.final}: {len(self._futures)} of {manifest.chunk_count} "
+                                 "chunks were submitted")
+            crcs = tuple(self._futures[i].result() for i in range(manifest.chunk_count))
+            if manifest.chunk_crc32c and crcs != manifest.chunk_crc32c:
+                bad = next(i for i, (a, b) in enumerate(zip(crcs, manifest.chunk_crc32c,
+                                                            strict=True)) if a != b)
+                raise CorruptShardError(
+                    f"{self.final}: received chunk {bad} has crc32c {crcs[bad]:#010x}, its "
+                    f"manifest says {manifest.chunk_crc32c[bad]:#010x}; not committed")
+            manifest = replace(manifest, chunk_crc32c=crcs)
+            tmp = self.tmp
+            _write_file(tmp / "data" / "zarr.json",
+                        json.dumps(array_metadata(manifest.chunk_nbytes,
+                                                  manifest.chunk_count)).encode())
+            group = {"zarr_format": 3, "node_type": "group",
+                     "attributes": {"localckpt": manifest.to_json_dict()}}
+            _write_file(tmp / "zarr.json", json.dumps(group, allow_nan=False).encode())
+            for d in (tmp / "data" / "c", tmp / "data", tmp):
+                fsync_dir(d)
+            self._rename_into_place()
+            fsync_dir(self.final.parent)
+            if self._created_dirs:
+                fsync_dir(self.final.parent.parent)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, CorruptShardError):
+                raise self._translate(exc) from exc
+            raise
+        self.manifest = manifest
+        return self.final
+
+    def abort(self) -> None:
+        for f in self._futures.values():
+            f.exception()  # wait: no thread may still write into the directory we remove
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _rename_into_place(self) -> None:
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Same id already committed (a save of this iteration that failed elsewhere):
+            # move it aside atomically first so listing never sees a half-deleted shard.
+            trash = trash_name(self.final, self._writer_rank)
+            os.rename(self.final, trash)
+            os.rename(self.tmp, self.final)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _translate(self, exc: OSError) -> OSError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return InsufficientSpaceError(
+                f"no space left writing shard {self.final}: {exc.strerror}. Enlarge the file "
+                "system (Docker: --shm-size) or lower keep_last.")
+        return exc
