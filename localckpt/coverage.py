@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import (
     ConfigurationError,
+    InsufficientSpaceError,
     InvalidIterationError,
     WorldSizeMismatchError,
 )
@@ -120,6 +121,32 @@ def retained_iterations(inventories: Sequence[Inventory], world_size: int, keep_
 
 
 def shards_to_delete(mine: Inventory, keep: Iterable[int]) -> list[ShardKey]:
-    """This rank's own shards (owner == rank) outside ``keep``: incomplete or beyond retention."""
+    """Every shard in this rank's root outside ``keep``: incomplete or beyond retention.
+
+    Ranks of a node share the root and may delete the same shard; deletion is a rename that only
+    one of them wins, so that race is harmless and no rank needs to own the cleanup."""
     keep = set(keep)
-    return sorted(k for k in mine.shards if k[1] == mine.rank and k[0] not in keep)
+    return sorted(k for k in mine.shards if k[0] not in keep)
+
+
+def check_capacity(needed: Sequence[int], free: Sequence[int], node_of: Sequence[int]) -> None:
+    """Raise InsufficientSpaceError if some node's free space (as its ranks report it) is below
+    what all its ranks will write there: own shards plus the replicas they receive."""
+    per_node: dict[int, int] = defaultdict(int)
+    node_free: dict[int, int] = {}
+    ranks: dict[int, list[int]] = defaultdict(list)
+    for rank, (need, avail) in enumerate(zip(needed, free, strict=True)):
+        node = node_of[rank]
+        per_node[node] += need
+        node_free[node] = min(node_free.get(node, avail), avail)
+        ranks[node].append(rank)
+    short = [(n, per_node[n], node_free[n]) for n in sorted(per_node)
+             if per_node[n] > node_free[n]]
+    if short:
+        node, need, avail = short[0]
+        raise InsufficientSpaceError(
+            f"the checkpoint root of node {node} (ranks {ranks[node]}) has {avail / 2**20:.1f} MiB "
+            f"free, this save writes {need / 2**20:.1f} MiB there (own shards and replicas). "
+            "Enlarge the file system (for /dev/shm in Docker: `docker run --shm-size=<size>`; for "
+            "a tmpfs: `mount -o remount,size=<size>`), lower keep_last, or choose another root."
+            + (f" {len(short) - 1} more node(s) are short too." if len(short) > 1 else ""))

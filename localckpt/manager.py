@@ -21,10 +21,22 @@ from typing import Any
 
 import torch
 
+from replication import (
+    NoReplication,
+    ReplicationStrategy,
+    Topology,
+    Transfer,
+    local_node_name,
+    make_strategy,
+    save_plan,
+    strategy_names,
+)
+
 from . import __version__
 from .collectives import CheckpointGroup
 from .coverage import (
     Inventory,
+    check_capacity,
     choose_latest,
     retained_iterations,
     shards_to_delete,
@@ -37,6 +49,7 @@ from .errors import (
     NoCheckpointError,
 )
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
+from .replicated import exchange_shards, restore
 from .staging import StagingArena, plan_layout
 from .state_dict import (
     BasicTensorAwareStateDict,
@@ -50,7 +63,6 @@ from .store import (
     ShardStore,
     byte_view,
     bytes_needed,
-    check_free_space,
     chunking,
 )
 
@@ -66,22 +78,27 @@ class LocalCheckpointManager:
         root_local_ckpt_dir: node-local directory (tmpfs such as /dev/shm, or NVMe). Created if
             missing. Ranks of one node may share it.
         session_id: separates jobs sharing a root; "" is the default session.
-        repl_strategy: replication across nodes (not available yet: must be None).
+        repl_strategy: None (no replicas), a ReplicationStrategy, or the registered name of one
+            built with its defaults (``replication.strategy_names()``).
         keep_last: complete iterations kept after a successful save (>= 1).
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
+        node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
 
     Construction is collective when torch.distributed is initialised (it creates a gloo group from
     the default group); without it the manager runs as a world of one.
     """
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
-                 repl_strategy: Any = None, *, keep_last: int = 1, timeout: float = 300.0,
-                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, io_threads: int = 2) -> None:
-        if repl_strategy is not None:
-            raise NotImplementedError(
-                "repl_strategy: replication is not available in this version; pass None")
+                 repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
+                 timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+                 io_threads: int = 2, node_id: str | None = None) -> None:
+        strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
+            else repl_strategy
+        if strategy is not None and not isinstance(strategy, ReplicationStrategy):
+            raise ConfigurationError("repl_strategy: expected None, a ReplicationStrategy or one "
+                                     f"of {strategy_names()}, got {type(repl_strategy).__name__}")
         if type(keep_last) is not int or keep_last < 1:
             raise ConfigurationError(f"keep_last: expected an int >= 1, got {keep_last!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -101,12 +118,20 @@ class LocalCheckpointManager:
             raise ConfigurationError(f"root_local_ckpt_dir: {root} is not writable by this process")
         self.root = root
         self.session_id = session_id
-        self.repl_strategy = repl_strategy
+        self.repl_strategy = strategy
         self.keep_last = keep_last
         self.timeout = float(timeout)
         self._group = CheckpointGroup(self.timeout)
         self.rank = self._group.rank
         self.world_size = self._group.world_size
+        names = self._group.exchange("topology", lambda: local_node_name(node_id))
+        self.topology = Topology(tuple(names))
+        try:  # pure: every rank raises the same TopologyError
+            self._placement = None if strategy is None or isinstance(strategy, NoReplication) \
+                else strategy.place(self.topology)
+        except Exception:
+            self._group.close()
+            raise
         self._store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                  chunk_nbytes=chunk_nbytes)
         self._store.remove_leftovers()
@@ -168,31 +193,56 @@ class LocalCheckpointManager:
             tasd = as_tensor_aware(state_dict)
             layout = plan_layout(tasd.tensors)
             chunk_nbytes, chunk_count = chunking(layout.nbytes, self._store.chunk_nbytes)
-            check_free_space(self.root, bytes_needed(256 * len(tasd.tensors) + 4096,
-                                                     chunk_nbytes, chunk_count))
             prepared.update(tasd=tasd, layout=layout, chunking=(chunk_nbytes, chunk_count),
                             container="basic" if tasd is state_dict else "plain")
+            st = os.statvfs(self.root)
             return {"iteration": iteration if type(iteration) is int else repr(iteration),
-                    "inventory": self._inventory().to_json()}
+                    "inventory": self._inventory().to_json(),
+                    "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
+                                           chunk_count),
+                    "free": st.f_bavail * st.f_frsize}
 
         gathered = self._group.exchange("save: validation", prepare)
         inventories = [Inventory.from_json(g["inventory"]) for g in gathered]
-        # Every rank reaches the same verdict from the same gathered input.
-        iterations = [g["iteration"] for g in gathered]
-        validate_save(iterations, inventories, self.world_size)
+        # Every rank reaches the same verdicts from the same gathered input.
+        validate_save([g["iteration"] for g in gathered], inventories, self.world_size,
+                      self._fetchable)
+        plan = save_plan(self._placement, self.topology, iteration) if self._placement else None
+        needed = [int(g["nbytes"]) for g in gathered]
+        writes = list(needed)
+        for t in plan.transfers if plan else ():
+            writes[t.dst] += needed[t.src]
+        check_capacity(writes, [int(g["free"]) for g in gathered], self.topology.node_of)
 
         write_error: BaseException | None = None
+        committed: tuple[ShardManifest, torch.Tensor] | None = None
         try:
-            self._write_own_shard(iteration, prepared)
+            committed = self._write_own_shard(iteration, prepared)
         except Exception as exc:
             write_error = exc
             logger.error("rank %d: writing shard of iteration %d failed: %s", self.rank,
                          iteration, exc)
+        if plan is not None:
+            def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
+                if committed is None:
+                    raise RuntimeError(f"rank {self.rank} has no shard to send: {write_error}")
+                return committed
+            try:
+                exchange_shards(plan, self._group, self._store, self.world_size, source)
+            except Exception as exc:
+                write_error = write_error or exc
         self._finalize(iteration, write_error)
         logger.info("rank %d: saved iteration %d in %.3fs", self.rank, iteration,
                     time.monotonic() - started)
 
-    def _write_own_shard(self, iteration: int, prepared: dict[str, Any]) -> ShardRef:
+    @property
+    def _fetchable(self) -> bool:
+        """Whether a rank can obtain shards held by other ranks (replication is on)."""
+        return self._placement is not None
+
+    def _write_own_shard(self, iteration: int,
+                         prepared: dict[str, Any]) -> tuple[ShardManifest, torch.Tensor]:
+        """Stage and commit this rank's shard; returns its manifest and the staged payload."""
         tasd: TensorAwareStateDict = prepared["tasd"]
         layout = prepared["layout"]
         chunk_nbytes, chunk_count = prepared["chunking"]
@@ -210,7 +260,8 @@ class LocalCheckpointManager:
             chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
             identity=_identity(),
         )
-        return self._store.write(manifest, payload)
+        _, committed = self._store.write(manifest, payload)
+        return committed, payload
 
     def _finalize(self, iteration: int, write_error: BaseException | None) -> None:
         """Collective: agree the iteration is complete, then apply retention; or remove it."""
@@ -222,7 +273,7 @@ class LocalCheckpointManager:
         try:
             inventories = [Inventory.from_json(d)
                            for d in self._group.exchange("save: finalize", report)]
-            latest = choose_latest(inventories, self.world_size)
+            latest = choose_latest(inventories, self.world_size, self._fetchable)
             if latest != iteration:
                 missing = [inv.rank for inv in inventories
                            if (iteration, inv.rank, self.world_size) not in inv.shards]
@@ -230,20 +281,17 @@ class LocalCheckpointManager:
                     f"save of iteration {iteration}: expected a shard from every rank, ranks "
                     f"{missing} have none; the latest complete iteration is {latest}")
         except Exception:
-            self._remove_own_shard(iteration)
+            for ref in self._store.committed():  # the failed iteration, replicas included
+                if ref.iteration == iteration:
+                    self._store.delete(ref)
             self.latest_iteration = -1
             raise
         self.latest_iteration = iteration
-        keep = retained_iterations(inventories, self.world_size, self.keep_last)
-        me = inventories[self.rank]
-        for it, owner, world in shards_to_delete(me, keep):
+        keep = retained_iterations(inventories, self.world_size, self.keep_last, self._fetchable)
+        for it, owner, world in shards_to_delete(inventories[self.rank], keep):
             self._store.delete(ShardRef(it, owner, world,
                                         self._store.path_of(it, owner, world)))
         self._store.remove_leftovers()
-
-    def _remove_own_shard(self, iteration: int) -> None:
-        path = self._store.path_of(iteration, self.rank, self.world_size)
-        self._store.delete(ShardRef(iteration, self.rank, self.world_size, path))
 
     # ------------------------------------------------------------------ restore
 
@@ -255,7 +303,7 @@ class LocalCheckpointManager:
         verified by ``load``.
         """
         inventories = self._gather_inventories("find_latest")
-        self.latest_iteration = choose_latest(inventories, self.world_size)
+        self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
         return self.latest_iteration
 
     def load(self) -> tuple[Any, CkptID]:
@@ -277,6 +325,11 @@ class LocalCheckpointManager:
                 f"no complete checkpoint of session {self.session_id!r} under {self.root} "
                 f"for a world of {self.world_size} ranks")
 
+        if self._placement is not None:
+            manifest, tensors = restore(iteration, self._group, self._store, self.topology,
+                                        self._placement, self._read_own,
+                                        self._gather_inventories)
+            return _rebuild(manifest, tensors), self._ckpt_id(iteration)
         loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
 
         def read() -> None:
@@ -284,18 +337,22 @@ class LocalCheckpointManager:
                            self._store.path_of(iteration, self.rank, self.world_size))
             if not ref.path.is_dir():
                 raise CorruptShardError(f"{ref.path}: shard disappeared after find_latest")
-            manifest = self._store.read_manifest(ref)
-            tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-                       for e in manifest.tensors]
-            self._store.read_into(ref, manifest, [
-                (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
-                if e.nbytes
-            ])
-            loaded.append((manifest, tensors))
+            loaded.append(self._read_own(ref))
 
         self._group.exchange(f"load of iteration {iteration}", read)
         manifest, tensors = loaded[0]
         return _rebuild(manifest, tensors), self._ckpt_id(iteration)
+
+    def _read_own(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
+        """Read a shard straight into fresh per-tensor storages (scatter read, verified)."""
+        manifest = self._store.read_manifest(ref)
+        tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                   for e in manifest.tensors]
+        self._store.read_into(ref, manifest, [
+            (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
+            if e.nbytes
+        ])
+        return manifest, tensors
 
 
 def _rebuild(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:

@@ -170,11 +170,12 @@ class ShardStore:
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
         return ShardWriter(manifest, final, self.writer_rank, self._pool)
 
-    def write(self, manifest: ShardManifest, payload: torch.Tensor) -> ShardRef:
+    def write(self, manifest: ShardManifest,
+              payload: torch.Tensor) -> tuple[ShardRef, ShardManifest]:
         """Write and commit one shard from the packed uint8 ``payload`` of
         ``manifest.chunk_count * manifest.chunk_nbytes`` bytes. Checksums are computed here (or,
         when ``manifest.chunk_crc32c`` is set, verified). Replaces an existing shard with the same
-        id (a leftover of a failed save).
+        id (a leftover of a failed save). Returns the shard and its committed manifest.
 
         Blocks until the shard is durable and visible. Raises InsufficientSpaceError on ENOSPC,
         CorruptShardError on a checksum mismatch; on any failure the temporary directory is
@@ -193,7 +194,8 @@ class ShardStore:
         except BaseException:
             writer.abort()
             raise
-        return ShardRef(manifest.iteration, manifest.owner_rank, manifest.world_size, path)
+        ref = ShardRef(manifest.iteration, manifest.owner_rank, manifest.world_size, path)
+        return ref, writer.manifest
 
     # ---------------------------------------------------------------- read
 

@@ -111,7 +111,7 @@ def run(nbytes: int, repeats: int, workdir: Path, small_count: int, small_nbytes
                              chunk_nbytes, count, ())
     shard_dir = store.path_of(1, 0, 1)
     write = median_seconds(lambda: store.write(manifest, payload), repeats, rm(shard_dir))
-    ref = store.write(manifest, payload)
+    ref, _ = store.write(manifest, payload)
     read_buf = torch.empty(chunk_nbytes * count, dtype=torch.uint8)
     read = median_seconds(lambda: store.read(ref, allocate=lambda n: read_buf), repeats)
     store.close()

@@ -8,12 +8,18 @@ import pytest
 
 from localckpt.coverage import (
     Inventory,
+    check_capacity,
     choose_latest,
     retained_iterations,
     shards_to_delete,
     validate_save,
 )
-from localckpt.errors import ConfigurationError, InvalidIterationError, WorldSizeMismatchError
+from localckpt.errors import (
+    ConfigurationError,
+    InsufficientSpaceError,
+    InvalidIterationError,
+    WorldSizeMismatchError,
+)
 
 
 def inv(rank: int, *shards: tuple[int, int, int], session: str = "s") -> Inventory:
@@ -88,8 +94,15 @@ def test_retention_keeps_newest_complete_and_deletes_own_others() -> None:
     invs[0] = inv(0, (1, 0, 2), (2, 0, 2), (3, 0, 2), (4, 0, 2), (3, 1, 2))
     keep = retained_iterations(invs, 2, keep_last=2)
     assert keep == {2, 3}
-    # partial iteration 4 goes too; rank 1's shard in rank 0's root is not rank 0's to delete
+    # the partial iteration 4 goes too; everything outside `keep` in this root is pruned
     assert shards_to_delete(invs[0], keep) == [(1, 0, 2), (4, 0, 2)]
+    assert shards_to_delete(inv(0, (1, 1, 2), (3, 1, 2)), keep) == [(1, 1, 2)]
+
+
+def test_capacity_counts_every_rank_writing_to_a_node() -> None:
+    check_capacity([10, 10, 30], [20, 20, 30], [0, 0, 1])
+    with pytest.raises(InsufficientSpaceError, match=r"node 0 \(ranks \[0, 1\]\)"):
+        check_capacity([11, 10, 30], [25, 20, 30], [0, 0, 1])
 
 
 def test_inventory_json_round_trip() -> None:

@@ -102,11 +102,21 @@ def test_many_small_tensors_are_packed_into_few_chunk_files(root: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def test_async_and_replication_are_not_available_yet(root: Path) -> None:
+def test_async_is_not_available_yet(root: Path) -> None:
     with LocalCheckpointManager(root) as mgr, pytest.raises(NotImplementedError, match="is_async"):
         mgr.save({}, 1, is_async=True)
-    with pytest.raises(NotImplementedError, match="repl_strategy"):
-        LocalCheckpointManager(root, repl_strategy=object())
+
+
+def test_bad_replication_strategies_are_rejected_clearly(root: Path) -> None:
+    with pytest.raises(ConfigurationError, match="repl_strategy: expected None"):
+        LocalCheckpointManager(root, repl_strategy=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"expected one of \['clique'.*got 'mirror'"):
+        LocalCheckpointManager(root, repl_strategy="mirror")
+    with pytest.raises(ValueError, match="needs at least 2 nodes, got 1"):
+        LocalCheckpointManager(root, repl_strategy="node_spread")
+    with LocalCheckpointManager(root, repl_strategy="none") as mgr:  # same as None
+        mgr.save({"w": torch.ones(2)}, 1)
+        assert mgr.load()[0]["w"].sum() == 2
 
 
 @pytest.mark.parametrize("kwargs,text", [

@@ -24,7 +24,7 @@ def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,
                                      generator=torch.Generator().manual_seed(seed))
     manifest = ShardManifest(store.session_id, iteration, owner, world, (), {"dict": []}, "plain",
                              nbytes, chunk_nbytes, count, ())
-    ref = store.write(manifest, payload)
+    ref, _ = store.write(manifest, payload)
     return payload, ref.path
 
 

@@ -1,0 +1,197 @@
+"""Replication glue between the shard store and :mod:`replication`: sending committed shards to
+the ranks a strategy names, and restoring after node loss (fetch, verify, write back).
+
+Every function here is called by all ranks together (from LocalCheckpointManager) and runs its
+global decisions as pure plans over gathered inventories.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from replication import (
+    ExchangePlan,
+    Placement,
+    RetrievalPlan,
+    Topology,
+    Transfer,
+    retrieval_plan,
+    wanted_shards,
+)
+from replication.executor import run_exchange
+
+from .collectives import CheckpointGroup
+from .coverage import Inventory
+from .errors import CorruptShardError, NoCheckpointError
+from .manifest import ShardManifest, dtype_from_name
+from .shard_writer import ShardWriter
+from .staging import tensor_view
+from .store import ShardRef, ShardStore, byte_view
+
+logger = logging.getLogger(__name__)
+
+
+def encode_manifest(manifest: ShardManifest) -> bytes:
+    return json.dumps(manifest.to_json_dict(), allow_nan=False).encode()
+
+
+class StoreReceiver:
+    """Receives one shard into a buffer and commits it through the store as it arrives: chunk i
+    is checksummed and written while chunk i+1 is still on the wire; the commit checks every
+    chunk against the sender's manifest."""
+
+    def __init__(self, store: ShardStore, t: Transfer, meta: bytes, nbytes: int,
+                 world_size: int) -> None:
+        where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
+        self.manifest = ShardManifest.from_json_dict(json.loads(meta), where)
+        m = self.manifest
+        expected = (store.session_id, t.iteration, t.owner, world_size)
+        got = (m.session_id, m.iteration, m.owner_rank, m.world_size)
+        if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
+            raise CorruptShardError(f"{where}: manifest says (session, iteration, owner, world) = "
+                                    f"{got} and {nbytes} bytes, expected {expected}")
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._view = byte_view(self._buffer) if nbytes else memoryview(b"")
+        self._writer: ShardWriter = store.begin_write(m)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def piece_received(self, index: int, start: int, end: int) -> None:
+        self._writer.submit_chunk(index, self._view[start:end])
+
+    def finish(self) -> None:
+        self._writer.commit()
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStore,
+                    world_size: int,
+                    source: Callable[[Transfer], tuple[ShardManifest, torch.Tensor]],
+                    received: dict[tuple[int, int], StoreReceiver] | None = None) -> None:
+    """Run this rank's part of ``plan``; raise the first local failure (the caller agrees)."""
+    def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
+        manifest, payload = source(t)
+        return encode_manifest(manifest), payload, manifest.chunk_nbytes
+
+    def sink(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
+        receiver = StoreReceiver(store, t, meta, nbytes, world_size)
+        if received is not None:
+            received[t.shard] = receiver
+        return receiver
+
+    failures = run_exchange(plan, group.rank, send, sink, group.group)
+    if failures:
+        t, exc = failures[0]
+        logger.error("transfer of shard %s from rank %d to rank %d failed: %s", t.shard, t.src,
+                     t.dst, exc)
+        raise exc
+
+
+def tensors_from_buffer(manifest: ShardManifest, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor of ``manifest`` copied out of the packed ``buffer`` into its own storage."""
+    return [tensor_view(buffer, e.offset, e.nbytes, dtype_from_name(e.dtype), e.shape).clone()
+            for e in manifest.tensors]
+
+
+@dataclass
+class _Round:
+    """One attempt of :func:`restore`: the plan, what this rank read to serve, and its own shard."""
+
+    plan: RetrievalPlan
+    served: dict[tuple[int, int], tuple[ShardManifest, torch.Tensor]] = field(default_factory=dict)
+    own: tuple[ShardManifest, list[torch.Tensor]] | None = None
+    received: dict[tuple[int, int], StoreReceiver] = field(default_factory=dict)
+
+    def source(self, t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
+        return self.served[t.shard]
+
+
+def _plan_round(iteration: int, world: int, inventories: list[Inventory], topology: Topology,
+                placement: Placement) -> _Round:
+    present = [frozenset((it, o) for it, o, w in inv.shards if it == iteration and w == world)
+               for inv in inventories]
+    holders: dict[tuple[int, int], list[int]] = {}
+    for r, shards in enumerate(present):
+        for s in shards:
+            holders.setdefault(s, []).append(r)
+    plan = retrieval_plan(wanted_shards(placement, topology, iteration, present), holders)
+    if plan.missing:
+        raise NoCheckpointError(
+            f"load of iteration {iteration}: no verified copy of the shards of owner ranks "
+            f"{[o for _, o in plan.missing]} exists on any node (corrupt copies were removed); "
+            "restart to fall back to an older kept iteration, if any")
+    return _Round(plan)
+
+
+def _verify_sources(rnd: _Round, rank: int, world: int, store: ShardStore,
+                    read_own: Callable[[ShardRef], tuple[ShardManifest, list[torch.Tensor]]]
+                    ) -> list[int]:
+    """Read and verify every copy this rank serves; delete corrupt ones. Returns their owners."""
+    bad = []
+    for shard in rnd.plan.sources_of(rank):
+        it, owner = shard
+        ref = ShardRef(it, owner, world, store.path_of(it, owner, world))
+        only_for_me = all(t.dst == rank for t in rnd.plan.reads
+                          if t.src == rank and t.shard == shard)
+        try:
+            if only_for_me and owner == rank:
+                rnd.own = read_own(ref)  # the common case: straight into the tensors
+            else:
+                manifest, buf = store.read(ref)
+                rnd.served[shard] = (manifest, buf)
+                if owner == rank:
+                    rnd.own = (manifest, tensors_from_buffer(manifest, buf))
+        except CorruptShardError as exc:
+            logger.warning("rank %d: %s; removing this copy and using a replica", rank, exc)
+            store.delete(ref)
+            bad.append(owner)
+    return bad
+
+
+def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology: Topology,
+            placement: Placement,
+            read_own: Callable[[ShardRef], tuple[ShardManifest, list[torch.Tensor]]],
+            gather: Callable[[str], list[Inventory]]) -> tuple[ShardManifest, list[torch.Tensor]]:
+    """Bring every rank its shard of ``iteration`` and every node the replicas ``placement`` puts
+    on it (written back to its root). Collective. Copies whose checksum fails are deleted and
+    replaced from verified ones; raises NoCheckpointError on every rank when some shard has no
+    verified copy anywhere."""
+    rank, world = group.rank, group.world_size
+    step = f"load of iteration {iteration}"
+    max_rounds = 1 + sum(1 + len(h) for h in placement.holders)  # each retry removes a copy
+    for _ in range(max_rounds):
+        rnd = _plan_round(iteration, world, gather(f"{step}: inventory"), topology, placement)
+        bad = group.exchange(f"{step}: verify sources",
+                             partial(_verify_sources, rnd, rank, world, store, read_own))
+        if any(bad):
+            continue
+        group.exchange(f"{step}: fetch from peers", partial(
+            exchange_shards, rnd.plan.exchange, group, store, world,
+            rnd.source, rnd.received))
+        if rnd.own is None:
+            receiver = rnd.received[(iteration, rank)]
+            rnd.own = (receiver.manifest, tensors_from_buffer(receiver.manifest,
+                                                               receiver.buffer()))
+        if rnd.received:
+            logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
+                        rank, sorted(o for _, o in rnd.received))
+        return rnd.own
+    raise CorruptShardError(f"{step}: gave up after {max_rounds} rounds of replacing corrupt "
+                            "copies")
+
+
+def replicate(manifest: ShardManifest, payload: torch.Tensor, plan: ExchangePlan,
+              group: CheckpointGroup, store: ShardStore, world_size: int) -> None:
+    """Send this rank's freshly committed shard and receive the replicas it keeps (this rank's
+    part of ``plan``). Raises the first local failure; the caller agrees across ranks."""
+    exchange_shards(plan, group, store, world_size, lambda t: (manifest, payload))
+
