@@ -129,3 +129,31 @@ def stall_then_exit(rank: int, world: int, base: str, slow_rank: int, sleep: flo
             time.sleep(sleep)
             return
         mgr.find_latest()
+
+
+def _replicated_manager(rank: int, base: str, strategy: str, kwargs: dict[str, Any],
+                        ranks_per_node: int, keep_last: int = 1) -> LocalCheckpointManager:
+    from replication import make_strategy
+
+    node = rank // ranks_per_node
+    return LocalCheckpointManager(Path(base) / f"node{node}", "job",
+                                  make_strategy(strategy, **kwargs), keep_last=keep_last,
+                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}")
+
+
+def replicated_save(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],
+                    ranks_per_node: int, iterations: list[int], keep_last: int = 1) -> None:
+    with _replicated_manager(rank, base, strategy, kwargs, ranks_per_node, keep_last) as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it, n=4), it)
+
+
+def replicated_load(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],
+                    ranks_per_node: int) -> dict[str, Any]:
+    with _replicated_manager(rank, base, strategy, kwargs, ranks_per_node) as mgr:
+        latest = mgr.find_latest()
+        if latest < 0:
+            return {"latest": latest}
+        loaded, ckpt_id = mgr.load()
+    return {"latest": latest, "ckpt_id": list(ckpt_id), "digest": digest(loaded),
+            "expected": digest(make_state(rank, latest, n=4))}
