@@ -49,7 +49,7 @@ from .errors import (
     NoCheckpointError,
 )
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
-from .replicated import exchange_shards, restore
+from .replicated import PieceRing, exchange_shards, restore
 from .staging import StagingArena, plan_layout
 from .state_dict import (
     BasicTensorAwareStateDict,
@@ -136,6 +136,7 @@ class LocalCheckpointManager:
                                  chunk_nbytes=chunk_nbytes)
         self._store.remove_leftovers()
         self._arena = StagingArena()
+        self._ring = PieceRing()  # receive buffers for replicas, reused across saves
         self.latest_iteration = -1  # set by find_latest and by a successful save
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,7 +229,8 @@ class LocalCheckpointManager:
                     raise RuntimeError(f"rank {self.rank} has no shard to send: {write_error}")
                 return committed
             try:
-                exchange_shards(plan, self._group, self._store, self.world_size, source)
+                exchange_shards(plan, self._group, self._store, self.world_size, source,
+                                self._ring)
             except Exception as exc:
                 write_error = write_error or exc
         self._finalize(iteration, write_error)
@@ -328,7 +330,7 @@ class LocalCheckpointManager:
         if self._placement is not None:
             manifest, tensors = restore(iteration, self._group, self._store, self.topology,
                                         self._placement, self._read_own,
-                                        self._gather_inventories)
+                                        self._gather_inventories, self._ring)
             return _rebuild(manifest, tensors), self._ckpt_id(iteration)
         loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
 

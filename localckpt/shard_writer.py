@@ -107,6 +107,11 @@ class ShardWriter:
 
         self._futures[index] = self._pool.submit(write)
 
+    def wait_chunk(self, index: int) -> None:
+        """Block until chunk ``index`` is written (its buffer may then be reused); re-raises a
+        write error."""
+        self._futures[index].result()
+
     def commit(self) -> Path:
         """Wait for every chunk, verify, write metadata, fsync and rename; the final path."""
         manifest = self.manifest

@@ -3,8 +3,9 @@
 A payload is opaque here: metadata bytes plus one contiguous uint8 CPU tensor. Per transfer the
 sender sends a tag header ``[iteration, owner, meta_nbytes, data_nbytes, piece_nbytes]``, the
 metadata, then the data in pieces (no per-tensor traffic). The receiver checks the tag against the
-plan (a stale or misrouted shard raises StaleTransferError) and hands every piece to its sink as it
-arrives, so the sink can checksum and write piece i while piece i+1 is on the wire.
+plan (a stale or misrouted shard raises StaleTransferError), asks its sink where each piece goes,
+and tells it when the piece has arrived, so the sink can write piece i while piece i+1 is on the
+wire and recycle a few piece buffers instead of holding the whole shard.
 
 Transfers run round by round (see :func:`replication.plans.schedule`): every rank sends or
 receives one stream at a time. Every wait is bounded by the process group's timeout.
@@ -31,11 +32,11 @@ _HEADER = 5
 class Receiver(Protocol):
     """Where one incoming payload goes."""
 
-    def buffer(self) -> torch.Tensor:
-        """A contiguous uint8 CPU tensor of data_nbytes to receive into."""
+    def piece_buffer(self, index: int, start: int, end: int) -> torch.Tensor:
+        """A contiguous uint8 CPU tensor of end - start bytes to receive piece ``index`` into."""
 
     def piece_received(self, index: int, start: int, end: int) -> None:
-        """Bytes [start, end) of the buffer (piece ``index``) have arrived."""
+        """Piece ``index`` (bytes [start, end) of the payload) is in its buffer."""
 
     def finish(self) -> None:
         """Every piece arrived: verify and commit. May raise."""
@@ -103,24 +104,29 @@ def _receive(t: Transfer, sink: Sink, group: dist.ProcessGroup | None) -> BaseEx
         return RuntimeError(f"rank {t.src} could not send shard {t.shard}: {meta.decode()}")
     error: BaseException | None = None
     receiver: Receiver | None = None
+    drain: torch.Tensor | None = None  # where pieces go once the sink failed
     try:
         receiver = sink(t, meta, data_nbytes)
-        buf = receiver.buffer()
     except Exception as exc:
-        error, buf = exc, torch.empty(min(data_nbytes, piece) if data_nbytes else 0,
-                                      dtype=torch.uint8)
+        error = exc
     for index, start in enumerate(range(0, data_nbytes, piece)):
         end = min(start + piece, data_nbytes)
-        if error is None:
-            dist.recv(buf[start:end], t.src, group=group)
+        target = None
+        if error is None and receiver is not None:
             try:
-                assert receiver is not None
+                target = receiver.piece_buffer(index, start, end)
+            except Exception as exc:
+                error = exc
+        if target is None:
+            if drain is None:
+                drain = torch.empty(piece, dtype=torch.uint8)
+            target = drain[: end - start]
+        dist.recv(target, t.src, group=group)
+        if error is None and receiver is not None:
+            try:
                 receiver.piece_received(index, start, end)
             except Exception as exc:
                 error = exc
-                buf = torch.empty(piece, dtype=torch.uint8)  # drain the rest of the stream
-        else:
-            dist.recv(buf[: end - start], t.src, group=group)
     if receiver is not None:
         try:
             if error is None:

@@ -157,3 +157,27 @@ def replicated_load(rank: int, world: int, base: str, strategy: str, kwargs: dic
         loaded, ckpt_id = mgr.load()
     return {"latest": latest, "ckpt_id": list(ckpt_id), "digest": digest(loaded),
             "expected": digest(make_state(rank, latest, n=4))}
+
+
+def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]:
+    """Iteration 1 replicates; receiving a replica of iteration 2 hits ENOSPC on bad_rank."""
+    import errno
+
+    with _replicated_manager(rank, base, "node_spread", {}, 2) as mgr:
+        mgr.save(make_state(rank, 1, n=4), 1)
+        if rank == bad_rank:
+            real = mgr._store.begin_write
+
+            def full(manifest: Any) -> Any:
+                if manifest.owner_rank != rank:
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return real(manifest)
+            mgr._store.begin_write = full  # type: ignore[method-assign]
+        try:
+            mgr.save(make_state(rank, 2, n=4), 2)
+            error = None
+        except Exception as exc:
+            error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
+    return {"error": error,
+            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()),
+            **replicated_load(rank, world, base, "node_spread", {}, 2)}

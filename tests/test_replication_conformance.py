@@ -104,3 +104,14 @@ def test_losing_every_copy_of_a_shard_falls_back_never_to_an_unloadable_iteratio
         assert v["latest"] == expected
         if expected >= 0:
             assert v["digest"] == v["expected"]
+
+
+def test_failed_replica_receive_fails_the_save_on_every_rank(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(scenarios.replica_receive_fails_on, 4, tmp_path, str(root), 3)
+    for r in results:
+        assert r.ok, r.message
+        name, bases, msg = r.value["error"]
+        assert name == "RankOSError" and "OSError" in bases, (name, msg)
+        assert "rank 3" in msg and "injected" in msg
+        assert r.value["iters"] == ["iter_0000000001"]  # iteration 2 removed on every node
+        assert r.value["latest"] == 1 and r.value["digest"] == r.value["expected"]
