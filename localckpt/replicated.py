@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -221,14 +222,19 @@ def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology:
     step = f"load of iteration {iteration}"
     max_rounds = 1 + sum(1 + len(h) for h in placement.holders)  # each retry removes a copy
     for _ in range(max_rounds):
+        started = time.monotonic()
         rnd = _plan_round(iteration, world, gather(f"{step}: inventory"), topology, placement)
+        planned = time.monotonic()
         bad = group.exchange(f"{step}: verify sources",
                              partial(_verify_sources, rnd, rank, world, store, read_own))
+        verified = time.monotonic()
         if any(bad):
             continue
         group.exchange(f"{step}: fetch from peers", partial(
             exchange_shards, rnd.plan.exchange, group, store, world, rnd.source, ring,
             rnd.received, lambda t: t.owner == rank))
+        logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
+                     planned - started, verified - planned, time.monotonic() - verified)
         if rnd.own is None:
             receiver = rnd.received[(iteration, rank)]
             assert receiver.whole is not None

@@ -18,3 +18,13 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     for key in ("write_ratio_to_raw_write", "read_ratio_to_raw_read", "stage_ratio_to_memcpy"):
         assert data["localckpt"][key] > 0
     assert "local shard write" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_bench_replication_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_replication.py"),
+                           "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmarks-replication.json").read_text())
+    assert data["replication_ratio_to_raw"] > 0 and data["restore_ratio_to_raw"] > 0
+    assert "restore after node loss" in (tmp_path / "benchmarks-replication.md").read_text()
