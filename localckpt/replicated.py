@@ -72,11 +72,10 @@ class PieceRing:
 class StoreReceiver:
     """Receives one shard and commits it through the store as it arrives: the chunks of piece i
     are checksummed and written while piece i+1 is still on the wire; the commit checks every
-    chunk against the sender's manifest. With a ``ring`` the pieces cycle through its buffers;
-    without one the whole shard is kept in :attr:`whole` (a rank's own shard during load)."""
+    chunk against the sender's manifest. Pieces cycle through the ``ring``'s buffers."""
 
     def __init__(self, store: ShardStore, t: Transfer, meta: bytes, nbytes: int,
-                 world_size: int, ring: PieceRing | None) -> None:
+                 world_size: int, ring: PieceRing) -> None:
         where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
         self.manifest = ShardManifest.from_json_dict(json.loads(meta), where)
         m = self.manifest
@@ -86,19 +85,14 @@ class StoreReceiver:
             raise CorruptShardError(f"{where}: manifest says (session, iteration, owner, world) = "
                                     f"{got} and {nbytes} bytes, expected {expected}")
         self._ring = ring
-        self.whole = None if ring else torch.empty(nbytes, dtype=torch.uint8)
         self._in_slot: dict[int, range] = {}  # ring slot -> chunks whose bytes it holds
         self._current = torch.empty(0, dtype=torch.uint8)  # the piece being received
         self._writer: ShardWriter = store.begin_write(m)
 
     def piece_buffer(self, index: int, start: int, end: int) -> torch.Tensor:
-        if self.whole is not None:
-            self._current = self.whole[start:end]
-        else:
-            assert self._ring is not None
-            for chunk in self._in_slot.pop(index % self._ring.slots, range(0)):
-                self._writer.wait_chunk(chunk)  # the slot's previous bytes are on disk
-            self._current = self._ring.slot(index, end - start)
+        for chunk in self._in_slot.pop(index % self._ring.slots, range(0)):
+            self._writer.wait_chunk(chunk)  # the slot's previous bytes are on disk
+        self._current = self._ring.slot(index, end - start)
         return self._current
 
     def piece_received(self, index: int, start: int, end: int) -> None:
@@ -110,8 +104,7 @@ class StoreReceiver:
         chunks = range(start // size, end // size)
         for j, chunk in enumerate(chunks):
             self._writer.submit_chunk(chunk, view[j * size : (j + 1) * size])
-        if self._ring is not None:
-            self._in_slot[index % self._ring.slots] = chunks
+        self._in_slot[index % self._ring.slots] = chunks
 
     def finish(self) -> None:
         self._writer.commit()
@@ -124,18 +117,15 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
                     world_size: int,
                     source: Callable[[Transfer], tuple[ShardManifest, torch.Tensor]],
                     ring: PieceRing,
-                    received: dict[tuple[int, int], StoreReceiver] | None = None,
-                    keep_whole: Callable[[Transfer], bool] = lambda t: False) -> None:
+                    received: dict[tuple[int, int], StoreReceiver] | None = None) -> None:
     """Run this rank's part of ``plan``; raise the first local failure (the caller agrees).
-    Received shards are committed to ``store``; those ``keep_whole`` selects also stay in memory
-    (in ``received``)."""
+    Received shards are committed to ``store`` (and listed in ``received``)."""
     def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
         manifest, payload = source(t)
         return encode_manifest(manifest), payload, piece_nbytes(manifest)
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
-        receiver = StoreReceiver(store, t, meta, nbytes, world_size,
-                                 None if keep_whole(t) else ring)
+        receiver = StoreReceiver(store, t, meta, nbytes, world_size, ring)
         if received is not None:
             received[t.shard] = receiver
         return receiver
@@ -232,13 +222,12 @@ def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology:
             continue
         group.exchange(f"{step}: fetch from peers", partial(
             exchange_shards, rnd.plan.exchange, group, store, world, rnd.source, ring,
-            rnd.received, lambda t: t.owner == rank))
+            rnd.received))
         logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
-        if rnd.own is None:
-            receiver = rnd.received[(iteration, rank)]
-            assert receiver.whole is not None
-            rnd.own = (receiver.manifest, tensors_from_buffer(receiver.manifest, receiver.whole))
+        if rnd.own is None:  # fetched and written back: read it like any local shard
+            rnd.own = read_own(ShardRef(iteration, rank, world,
+                                        store.path_of(iteration, rank, world)))
         if rnd.received:
             logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
                         rank, sorted(o for _, o in rnd.received))
