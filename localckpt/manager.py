@@ -14,8 +14,8 @@ import gc
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from replication import (
     NoReplication,
     ReplicationStrategy,
     Topology,
-    Transfer,
     local_node_name,
     make_strategy,
     save_plan,
@@ -33,6 +32,7 @@ from replication import (
 )
 
 from . import __version__
+from .async_calls import AsyncRequest
 from .collectives import CheckpointGroup
 from .coverage import (
     Inventory,
@@ -43,13 +43,15 @@ from .coverage import (
     validate_save,
 )
 from .errors import (
+    CollectiveTimeoutError,
     ConfigurationError,
     CorruptShardError,
     IncompleteCheckpointError,
     NoCheckpointError,
 )
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
-from .replicated import PieceRing, exchange_shards, restore
+from .replicated import PieceRing, restore
+from .save_job import SaveJob
 from .staging import StagingArena, plan_layout
 from .state_dict import (
     BasicTensorAwareStateDict,
@@ -85,6 +87,8 @@ class LocalCheckpointManager:
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
+        busy: what an async save does while the previous one is in flight: "wait" for it, or
+            "skip" this save (decided alike on every rank).
 
     Construction is collective when torch.distributed is initialised (it creates a gloo group from
     the default group); without it the manager runs as a world of one.
@@ -93,12 +97,15 @@ class LocalCheckpointManager:
     def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
                  repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 io_threads: int = 2, node_id: str | None = None) -> None:
+                 io_threads: int = 2, node_id: str | None = None,
+                 busy: str = "wait") -> None:
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
             else repl_strategy
         if strategy is not None and not isinstance(strategy, ReplicationStrategy):
             raise ConfigurationError("repl_strategy: expected None, a ReplicationStrategy or one "
                                      f"of {strategy_names()}, got {type(repl_strategy).__name__}")
+        if busy not in ("wait", "skip"):
+            raise ConfigurationError(f"busy: expected 'wait' or 'skip', got {busy!r}")
         if type(keep_last) is not int or keep_last < 1:
             raise ConfigurationError(f"keep_last: expected an int >= 1, got {keep_last!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -120,8 +127,10 @@ class LocalCheckpointManager:
         self.session_id = session_id
         self.repl_strategy = strategy
         self.keep_last = keep_last
+        self.busy = busy
         self.timeout = float(timeout)
-        self._group = CheckpointGroup(self.timeout)
+        self._group = CheckpointGroup(self.timeout)  # control: agreement, main thread only
+        self._data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe background
         self.rank = self._group.rank
         self.world_size = self._group.world_size
         names = self._group.exchange("topology", lambda: local_node_name(node_id))
@@ -130,6 +139,7 @@ class LocalCheckpointManager:
             self._placement = None if strategy is None or isinstance(strategy, NoReplication) \
                 else strategy.place(self.topology)
         except Exception:
+            self._data_group.close()
             self._group.close()
             raise
         self._store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
@@ -137,13 +147,21 @@ class LocalCheckpointManager:
         self._store.remove_leftovers()
         self._arena = StagingArena()
         self._ring = PieceRing()  # receive buffers for replicas, reused across saves
+        self._inflight: SaveJob | None = None  # the async save not yet finalized
         self.latest_iteration = -1  # set by find_latest and by a successful save
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Release the I/O threads and the manager's process group. Not collective."""
+        """Wait for an async save's local work (its shard is then committed; finalizing it needs
+        every rank and happens through the AsyncCallsQueue), then release the I/O threads and
+        the manager's process groups. Not collective."""
+        job = self._inflight
+        if job is not None and job.scheduled and not job.done.wait(self.timeout):
+            logger.error("rank %d: async save of iteration %d still running at close",
+                         self.rank, job.iteration)
         self._store.close()
+        self._data_group.close()
         self._group.close()
 
     def __enter__(self) -> LocalCheckpointManager:
@@ -166,28 +184,48 @@ class LocalCheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> None:
-        """Save this rank's ``state_dict`` as its shard of ``iteration`` and finalize.
+    def save(self, state_dict: Any, iteration: int,
+             is_async: bool = False) -> AsyncRequest | None:
+        """Save this rank's ``state_dict`` as its shard of ``iteration``. Collective.
 
-        Collective. Blocks until the shard is committed on every rank and older iterations beyond
-        ``keep_last`` are removed. ``state_dict`` is a TensorAwareStateDict or a plain nested
-        dict/list/tuple (wrapped automatically); it is never mutated, and once ``save`` returns
-        later in-place changes to its tensors do not affect the checkpoint.
+        ``state_dict`` is a TensorAwareStateDict or a plain nested dict/list/tuple (wrapped
+        automatically); it is never mutated. Its tensors are copied into the staging arena before
+        ``save`` returns: from then on training may modify or free them (on CUDA the copies are
+        complete too; see docs/async.md).
+
+        Synchronous (default): blocks until the shard is written, replicated and finalized (the
+        iteration is complete on every rank, older iterations beyond ``keep_last`` removed).
+        ``is_async=True``: returns after staging with an :class:`AsyncRequest`; schedule it on an
+        :class:`AsyncCallsQueue`, whose ``maybe_finalize_async_calls`` finalizes it. Write and
+        replication run in the background on the manager's own data group. A previous async save
+        still in flight is waited for and finalized first (``busy="skip"``: this save is skipped
+        on every rank and None returned instead).
 
         Raises, on every rank alike: InvalidIterationError, WorldSizeMismatchError,
-        InsufficientSpaceError (checked before writing), RankTypeError (unsupported leaf on some
-        rank), IncompleteCheckpointError or the failing rank's error if a write failed (the partial
-        iteration is then removed), CollectiveError / CollectiveTimeoutError. Nothing committed
-        earlier is touched by a failed save.
+        InsufficientSpaceError (checked before writing, replicas counted), RankTypeError
+        (unsupported leaf on some rank), IncompleteCheckpointError or the failing rank's error
+        when a write or a transfer failed (the iteration is then removed everywhere; for an async
+        save this is raised by the finalize step), CollectiveError / CollectiveTimeoutError.
+        Nothing committed earlier is touched by a failed save.
         """
-        if is_async:
-            raise NotImplementedError("is_async=True is not available in this version; "
-                                      "call save(..., is_async=False)")
         with _gc_paused():
-            self._save(state_dict, iteration)
+            if not self._settle_inflight(skip=is_async and self.busy == "skip"):
+                logger.info("rank %d: skipping save of iteration %s: the previous one is still "
+                            "in flight", self.rank, iteration)
+                return None
+            job = self._stage(state_dict, iteration)
+        if is_async:
+            self._inflight = job
+            return AsyncRequest(job.run, (self._store, self._data_group, self._ring,
+                                          self.world_size),
+                                finalize_fns=(partial(self._finalize_job, job),),
+                                preload_fn=job.mark_scheduled)
+        job.run(self._store, self._data_group, self._ring, self.world_size)
+        self._finalize_job(job)
+        return None
 
-    def _save(self, state_dict: Any, iteration: int) -> None:
-        started = time.monotonic()
+    def _stage(self, state_dict: Any, iteration: int) -> SaveJob:
+        """Validate (collective), check capacity, copy the tensors into the arena."""
         prepared: dict[str, Any] = {}
 
         def prepare() -> dict[str, Any]:
@@ -215,36 +253,6 @@ class LocalCheckpointManager:
             writes[t.dst] += needed[t.src]
         check_capacity(writes, [int(g["free"]) for g in gathered], self.topology.node_of)
 
-        write_error: BaseException | None = None
-        committed: tuple[ShardManifest, torch.Tensor] | None = None
-        try:
-            committed = self._write_own_shard(iteration, prepared)
-        except Exception as exc:
-            write_error = exc
-            logger.error("rank %d: writing shard of iteration %d failed: %s", self.rank,
-                         iteration, exc)
-        if plan is not None:
-            def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
-                if committed is None:
-                    raise RuntimeError(f"rank {self.rank} has no shard to send: {write_error}")
-                return committed
-            try:
-                exchange_shards(plan, self._group, self._store, self.world_size, source,
-                                self._ring)
-            except Exception as exc:
-                write_error = write_error or exc
-        self._finalize(iteration, write_error)
-        logger.info("rank %d: saved iteration %d in %.3fs", self.rank, iteration,
-                    time.monotonic() - started)
-
-    @property
-    def _fetchable(self) -> bool:
-        """Whether a rank can obtain shards held by other ranks (replication is on)."""
-        return self._placement is not None
-
-    def _write_own_shard(self, iteration: int,
-                         prepared: dict[str, Any]) -> tuple[ShardManifest, torch.Tensor]:
-        """Stage and commit this rank's shard; returns its manifest and the staged payload."""
         tasd: TensorAwareStateDict = prepared["tasd"]
         layout = prepared["layout"]
         chunk_nbytes, chunk_count = prepared["chunking"]
@@ -262,8 +270,43 @@ class LocalCheckpointManager:
             chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
             identity=_identity(),
         )
-        _, committed = self._store.write(manifest, payload)
-        return committed, payload
+        return SaveJob(iteration, manifest, payload, plan)
+
+    @property
+    def _fetchable(self) -> bool:
+        """Whether a rank can obtain shards held by other ranks (replication is on)."""
+        return self._placement is not None
+
+    def _settle_inflight(self, skip: bool = False) -> bool:
+        """Back-pressure before anything that needs the arena or a settled disk: wait for the
+        async save in flight (bounded by ``timeout``) and finalize it (collective). With ``skip``
+        return False on every rank instead of waiting if it is not done on some rank."""
+        job = self._inflight
+        if job is None or job.finalized:
+            self._inflight = None
+            return True
+        if not job.scheduled:
+            raise ConfigurationError(
+                f"the AsyncRequest of the async save of iteration {job.iteration} was never "
+                "scheduled: pass it to AsyncCallsQueue.schedule_async_request (or call its "
+                "execute_sync) before the next save, find_latest or load")
+        if skip and not all(self._group.exchange("save: previous done?", job.done.is_set)):
+            return False
+        if not job.done.wait(self.timeout):
+            raise CollectiveTimeoutError(
+                f"the async save of iteration {job.iteration} did not finish within "
+                f"{self.timeout:g}s (was its AsyncRequest scheduled on an AsyncCallsQueue?)")
+        self._finalize_job(job)
+        return True
+
+    def _finalize_job(self, job: SaveJob) -> None:
+        """Finalize ``job`` once (the queue may call this after back-pressure already did)."""
+        if job.finalized:
+            return
+        job.finalized = True
+        if self._inflight is job:
+            self._inflight = None
+        self._finalize(job.iteration, job.error)
 
     def _finalize(self, iteration: int, write_error: BaseException | None) -> None:
         """Collective: agree the iteration is complete, then apply retention; or remove it."""
@@ -298,12 +341,14 @@ class LocalCheckpointManager:
     # ------------------------------------------------------------------ restore
 
     def find_latest(self) -> int:
-        """The newest iteration for which every rank holds its shard, or -1. Collective.
+        """The newest loadable iteration, or -1. Collective. Waits for (and finalizes) an async
+        save in flight first.
 
         Lists committed shards (no data is read), all-gathers the inventories and picks the
         newest complete iteration with :func:`localckpt.coverage.choose_latest`. Checksums are
         verified by ``load``.
         """
+        self._settle_inflight()
         inventories = self._gather_inventories("find_latest")
         self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
         return self.latest_iteration
@@ -319,6 +364,7 @@ class LocalCheckpointManager:
         Raises on every rank: NoCheckpointError, CorruptShardError naming the bad file (checksum
         mismatch, truncation, missing chunk), UnsupportedFormatError, CollectiveError.
         """
+        self._settle_inflight()
         if self.latest_iteration < 0:
             self.find_latest()
         iteration = self.latest_iteration

@@ -181,3 +181,54 @@ def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) ->
     return {"error": error,
             "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()),
             **replicated_load(rank, world, base, "node_spread", {}, 2)}
+
+
+def async_saves(rank: int, world: int, base: str, replicated: bool, iterations: list[int],
+                fail_rank: int = -1, fail_iteration: int = -1) -> dict[str, Any]:
+    """Async saves with a training loop doing all_reduce on the default group meanwhile."""
+    import torch.distributed as dist
+
+    from localckpt.async_calls import AsyncCallsQueue
+
+    per_node = 2 if replicated else 1
+    queue = AsyncCallsQueue(timeout=30)
+    mgr = (_replicated_manager(rank, base, "node_spread", {}, per_node) if replicated
+           else LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30))
+    errors, sums = [], []
+    for it in iterations:
+        if rank == fail_rank and it == fail_iteration:
+            real = mgr._store.write
+
+            def broken(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+                mgr._store.write = real  # type: ignore[method-assign]
+                raise OSError(5, "Input/output error (injected in the background)")
+            mgr._store.write = broken  # type: ignore[method-assign]
+        queue.schedule_async_request(mgr.save(make_state(rank, it, n=4), it, is_async=True))
+        for _ in range(20):  # training steps on the default (training) group
+            t = torch.ones(1000) * (rank + 1)
+            dist.all_reduce(t)
+            sums.append(float(t[0]))
+            try:
+                queue.maybe_finalize_async_calls(blocking=False)
+            except Exception as exc:
+                errors.append((type(exc).__name__, [c.__name__ for c in type(exc).__mro__],
+                               str(exc)))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as exc:
+        errors.append((type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc)))
+    queue.close()
+    mgr.close()
+    dirs = sorted(p.name for p in (Path(base) / f"node{rank // per_node}" / "job").iterdir())
+    loaded = (replicated_load(rank, world, base, "node_spread", {}, per_node) if replicated
+              else find_and_load_n4(rank, base))
+    return {"errors": errors, "all_reduce_ok": set(sums) == {world * (world + 1) / 2},
+            "dirs": dirs, **loaded}
+
+
+def find_and_load_n4(rank: int, base: str) -> dict[str, Any]:
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30) as mgr:
+        latest = mgr.find_latest()
+        loaded, _ = mgr.load()
+    return {"latest": latest, "digest": digest(loaded),
+            "expected": digest(make_state(rank, latest, n=4))}

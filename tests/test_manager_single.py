@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -102,9 +103,13 @@ def test_many_small_tensors_are_packed_into_few_chunk_files(root: Path) -> None:
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def test_async_is_not_available_yet(root: Path) -> None:
-    with LocalCheckpointManager(root) as mgr, pytest.raises(NotImplementedError, match="is_async"):
-        mgr.save({}, 1, is_async=True)
+def test_unscheduled_async_request_is_reported_not_waited_for(root: Path) -> None:
+    started = time.monotonic()
+    with LocalCheckpointManager(root, timeout=60) as mgr:
+        assert mgr.save({"w": torch.ones(1)}, 1, is_async=True) is not None
+        with pytest.raises(ConfigurationError, match="never scheduled"):
+            mgr.save({"w": torch.ones(1)}, 2)
+    assert time.monotonic() - started < 30
 
 
 def test_bad_replication_strategies_are_rejected_clearly(root: Path) -> None:

@@ -1,0 +1,186 @@
+"""Asynchronous requests and the queue that runs them: the names and semantics of Megatron's and
+NVIDIA's async checkpointing utilities, on a persistent background thread.
+
+An :class:`AsyncRequest` is ``async_fn(*async_fn_args, **async_fn_kwargs)`` (run in the
+background) plus ``finalize_fns`` (run in the main thread once *every* rank finished its
+``async_fn``). :class:`AsyncCallsQueue` runs requests in the order they were scheduled on one
+persistent worker thread, and ``maybe_finalize_async_calls`` agrees across ranks, through a
+collective with a timeout on the queue's own gloo group (never the training group), which
+requests are done everywhere, then finalizes them in order.
+
+Every rank must call ``schedule_async_request`` and ``maybe_finalize_async_calls`` in the same
+order (they are collective unless ``no_dist=True``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+from .collectives import CheckpointGroup
+from .errors import ConfigurationError, describe_failure, error_from_failures
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AsyncRequest:
+    """What to run in the background and what to run once every rank finished it.
+
+    ``preload_fn`` runs in the main thread when the request is scheduled (e.g. device-to-host
+    staging). ``add_finalize_fn`` returns a new request (requests are immutable; ``freeze`` is
+    kept for compatibility and returns the request itself).
+    """
+
+    async_fn: Callable[..., Any] | None
+    async_fn_args: tuple[Any, ...]
+    finalize_fns: Sequence[Callable[[], Any]] = ()
+    async_fn_kwargs: dict[str, Any] = field(default_factory=dict)
+    preload_fn: Callable[[], Any] | None = None
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> AsyncRequest:
+        return replace(self, finalize_fns=(*self.finalize_fns, fn))
+
+    def freeze(self) -> AsyncRequest:
+        return self
+
+    def execute_sync(self) -> None:
+        """Run everything in the calling thread: preload, async_fn, then the finalize fns."""
+        if self.preload_fn is not None:
+            self.preload_fn()
+        if self.async_fn is not None:
+            self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+        for fn in self.finalize_fns:
+            fn()
+
+
+@dataclass
+class _Call:
+    index: int
+    request: AsyncRequest
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+def _state_of(call: _Call) -> list[Any]:
+    return [call.done.is_set(), describe_failure(call.error) if call.error else None]
+
+
+def _drain_at_exit(ref: weakref.ReferenceType[AsyncCallsQueue]) -> None:
+    q = ref()
+    if q is not None:
+        q._drain_locally()
+
+
+class AsyncCallsQueue:
+    """Runs scheduled requests in order on one persistent background thread.
+
+    Construction is collective when torch.distributed is initialised: it creates the queue's own
+    gloo group (``timeout`` bounds every collective). At interpreter exit, requests still running
+    are waited for (their local work completes, e.g. the shard is committed); finalization needs
+    every rank and is left to the next run's ``find_latest``.
+    """
+
+    def __init__(self, persistent: bool = True, timeout: float = 300.0) -> None:
+        if not persistent:
+            logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
+        self._group = CheckpointGroup(timeout)
+        self._timeout = timeout
+        self._calls: list[_Call] = []
+        self._next = 0
+        self._work: queue.Queue[_Call | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="localckpt-async", daemon=True)
+        self._worker.start()
+        self._closed = False
+        atexit.register(_drain_at_exit, weakref.ref(self))
+
+    def _run(self) -> None:
+        while (call := self._work.get()) is not None:
+            try:
+                req = call.request
+                if req.async_fn is not None:
+                    req.async_fn(*req.async_fn_args, **req.async_fn_kwargs)
+            except BaseException as exc:  # reported at finalization, on every rank
+                logger.error("async call %d failed: %s", call.index, exc)
+                call.error = exc
+            finally:
+                call.done.set()
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Run ``request.preload_fn`` now, queue ``async_fn`` for the worker; returns the call's
+        index. Does not block on earlier calls."""
+        if self._closed:
+            raise ConfigurationError("AsyncCallsQueue: schedule_async_request after close()")
+        if request.preload_fn is not None:
+            request.preload_fn()
+        call = _Call(self._next, request)
+        self._next += 1
+        self._calls.append(call)
+        self._work.put(call)
+        return call.index
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self._calls)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False,
+                                   no_dist: bool = False) -> list[int]:
+        """Finalize, oldest first, every call that is done on all ranks; return their indices.
+
+        With ``blocking`` waits (up to the timeout per call) until all calls are done. Collective
+        unless ``no_dist`` (then only this rank's completion counts). A call whose async_fn raised
+        on any rank raises, on every rank, after its finalize fns ran (they see the failure
+        through their own state, e.g. to remove a partial checkpoint).
+        """
+        finalized: list[int] = []
+        while self._calls:
+            call = self._calls[0]
+            if blocking and not call.done.wait(self._timeout):
+                raise TimeoutError(f"async call {call.index} did not finish within "
+                                   f"{self._timeout:g}s")
+            if no_dist:
+                everywhere = call.done.is_set()
+                failures = {0: describe_failure(call.error)} if call.error else {}
+            else:
+                states = self._group.exchange(f"async call {call.index}: done?",
+                                              partial(_state_of, call))
+                everywhere = all(done for done, _ in states)
+                failures = {r: (str(e[0]), str(e[1])) for r, (_, e) in enumerate(states) if e}
+            if not everywhere:
+                break
+            self._calls.pop(0)
+            for fn in call.request.finalize_fns:
+                fn()
+            if failures:
+                raise error_from_failures(f"async call {call.index}", failures) from call.error
+            finalized.append(call.index)
+        return finalized
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize everything pending (collective), unless ``abort``; stop the worker."""
+        if self._closed:
+            return
+        try:
+            if not abort:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._closed = True
+            self._work.put(None)
+            self._worker.join(timeout=self._timeout)
+            self._group.close()
+
+    def _drain_locally(self) -> None:
+        """At interpreter exit: let running and queued calls finish (no collectives)."""
+        if self._closed:
+            return
+        for call in list(self._calls):
+            if not call.done.wait(self._timeout):
+                logger.error("async call %d still running at exit after %gs", call.index,
+                             self._timeout)
+                return

@@ -1,0 +1,67 @@
+"""One save after staging: the part that can run in the background.
+
+``SaveJob.run`` writes the rank's shard from the staged payload and replicates it; it never
+raises (the error is kept for the finalize step, which agrees on it across ranks) and sets
+``done`` when it is finished. It only uses the manager's *data* group, so it can run on a
+background thread while the main thread uses the control group or the training group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from replication import ExchangePlan, Transfer
+
+from .collectives import CheckpointGroup
+from .manifest import ShardManifest
+from .replicated import PieceRing, exchange_shards
+from .store import ShardStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """A staged shard on its way to disk and to its replica holders."""
+
+    iteration: int
+    manifest: ShardManifest  # checksums not yet known
+    payload: torch.Tensor  # the staging arena's bytes: must not be restaged before ``done``
+    plan: ExchangePlan | None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
+    finalized: bool = False
+
+    def mark_scheduled(self) -> None:
+        self.scheduled = True
+
+    def run(self, store: ShardStore, data_group: CheckpointGroup, ring: PieceRing,
+            world_size: int) -> None:
+        """Write, then replicate (this rank's part of the plan). Never raises; sets ``done``."""
+        try:
+            committed: ShardManifest | None = None
+            try:
+                _, committed = store.write(self.manifest, self.payload)
+            except Exception as exc:
+                self.error = exc
+                logger.error("rank %d: writing shard of iteration %d failed: %s",
+                             data_group.rank, self.iteration, exc)
+            if self.plan is not None:
+                def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
+                    if committed is None:
+                        raise RuntimeError(f"rank {data_group.rank} has no shard to send: "
+                                           f"{self.error}")
+                    return committed, self.payload
+                try:
+                    exchange_shards(self.plan, data_group, store, world_size, source, ring)
+                except Exception as exc:
+                    self.error = self.error or exc
+        except BaseException as exc:  # never let the worker die silently
+            self.error = self.error or exc
+        finally:
+            self.done.set()

@@ -1,0 +1,145 @@
+"""Async save: the request/queue semantics (no processes) and the manager's async path."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from scenarios import digest, make_state
+
+from localckpt import LocalCheckpointManager
+from localckpt.async_calls import AsyncCallsQueue, AsyncRequest
+from localckpt.errors import RankFailureError
+
+
+def test_queue_runs_in_background_and_finalizes_in_order() -> None:
+    gate, log = threading.Event(), []
+    q = AsyncCallsQueue(timeout=30)
+    first = AsyncRequest(lambda: (gate.wait(30), log.append("a1")), (),
+                         finalize_fns=(lambda: log.append("f1"),))
+    i0 = q.schedule_async_request(first)
+    i1 = q.schedule_async_request(AsyncRequest(log.append, ("a2",)).add_finalize_fn(
+        lambda: log.append("f2")))
+    assert (i0, i1) == (0, 1)
+    assert q.maybe_finalize_async_calls(blocking=False) == []  # still running
+    assert q.get_num_unfinalized_calls() == 2 and log == []
+    gate.set()
+    assert q.maybe_finalize_async_calls(blocking=True) == [0, 1]
+    assert log == ["a1", "a2", "f1", "f2"]
+    q.close()
+
+
+def test_async_failure_is_raised_at_finalization_after_finalize_fns() -> None:
+    seen: list[str] = []
+    q = AsyncCallsQueue(timeout=30)
+
+    def boom() -> None:
+        raise KeyError("disk on fire")
+
+    q.schedule_async_request(AsyncRequest(boom, (), finalize_fns=(lambda: seen.append("f"),)))
+    with pytest.raises(RankFailureError, match="disk on fire"):
+        q.maybe_finalize_async_calls(blocking=True)
+    assert seen == ["f"] and q.get_num_unfinalized_calls() == 0
+    q.close()
+
+
+def test_close_drains_pending_calls() -> None:
+    done: list[int] = []
+    q = AsyncCallsQueue(timeout=30)
+    q.schedule_async_request(AsyncRequest(lambda: (time.sleep(0.2), done.append(1)), ()))
+    q.close()
+    assert done == [1]
+
+
+def test_execute_sync_runs_everything_in_order() -> None:
+    log: list[str] = []
+    AsyncRequest(log.append, ("a",), finalize_fns=(lambda: log.append("f"),),
+                 preload_fn=lambda: log.append("p")).execute_sync()
+    assert log == ["p", "a", "f"]
+
+
+def test_async_save_returns_after_staging_and_snapshots(root: Path) -> None:
+    q = AsyncCallsQueue(timeout=30)
+    w = torch.arange(1000, dtype=torch.float32)
+    with LocalCheckpointManager(root, timeout=30) as mgr:
+        req = mgr.save({"w": w}, 5, is_async=True)
+        assert isinstance(req, AsyncRequest)
+        w.add_(1)  # training goes on while the write runs
+        q.schedule_async_request(req)
+        assert q.maybe_finalize_async_calls(blocking=True) == [0]
+        assert mgr.latest_iteration == 5
+        loaded, _ = mgr.load()
+    assert torch.equal(loaded["w"], torch.arange(1000, dtype=torch.float32))
+    q.close()
+
+
+def _slow_writes(mgr: LocalCheckpointManager, gate: threading.Event) -> None:
+    real = mgr._store.write
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return real(*args, **kwargs)
+    mgr._store.write = slow  # type: ignore[method-assign]
+
+
+def test_second_save_waits_for_the_one_in_flight(root: Path) -> None:
+    q, gate = AsyncCallsQueue(timeout=30), threading.Event()
+    with LocalCheckpointManager(root, keep_last=2, timeout=30) as mgr:
+        _slow_writes(mgr, gate)
+        q.schedule_async_request(mgr.save(make_state(0, 1), 1, is_async=True))
+        threading.Timer(0.3, gate.set).start()
+        started = time.monotonic()
+        q.schedule_async_request(mgr.save(make_state(0, 2), 2, is_async=True))
+        assert time.monotonic() - started >= 0.25  # it waited for iteration 1
+        assert mgr.latest_iteration == 1  # ... and finalized it
+        assert q.maybe_finalize_async_calls(blocking=True) == [0, 1]
+        assert mgr.find_latest() == 2
+        assert digest(mgr.load()[0]) == digest(make_state(0, 2))
+    q.close()
+
+
+def test_busy_skip_skips_instead_of_waiting(root: Path) -> None:
+    q, gate = AsyncCallsQueue(timeout=30), threading.Event()
+    with LocalCheckpointManager(root, timeout=30, busy="skip") as mgr:
+        _slow_writes(mgr, gate)
+        q.schedule_async_request(mgr.save(make_state(0, 1), 1, is_async=True))
+        assert mgr.save(make_state(0, 2), 2, is_async=True) is None
+        gate.set()
+        q.maybe_finalize_async_calls(blocking=True)
+        assert mgr.find_latest() == 1
+    q.close()
+
+
+@pytest.mark.parametrize("world,replicated", [(2, False), (4, True)])
+def test_async_round_trip_alongside_training_collectives(tmp_path: Path, root: Path, world: int,
+                                                         replicated: bool) -> None:
+    from dist_harness import run_ranks
+    from scenarios import async_saves
+
+    results = run_ranks(async_saves, world, tmp_path, str(root), replicated, [2, 4, 6])
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["errors"] == [] and r.value["all_reduce_ok"]
+        assert r.value["dirs"] == ["iter_0000000006"]
+        assert r.value["latest"] == 6 and r.value["digest"] == r.value["expected"]
+
+
+def test_background_failure_on_one_rank_raises_everywhere_and_keeps_previous(
+        tmp_path: Path, root: Path) -> None:
+    from dist_harness import run_ranks
+    from scenarios import async_saves
+
+    results = run_ranks(async_saves, 4, tmp_path, str(root), True, [3, 5], 2, 5)
+    for r in results:
+        assert r.ok, r.message
+        assert len(r.value["errors"]) == 1, r.value["errors"]
+        name, bases, msg = r.value["errors"][0]
+        # the root cause on rank 2, and its consequence on the rank expecting its replica
+        assert "CheckpointingError" in bases
+        assert "rank 2: " in msg and "injected in the background" in msg
+        assert r.value["dirs"] == ["iter_0000000003"]  # the partial iteration 5 is gone
+        assert r.value["latest"] == 3 and r.value["digest"] == r.value["expected"]
