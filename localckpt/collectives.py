@@ -28,6 +28,7 @@ from .errors import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_SLOT = 4096  # bytes per rank in the first all_gather round
 
 
 class CheckpointGroup:
@@ -68,10 +69,20 @@ class CheckpointGroup:
             return [payload]
         started = time.monotonic()
         try:
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64),
-                            group=self.group)
-            longest = max(int(s.item()) for s in sizes)
+            # Round 1: a fixed slot carrying the length and, when it fits, the payload itself,
+            # so small exchanges (validation, done?) cost one collective. Everyone sees every
+            # length and so agrees whether round 2 (a slot of the longest payload) is needed.
+            slot = torch.zeros(_SLOT, dtype=torch.uint8)
+            slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+            if len(payload) <= _SLOT - 8 and payload:
+                slot[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload),
+                                                              dtype=torch.uint8)
+            slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(slots, slot, group=self.group)
+            sizes = [int(s[:8].view(torch.int64).item()) for s in slots]
+            if max(sizes) <= _SLOT - 8:
+                return [bytes(s[8 : 8 + n].numpy()) for s, n in zip(slots, sizes, strict=True)]
+            longest = max(sizes)
             mine = torch.zeros(longest, dtype=torch.uint8)
             if payload:
                 mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -80,7 +91,7 @@ class CheckpointGroup:
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
             self._broken = _collective_error(what, exc, time.monotonic() - started, self.timeout)
             raise self._broken from exc
-        return [bytes(o[: int(s.item())].numpy()) for o, s in zip(out, sizes, strict=True)]
+        return [bytes(o[:n].numpy()) for o, n in zip(out, sizes, strict=True)]
 
     def exchange(self, step: str, local: Callable[[], T]) -> list[T]:
         """Run ``local()`` on this rank, then gather every rank's JSON-able result.

@@ -232,3 +232,16 @@ def find_and_load_n4(rank: int, base: str) -> dict[str, Any]:
         loaded, _ = mgr.load()
     return {"latest": latest, "digest": digest(loaded),
             "expected": digest(make_state(rank, latest, n=4))}
+
+
+def exchange_sizes(rank: int, world: int, sizes: list[int]) -> list[int]:
+    """Every rank contributes a payload of sizes[rank] characters; returns what it gathered."""
+    from localckpt.collectives import CheckpointGroup
+
+    group = CheckpointGroup(30)
+    try:
+        gathered = group.exchange("sizes", lambda: chr(ord("a") + rank) * sizes[rank])
+    finally:
+        group.close()
+    assert gathered == [chr(ord("a") + r) * n for r, n in enumerate(sizes)]
+    return [len(g) for g in gathered]

@@ -137,7 +137,7 @@ def test_background_failure_on_one_rank_raises_everywhere_and_keeps_previous(
     for r in results:
         assert r.ok, r.message
         assert len(r.value["errors"]) == 1, r.value["errors"]
-        name, bases, msg = r.value["errors"][0]
+        _, bases, msg = r.value["errors"][0]
         # the root cause on rank 2, and its consequence on the rank expecting its replica
         assert "CheckpointingError" in bases
         assert "rank 2: " in msg and "injected in the background" in msg

@@ -125,3 +125,10 @@ def test_missing_peer_raises_timeout_instead_of_hanging(tmp_path: Path, root: Pa
         results[0].message
     assert "find_latest" in results[0].message
     assert time.monotonic() - started < 45
+
+
+@pytest.mark.parametrize("sizes", [[0, 10, 4000], [5, 70_000, 0]])
+def test_exchange_of_small_and_large_payloads(tmp_path: Path, sizes: list[int]) -> None:
+    for r in run_ranks(scenarios.exchange_sizes, 3, tmp_path, sizes):
+        assert r.ok, r.message
+        assert r.value == sizes
