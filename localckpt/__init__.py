@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .async_calls import AsyncCallsQueue, AsyncRequest
 from .errors import (
     CheckpointingError,
     CheckpointingException,
@@ -21,6 +22,8 @@ from .manager import CkptID, LocalCheckpointManager
 from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
     "BasicTensorAwareStateDict",
     "CheckpointingError",
     "CheckpointingException",

@@ -105,7 +105,17 @@ class ShardWriter:
             _write_file(path, chunk, crc.to_bytes(4, "little"))
             return crc
 
-        self._futures[index] = self._pool.submit(write)
+        try:
+            self._futures[index] = self._pool.submit(write)
+        except RuntimeError:
+            # The interpreter is shutting down (pools refuse new work before atexit handlers
+            # run) while a pending save is being drained: write in this thread instead.
+            done: Future[int] = Future()
+            try:
+                done.set_result(write())
+            except BaseException as exc:
+                done.set_exception(exc)
+            self._futures[index] = done
 
     def wait_chunk(self, index: int) -> None:
         """Block until chunk ``index`` is written (its buffer may then be reused); re-raises a

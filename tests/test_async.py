@@ -143,3 +143,30 @@ def test_background_failure_on_one_rank_raises_everywhere_and_keeps_previous(
         assert "rank 2: " in msg and "injected in the background" in msg
         assert r.value["dirs"] == ["iter_0000000003"]  # the partial iteration 5 is gone
         assert r.value["latest"] == 3 and r.value["digest"] == r.value["expected"]
+
+
+def test_pending_async_save_is_drained_at_interpreter_exit(tmp_path: Path, root: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    program = textwrap.dedent(f"""
+        import time, torch
+        from localckpt import LocalCheckpointManager
+        from localckpt.async_calls import AsyncCallsQueue
+        queue = AsyncCallsQueue(timeout=30)
+        mgr = LocalCheckpointManager({str(root)!r}, "exit", timeout=30)
+        real = mgr._store.write
+        def slow(*a, **k):
+            time.sleep(1.0)  # still writing when the interpreter starts to exit
+            return real(*a, **k)
+        mgr._store.write = slow
+        queue.schedule_async_request(mgr.save({{"w": torch.arange(10.0)}}, 7, is_async=True))
+        print("exiting", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr
+    with LocalCheckpointManager(root, "exit", timeout=30) as mgr:
+        assert mgr.find_latest() == 7
+        assert torch.equal(mgr.load()[0]["w"], torch.arange(10.0))

@@ -28,3 +28,11 @@ def test_bench_replication_quick_writes_report(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "benchmarks-replication.json").read_text())
     assert data["replication_ratio_to_raw"] > 0 and data["restore_ratio_to_raw"] > 0
     assert "restore after node loss" in (tmp_path / "benchmarks-replication.md").read_text()
+
+
+def test_bench_async_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_async.py"), "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "benchmarks-async.json").read_text())
+    assert data["stall_ratio_to_memcpy"] > 0 and data["async_to_sync_ratio"] > 0
