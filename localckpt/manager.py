@@ -13,7 +13,6 @@ import contextlib
 import gc
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -31,7 +30,6 @@ from replication import (
     strategy_names,
 )
 
-from . import __version__
 from .async_calls import AsyncRequest
 from .collectives import CheckpointGroup
 from .coverage import (
@@ -49,16 +47,11 @@ from .errors import (
     IncompleteCheckpointError,
     NoCheckpointError,
 )
-from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name
+from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name, writer_identity
 from .replicated import PieceRing, restore
 from .save_job import SaveJob
 from .staging import StagingArena, plan_layout
-from .state_dict import (
-    BasicTensorAwareStateDict,
-    TensorAwareStateDict,
-    as_tensor_aware,
-    restore_devices,
-)
+from .state_dict import TensorAwareStateDict, as_tensor_aware, rebuild_state_dict
 from .store import (
     DEFAULT_CHUNK_NBYTES,
     ShardRef,
@@ -268,7 +261,7 @@ class LocalCheckpointManager:
             world_size=self.world_size, tensors=entries, hollow=tasd.hollow_structure(),
             container=prepared["container"], data_nbytes=layout.nbytes,
             chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
-            identity=_identity(),
+            identity=writer_identity(),
         )
         return SaveJob(iteration, manifest, payload, plan)
 
@@ -377,7 +370,7 @@ class LocalCheckpointManager:
             manifest, tensors = restore(iteration, self._group, self._store, self.topology,
                                         self._placement, self._read_own,
                                         self._gather_inventories, self._ring)
-            return _rebuild(manifest, tensors), self._ckpt_id(iteration)
+            return _as_loaded(manifest, tensors), self._ckpt_id(iteration)
         loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
 
         def read() -> None:
@@ -389,7 +382,7 @@ class LocalCheckpointManager:
 
         self._group.exchange(f"load of iteration {iteration}", read)
         manifest, tensors = loaded[0]
-        return _rebuild(manifest, tensors), self._ckpt_id(iteration)
+        return _as_loaded(manifest, tensors), self._ckpt_id(iteration)
 
     def _read_own(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
         """Read a shard straight into fresh per-tensor storages (scatter read, verified)."""
@@ -403,13 +396,10 @@ class LocalCheckpointManager:
         return manifest, tensors
 
 
-def _rebuild(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:
-    """The state dict of ``manifest`` from its tensors (CPU, each in its own storage), moved to
-    their recorded devices."""
-    tensors = restore_devices(tensors, [e.device for e in manifest.tensors])
-    tasd = BasicTensorAwareStateDict.from_hollow(manifest.hollow, tensors,
-                                                 [e.key_path for e in manifest.tensors])
-    return tasd.to_state_dict() if manifest.container == "plain" else tasd
+def _as_loaded(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:
+    """The state dict in the form it was saved, tensors on their recorded devices."""
+    return rebuild_state_dict(manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
+                              [e.device for e in manifest.tensors], manifest.container == "plain")
 
 
 @contextlib.contextmanager
@@ -424,8 +414,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def _identity() -> dict[str, Any]:
-    return {"hostname": socket.gethostname(), "pid": os.getpid(),
-            "torch": torch.__version__, "localckpt": __version__}

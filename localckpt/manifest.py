@@ -9,6 +9,8 @@ Format history: version 1 (this one). A reader rejects any other version with
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +156,14 @@ class ShardManifest:
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",
                   "container", "data_nbytes", "chunk_nbytes", "chunk_count", "created_unix")
+
+
+def writer_identity() -> dict[str, Any]:
+    """Who wrote a shard: recorded in its manifest for operators and tools."""
+    from . import __version__
+
+    return {"hostname": socket.gethostname(), "pid": os.getpid(),
+            "torch": torch.__version__, "localckpt": __version__}
 
 
 def _crc_of(body: dict[str, Any]) -> int:

@@ -228,6 +228,15 @@ def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None)
     return device
 
 
+def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str],
+                       devices: Sequence[str], plain: bool) -> Any:
+    """A loaded state dict: tensors (CPU, each in its own storage) moved to their recorded
+    devices, as a plain structure when a plain one was saved, else a BasicTensorAwareStateDict."""
+    tasd = BasicTensorAwareStateDict.from_hollow(hollow, restore_devices(tensors, devices),
+                                                 key_paths)
+    return tasd.to_state_dict() if plain else tasd
+
+
 def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> list[torch.Tensor]:
     """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent."""
     cache: dict[str, torch.device] = {}
