@@ -13,8 +13,6 @@ full load, save of many small tensors, plus zarr's default array write for refer
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -26,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import crc32c
 import numpy as np
 import torch
@@ -229,15 +228,10 @@ any loader returning new tensors pays (compare with the "fresh allocation" raw r
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=7)
+    p = benchlib.parser(__doc__, size_mib=512, repeats=7)
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-kib", type=int, default=4)
-    p.add_argument("--root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    p.add_argument("--root", default=benchlib.SHM)
     a = p.parse_args()
     if a.quick:
         a.size_mib, a.repeats, a.small_count = 4, 2, 200
@@ -250,12 +244,7 @@ def main() -> int:
     r.update(repeats=a.repeats, machine=platform.machine(), cpus=os.cpu_count(),
              torch=torch.__version__, root_fs=str(a.root), python=sys.version.split()[0],
              numpy=np.__version__)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python scripts/bench.py" + (" --quick" if a.quick else "")
-    (out / "benchmarks.json").write_text(json.dumps(r, indent=1))
-    (out / "benchmarks.md").write_text(markdown(r, cmd))
-    print(markdown(r, cmd))
+    benchlib.write_report(a.out, "benchmarks", r, markdown, "bench.py", a.quick)
     return 0
 
 

@@ -13,20 +13,17 @@ memcpy and the synchronous path measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from localckpt import LocalCheckpointManager
 from localckpt.async_calls import AsyncCallsQueue
@@ -34,8 +31,8 @@ from localckpt.async_calls import AsyncCallsQueue
 MiB = 1 << 20
 
 
-def _rank(rank: int, world: int, store_path: str, base: str, nbytes: int, repeats: int,
-          out: str) -> None:
+def _rank(rank: int, store_path: str, base: str, out: str, world: int, nbytes: int,
+          repeats: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
@@ -98,31 +95,14 @@ next save comes before the previous one finished, it waits (or, with `busy="skip
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=256)
+    p = benchlib.parser(__doc__, size_mib=256, repeats=5)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     a = p.parse_args()
     if a.quick:
         a.size_mib, a.repeats = 4, 2
-    work = Path(tempfile.mkdtemp(prefix="localckpt-bench-async-",
-                                 dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    try:
-        mp.start_processes(_rank, args=(a.world, str(work / "store"), str(work / "roots"),
-                                        a.size_mib * MiB, a.repeats, str(work / "r.json")),
-                           nprocs=a.world, start_method="spawn")
-        r = json.loads((work / "r.json").read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python scripts/bench_async.py" + (" --quick" if a.quick else "")
-    (out / "benchmarks-async.json").write_text(json.dumps(r, indent=1))
-    (out / "benchmarks-async.md").write_text(markdown(r, cmd))
-    print(markdown(r, cmd))
+    r = benchlib.spawn_ranks(_rank, a.world, (a.world, a.size_mib * MiB, a.repeats),
+                             "localckpt-bench-async-")
+    benchlib.write_report(a.out, "benchmarks-async", r, markdown, "bench_async.py", a.quick)
     return 0
 
 

@@ -15,22 +15,20 @@ Figures:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from localckpt import LocalCheckpointManager
 from localckpt.replicated import exchange_shards
@@ -50,7 +48,7 @@ def _barrier_time(fn: Any) -> float:
     return float(elapsed.item())
 
 
-def _rank(rank: int, store_path: str, base: str, nbytes: int, repeats: int, out: str) -> None:
+def _rank(rank: int, store_path: str, base: str, out: str, nbytes: int, repeats: int) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=os.environ.get("LOCALCKPT_LOG", "WARNING"),
                         format=f"rank{rank} %(relativeCreated)d %(name)s: %(message)s")
@@ -180,31 +178,13 @@ def _rank(rank: int, store_path: str, base: str, nbytes: int, repeats: int, out:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
-    a = p.parse_args()
+    a = benchlib.parser(__doc__, size_mib=256, repeats=5).parse_args()
     if a.quick:
         a.size_mib, a.repeats = 4, 2
-    shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    work = Path(tempfile.mkdtemp(prefix="localckpt-bench-repl-", dir=shm))
-    try:
-        result_file = work / "result.json"
-        mp.start_processes(_rank, args=(str(work / "store"), str(work / "roots"),
-                                         a.size_mib * MiB, a.repeats, str(result_file)),
-                           nprocs=WORLD, start_method="spawn")
-        r = json.loads(result_file.read_text())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "benchmarks-replication.json").write_text(json.dumps(r, indent=1))
-    cmd = "python scripts/bench_replication.py" + (" --quick" if a.quick else "")
-    (out / "benchmarks-replication.md").write_text(markdown(r, cmd))
-    print(markdown(r, cmd))
+    r = benchlib.spawn_ranks(_rank, WORLD, (a.size_mib * MiB, a.repeats),
+                             "localckpt-bench-repl-")
+    benchlib.write_report(a.out, "benchmarks-replication", r, markdown, "bench_replication.py",
+                          a.quick)
     return 0
 
 
