@@ -183,14 +183,16 @@ def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) ->
             **replicated_load(rank, world, base, "node_spread", {}, 2)}
 
 
-def async_saves(rank: int, world: int, base: str, replicated: bool, iterations: list[int],
+def async_saves(rank: int, world: int, base: str, per_node: int, iterations: list[int],
                 fail_rank: int = -1, fail_iteration: int = -1) -> dict[str, Any]:
-    """Async saves with a training loop doing all_reduce on the default group meanwhile."""
+    """Async saves with a training loop doing all_reduce on the default group meanwhile.
+    ``per_node`` ranks per simulated node with node_spread replication; 0: no replication."""
     import torch.distributed as dist
 
     from localckpt.async_calls import AsyncCallsQueue
 
-    per_node = 2 if replicated else 1
+    replicated = per_node > 0
+    per_node = per_node or 1
     queue = AsyncCallsQueue(timeout=30)
     mgr = (_replicated_manager(rank, base, "node_spread", {}, per_node) if replicated
            else LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30))

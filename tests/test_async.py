@@ -114,13 +114,13 @@ def test_busy_skip_skips_instead_of_waiting(root: Path) -> None:
     q.close()
 
 
-@pytest.mark.parametrize("world,replicated", [(2, False), (4, True)])
+@pytest.mark.parametrize("world,per_node", [(2, 1), (4, 2), (2, 0)])
 def test_async_round_trip_alongside_training_collectives(tmp_path: Path, root: Path, world: int,
-                                                         replicated: bool) -> None:
+                                                         per_node: int) -> None:
     from dist_harness import run_ranks
     from scenarios import async_saves
 
-    results = run_ranks(async_saves, world, tmp_path, str(root), replicated, [2, 4, 6])
+    results = run_ranks(async_saves, world, tmp_path, str(root), per_node, [2, 4, 6])
     for r in results:
         assert r.ok, r.message
         assert r.value["errors"] == [] and r.value["all_reduce_ok"]
@@ -133,7 +133,7 @@ def test_background_failure_on_one_rank_raises_everywhere_and_keeps_previous(
     from dist_harness import run_ranks
     from scenarios import async_saves
 
-    results = run_ranks(async_saves, 4, tmp_path, str(root), True, [3, 5], 2, 5)
+    results = run_ranks(async_saves, 4, tmp_path, str(root), 2, [3, 5], 2, 5)
     for r in results:
         assert r.ok, r.message
         assert len(r.value["errors"]) == 1, r.value["errors"]
