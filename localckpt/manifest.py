@@ -8,9 +8,9 @@ Format history: version 1 (this one). A reader rejects any other version with
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,12 +158,20 @@ _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "wo
                   "container", "data_nbytes", "chunk_nbytes", "chunk_count", "created_unix")
 
 
+@functools.cache
+def _node_identity() -> dict[str, Any]:
+    from .health import node_identity
+
+    return node_identity()
+
+
 def writer_identity() -> dict[str, Any]:
-    """Who wrote a shard: recorded in its manifest for operators and tools."""
+    """Who wrote a shard (node: hostname, boot id, GPU UUIDs; process; versions): recorded in
+    its manifest for operators and tools. NVML is asked once per process."""
     from . import __version__
 
-    return {"hostname": socket.gethostname(), "pid": os.getpid(),
-            "torch": torch.__version__, "localckpt": __version__}
+    return {**_node_identity(), "pid": os.getpid(), "torch": torch.__version__,
+            "localckpt": __version__}
 
 
 def _crc_of(body: dict[str, Any]) -> int:

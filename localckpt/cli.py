@@ -1,0 +1,284 @@
+"""The ``localckpt`` command: look at, verify and clean node-local checkpoints; check a node.
+
+    localckpt ls ROOT...            iterations, owners, copies, bytes; coverage across the roots
+    localckpt inspect SHARD         manifest, tensor table, writer identity
+    localckpt verify ROOT...        every committed shard's checksums (exit 1 on corruption)
+    localckpt gc ROOT [--dry-run]   leftovers, iterations beyond --keep-last, other world sizes
+    localckpt doctor [--root R]     file system, free space, /dev/shm, GPUs, library versions
+
+``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
+corruption found by ``verify`` is exit status 1. Run ``ls`` with the roots of several nodes (or
+copies of them) to see which iterations are complete across the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import health
+from .errors import CheckpointingError
+from .manifest import ShardManifest
+from .store import ShardRef, ShardStore, list_shards
+
+_DEFAULT_SESSION_DIR = "_default"
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def _sessions(root: Path) -> list[str]:
+    if not root.is_dir():
+        raise UsageError(f"{root}: not a directory")
+    return sorted("" if p.name == _DEFAULT_SESSION_DIR else p.name for p in root.iterdir()
+                  if p.is_dir() and not p.name.startswith("."))
+
+
+def _all_shards(roots: Sequence[Path]) -> list[tuple[Path, str, ShardRef]]:
+    found = [(root, session, ref) for root in roots for session in _sessions(root)
+             for ref in list_shards(root, session)]
+    if not found:
+        raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
+    return found
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _read_manifest(shard: Path) -> ShardManifest:
+    try:
+        doc = json.loads((shard / "zarr.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{shard}: not a localckpt shard (no readable zarr.json: {exc})") from exc
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return ShardManifest.from_json_dict(attrs.get("localckpt") if isinstance(attrs, dict)
+                                        else None, str(shard / "zarr.json"))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    roots = [Path(r) for r in args.roots]
+    shards = _all_shards(roots)
+    Key = tuple[str, int, int]
+    groups: dict[Key, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    sizes: dict[tuple[str, int, int], int] = defaultdict(int)
+    for root, session, ref in shards:
+        key = (session, ref.iteration, ref.world_size)
+        groups[key][ref.owner_rank].append(str(root))
+        sizes[key] += _size(ref.path)
+    rows: list[dict[str, Any]] = []
+    for (session, it, world), owners in sorted(groups.items()):
+        missing = sorted(set(range(world)) - set(owners))
+        copies = [len(owners.get(o, [])) for o in range(world)]
+        rows.append({"session": session, "iteration": it, "world_size": world,
+                     "complete": not missing, "missing_owners": missing,
+                     "copies_min": min(copies), "copies_max": max(copies),
+                     "bytes": sizes[(session, it, world)],
+                     "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())}})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'session':<12} {'iteration':>10} {'world':>5} {'complete':>8} {'copies':>7} "
+          f"{'MiB':>10}  missing owners")
+    for r in rows:
+        print(f"{r['session'] or '(default)':<12} {r['iteration']:>10} {r['world_size']:>5} "
+              f"{'yes' if r['complete'] else 'NO':>8} "
+              f"{r['copies_min']}-{r['copies_max']:<5} {r['bytes'] / 2**20:>10.1f}  "
+              f"{_ranges(r['missing_owners']) or '-'}")
+    return 0
+
+
+def _ranges(values: list[int]) -> str:
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    shard = Path(args.shard)
+    if not shard.is_dir():
+        raise UsageError(f"{shard}: not a directory")
+    m = _read_manifest(shard)
+    if args.json:
+        print(json.dumps(m.to_json_dict()["manifest"], indent=1))
+        return 0
+    print(f"shard          {shard}")
+    print(f"checkpoint id  iteration {m.iteration}, owner rank {m.owner_rank} of {m.world_size}, "
+          f"session {m.session_id!r}")
+    print(f"format         version {m.format_version}, {m.chunk_count} chunks of "
+          f"{m.chunk_nbytes} bytes, {m.data_nbytes} bytes of tensors")
+    print(f"written by     {json.dumps(m.identity)}")
+    print(f"\n{'tensor':<48} {'dtype':<10} {'shape':<20} {'bytes':>12}  device")
+    for t in m.tensors:
+        print(f"{t.key_path[:48]:<48} {t.dtype:<10} {list(t.shape)!s:<20} {t.nbytes:>12}  "
+              f"{t.device}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    shards = _all_shards([Path(r) for r in args.roots])
+    bad = []
+    for n, (root, session, ref) in enumerate(shards, 1):
+        store = ShardStore(root, session, writer_rank=0)
+        try:
+            store.read(ref)
+            status = "ok"
+        except CheckpointingError as exc:
+            status = f"CORRUPT: {exc}"
+            bad.append({"shard": str(ref.path), "error": str(exc)})
+        finally:
+            store.close()
+        if not args.json:
+            bar = "#" * (20 * n // len(shards))
+            print(f"[{bar:<20}] {n}/{len(shards)} {ref.path}: {status}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"verified": len(shards), "corrupt": bad}, indent=1))
+    else:
+        print(f"{len(shards)} shards verified, {len(bad)} corrupt")
+        for b in bad:
+            print(f"CORRUPT {b['shard']}: {b['error']}")
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    removed = []
+    for session in _sessions(root):
+        base = root / (session or _DEFAULT_SESSION_DIR)
+        removed += [p for p in base.glob("iter_*/.*") if p.name.startswith((".tmp-", ".trash-"))]
+        shards = list_shards(root, session)
+        if args.world_size is not None:
+            removed += [s.path for s in shards if s.world_size != args.world_size]
+            shards = [s for s in shards if s.world_size == args.world_size]
+        keep = sorted({s.iteration for s in shards}, reverse=True)[: args.keep_last]
+        removed += [s.path for s in shards if s.iteration not in keep]
+    for path in removed:
+        if not args.dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+    for it_dir in root.glob("*/iter_*"):
+        if not args.dry_run and it_dir.is_dir() and not any(it_dir.iterdir()):
+            it_dir.rmdir()
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": [str(p) for p in removed]}))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for p in removed:
+            print(f"{verb} {p}")
+        print(f"{len(removed)} entries {verb}")
+    return 0
+
+
+def _fs_type(path: Path) -> str:
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and str(path.resolve()).startswith(parts[1]) and \
+                    len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if not root.is_dir():
+        raise UsageError(f"{root}: not a directory")
+    report: dict[str, Any] = {}
+    for name, path in (("root", root), ("dev_shm", Path("/dev/shm"))):
+        if path.is_dir():
+            st = os.statvfs(path)
+            report[name] = {"path": str(path), "fs": _fs_type(path),
+                            "free_bytes": st.f_bavail * st.f_frsize,
+                            "total_bytes": st.f_blocks * st.f_frsize}
+    warnings = []
+    if args.expected_bytes and report["root"]["free_bytes"] < args.expected_bytes:
+        warnings.append(f"root has {report['root']['free_bytes'] / 2**30:.2f} GiB free, a "
+                        f"checkpoint needs {args.expected_bytes / 2**30:.2f} GiB: enlarge it "
+                        "(Docker: --shm-size) or choose another root")
+    status, gpus = health.gpu_inventory()
+    report["nvml"] = status
+    report["gpus"] = health.as_json(gpus)
+    warnings += [f"GPU {g.index} ({g.uuid}) unhealthy: uncorrected ECC "
+                 f"{g.ecc_uncorrected_volatile}, retired pages {g.retired_pages}"
+                 for g in gpus if not g.healthy]
+    versions: dict[str, str | None] = {}
+    for dist in ("localckpt", "torch", "zarr", "numcodecs", "crc32c", "nvidia-ml-py"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    report["versions"] = versions
+    report["warnings"] = warnings
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for name in ("root", "dev_shm"):
+        if name in report:
+            r = report[name]
+            print(f"{name:<8} {r['path']} ({r['fs']}): {r['free_bytes'] / 2**30:.2f} GiB free of "
+                  f"{r['total_bytes'] / 2**30:.2f} GiB")
+    print(f"GPUs     {status}" + "".join(
+        f"\n  {g['index']}: {g['name']} {g['uuid']} {g['memory_total_bytes'] / 2**30:.0f} GiB "
+        f"{'healthy' if g['healthy'] else 'UNHEALTHY'}"
+        f"{' throttled: ' + ', '.join(g['throttle_reasons']) if g['throttle_reasons'] else ''}"
+        for g in report["gpus"]))
+    print("versions " + ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items()))
+    for w in warnings:
+        print(f"WARNING  {w}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localckpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list checkpoints and their coverage across roots")
+    ls.add_argument("roots", nargs="+")
+    ins = sub.add_parser("inspect", help="show one shard's manifest and tensors")
+    ins.add_argument("shard")
+    ver = sub.add_parser("verify", help="check every shard's checksums")
+    ver.add_argument("roots", nargs="+")
+    gc = sub.add_parser("gc", help="remove leftovers and old iterations")
+    gc.add_argument("root")
+    gc.add_argument("--keep-last", type=int, default=1)
+    gc.add_argument("--world-size", type=int, default=None,
+                    help="also remove shards written by a job of another world size")
+    gc.add_argument("--dry-run", action="store_true")
+    doc = sub.add_parser("doctor", help="check the node: storage, GPUs, versions")
+    doc.add_argument("--root", default="/dev/shm")
+    doc.add_argument("--expected-bytes", type=int, default=0,
+                     help="bytes a checkpoint needs on the root (with replicas)")
+    for s in (ls, ins, ver, gc, doc):
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "gc": cmd_gc,
+                "doctor": cmd_doctor}
+    try:
+        return handlers[args.command](args)
+    except (UsageError, CheckpointingError, OSError) as exc:
+        print(f"localckpt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
