@@ -19,6 +19,7 @@ from .errors import (
     WorldSizeMismatchError,
 )
 from .manager import CkptID, LocalCheckpointManager
+from .metrics import Metrics, PhaseMetric
 from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __all__ = [
@@ -36,7 +37,9 @@ __all__ = [
     "InsufficientSpaceError",
     "InvalidIterationError",
     "LocalCheckpointManager",
+    "Metrics",
     "NoCheckpointError",
+    "PhaseMetric",
     "RankFailureError",
     "TensorAwareStateDict",
     "UnsupportedFormatError",

@@ -13,6 +13,8 @@ import contextlib
 import gc
 import logging
 import os
+import time
+import zlib
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -48,6 +50,7 @@ from .errors import (
     NoCheckpointError,
 )
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name, writer_identity
+from .metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .replicated import PieceRing, restore
 from .save_job import SaveJob
 from .staging import StagingArena, plan_layout
@@ -82,6 +85,9 @@ class LocalCheckpointManager:
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
         busy: what an async save does while the previous one is in flight: "wait" for it, or
             "skip" this save (decided alike on every rank).
+        metrics: a :class:`localckpt.metrics.Metrics` or a callable receiving each
+            :class:`~localckpt.metrics.PhaseMetric` (per-phase seconds and bytes); records also
+            go to the ``localckpt.metrics`` logger and to ``$LOCALCKPT_METRICS_FILE`` if set.
 
     Construction is collective when torch.distributed is initialised (it creates a gloo group from
     the default group); without it the manager runs as a world of one.
@@ -91,7 +97,8 @@ class LocalCheckpointManager:
                  repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
-                 busy: str = "wait") -> None:
+                 busy: str = "wait", metrics: Metrics | MetricHook | None = None) -> None:
+        self.metrics = as_metrics(metrics)
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
             else repl_strategy
         if strategy is not None and not isinstance(strategy, ReplicationStrategy):
@@ -128,6 +135,10 @@ class LocalCheckpointManager:
         self.world_size = self._group.world_size
         names = self._group.exchange("topology", lambda: local_node_name(node_id))
         self.topology = Topology(tuple(names))
+        # Recorded in every manifest; a shard written under another layout is warned about.
+        self._job_identity = {"world_size": self.world_size, "nodes": self.topology.num_nodes,
+                              "topology_crc32": zlib.crc32("\n".join(names).encode())}
+        self._warned_foreign: set[int] = set()
         try:  # pure: every rank raises the same TopologyError
             self._placement = None if strategy is None or isinstance(strategy, NoReplication) \
                 else strategy.place(self.topology)
@@ -201,21 +212,30 @@ class LocalCheckpointManager:
         save this is raised by the finalize step), CollectiveError / CollectiveTimeoutError.
         Nothing committed earlier is touched by a failed save.
         """
-        with _gc_paused():
+        with self._timed("stall", iteration) as box, _gc_paused():
             if not self._settle_inflight(skip=is_async and self.busy == "skip"):
                 logger.info("rank %d: skipping save of iteration %s: the previous one is still "
                             "in flight", self.rank, iteration)
                 return None
             job = self._stage(state_dict, iteration)
+            box["nbytes"] = job.manifest.data_nbytes
+            if not is_async:
+                self._run_and_finalize(job)
         if is_async:
             self._inflight = job
             return AsyncRequest(job.run, (self._store, self._data_group, self._ring,
                                           self.world_size),
                                 finalize_fns=(partial(self._finalize_job, job),),
                                 preload_fn=job.mark_scheduled)
+        return None
+
+    def _run_and_finalize(self, job: SaveJob) -> None:
         job.run(self._store, self._data_group, self._ring, self.world_size)
         self._finalize_job(job)
-        return None
+
+    def _timed(self, phase: str, iteration: int, nbytes: int = 0) -> Any:
+        it = iteration if type(iteration) is int else -1
+        return self.metrics.timed(phase, self.rank, it, self.session_id, nbytes)
 
     def _stage(self, state_dict: Any, iteration: int) -> SaveJob:
         """Validate (collective), check capacity, copy the tensors into the arena."""
@@ -261,9 +281,9 @@ class LocalCheckpointManager:
             world_size=self.world_size, tensors=entries, hollow=tasd.hollow_structure(),
             container=prepared["container"], data_nbytes=layout.nbytes,
             chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
-            identity=writer_identity(),
+            identity={**writer_identity(), "job": self._job_identity},
         )
-        return SaveJob(iteration, manifest, payload, plan)
+        return SaveJob(iteration, manifest, payload, plan, metrics=self.metrics)
 
     @property
     def _fetchable(self) -> bool:
@@ -299,7 +319,8 @@ class LocalCheckpointManager:
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
-        self._finalize(job.iteration, job.error)
+        with self._timed("finalize", job.iteration):
+            self._finalize(job.iteration, job.error)
 
     def _finalize(self, iteration: int, write_error: BaseException | None) -> None:
         """Collective: agree the iteration is complete, then apply retention; or remove it."""
@@ -342,9 +363,34 @@ class LocalCheckpointManager:
         verified by ``load``.
         """
         self._settle_inflight()
-        inventories = self._gather_inventories("find_latest")
-        self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
+        with self._timed("find_latest", -1) as box:
+            inventories = self._gather_inventories("find_latest")
+            self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
+            box["iteration"] = self.latest_iteration
+        if self.latest_iteration >= 0:
+            ref = ShardRef(self.latest_iteration, self.rank, self.world_size,
+                           self._store.path_of(self.latest_iteration, self.rank, self.world_size))
+            with contextlib.suppress(Exception):  # load verifies; this only looks
+                self._warn_if_foreign(self._store.read_manifest(ref))
         return self.latest_iteration
+
+    def _warn_if_foreign(self, manifest: ShardManifest) -> None:
+        """Warn (once per iteration) when a shard was written by another session or by a job
+        laid out on other nodes: expected after a node was replaced, worth a look otherwise
+        (data-loader and RNG states belong to the rank that wrote them)."""
+        if manifest.iteration in self._warned_foreign:
+            return
+        job = manifest.identity.get("job")
+        problems = []
+        if manifest.session_id != self.session_id:
+            problems.append(f"session {manifest.session_id!r}, this job's is {self.session_id!r}")
+        if isinstance(job, dict) and job != self._job_identity:
+            problems.append(f"topology {job}, this job's is {self._job_identity}")
+        if problems:
+            self._warned_foreign.add(manifest.iteration)
+            logger.warning("rank %d: shard of iteration %d (owner %d) was written by a different "
+                           "job: %s", self.rank, manifest.iteration, manifest.owner_rank,
+                           "; ".join(problems))
 
     def load(self) -> tuple[Any, CkptID]:
         """Load this rank's shard of the latest complete iteration. Collective.
@@ -360,17 +406,25 @@ class LocalCheckpointManager:
         self._settle_inflight()
         if self.latest_iteration < 0:
             self.find_latest()
-        iteration = self.latest_iteration
+        with self._timed("load", self.latest_iteration) as box:
+            manifest, tensors = self._load(self.latest_iteration)
+            box["nbytes"] = manifest.data_nbytes
+        self._warn_if_foreign(manifest)
+        return _as_loaded(manifest, tensors), self._ckpt_id(manifest.iteration)
+
+    def _load(self, iteration: int) -> tuple[ShardManifest, list[torch.Tensor]]:
         if iteration < 0:
             raise NoCheckpointError(
                 f"no complete checkpoint of session {self.session_id!r} under {self.root} "
                 f"for a world of {self.world_size} ranks")
 
         if self._placement is not None:
-            manifest, tensors = restore(iteration, self._group, self._store, self.topology,
-                                        self._placement, self._read_own,
-                                        self._gather_inventories, self._ring)
-            return _as_loaded(manifest, tensors), self._ckpt_id(iteration)
+            def fetched(seconds: float, nbytes: int) -> None:
+                self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, iteration, seconds,
+                                              nbytes, self.session_id, time.time()))
+
+            return restore(iteration, self._group, self._store, self.topology, self._placement,
+                           self._read_own, self._gather_inventories, self._ring, fetched)
         loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
 
         def read() -> None:
@@ -381,8 +435,7 @@ class LocalCheckpointManager:
             loaded.append(self._read_own(ref))
 
         self._group.exchange(f"load of iteration {iteration}", read)
-        manifest, tensors = loaded[0]
-        return _as_loaded(manifest, tensors), self._ckpt_id(iteration)
+        return loaded[0]
 
     def _read_own(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
         """Read a shard straight into fresh per-tensor storages (scatter read, verified)."""

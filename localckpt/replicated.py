@@ -203,11 +203,12 @@ def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology:
             placement: Placement,
             read_own: Callable[[ShardRef], tuple[ShardManifest, list[torch.Tensor]]],
             gather: Callable[[str], list[Inventory]],
-            ring: PieceRing) -> tuple[ShardManifest, list[torch.Tensor]]:
+            ring: PieceRing, fetched: Callable[[float, int], None] | None = None
+            ) -> tuple[ShardManifest, list[torch.Tensor]]:
     """Bring every rank its shard of ``iteration`` and every node the replicas ``placement`` puts
     on it (written back to its root). Collective. Copies whose checksum fails are deleted and
     replaced from verified ones; raises NoCheckpointError on every rank when some shard has no
-    verified copy anywhere."""
+    verified copy anywhere. ``fetched(seconds, nbytes)`` is told what this rank received."""
     rank, world = group.rank, group.world_size
     step = f"load of iteration {iteration}"
     max_rounds = 1 + sum(1 + len(h) for h in placement.holders)  # each retry removes a copy
@@ -223,6 +224,9 @@ def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology:
         group.exchange(f"{step}: fetch from peers", partial(
             exchange_shards, rnd.plan.exchange, group, store, world, rnd.source, ring,
             rnd.received))
+        if fetched is not None and rnd.received:
+            fetched(time.monotonic() - verified,
+                    sum(r.manifest.data_nbytes for r in rnd.received.values()))
         logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
         if rnd.own is None:  # fetched and written back: read it like any local shard

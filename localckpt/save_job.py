@@ -18,7 +18,8 @@ from replication import ExchangePlan, Transfer
 
 from .collectives import CheckpointGroup
 from .manifest import ShardManifest
-from .replicated import PieceRing, exchange_shards
+from .metrics import Metrics
+from .replicated import PieceRing, StoreReceiver, exchange_shards
 from .store import ShardStore
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class SaveJob:
     done: threading.Event = field(default_factory=threading.Event)
     scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
     finalized: bool = False
+    metrics: Metrics | None = None
 
     def mark_scheduled(self) -> None:
         self.scheduled = True
@@ -43,22 +45,31 @@ class SaveJob:
     def run(self, store: ShardStore, data_group: CheckpointGroup, ring: PieceRing,
             world_size: int) -> None:
         """Write, then replicate (this rank's part of the plan). Never raises; sets ``done``."""
+        metrics = self.metrics or Metrics()
+        rank, session = data_group.rank, self.manifest.session_id
         try:
             committed: ShardManifest | None = None
             try:
-                _, committed = store.write(self.manifest, self.payload)
+                with metrics.timed("write", rank, self.iteration, session,
+                                   self.manifest.data_nbytes):
+                    _, committed = store.write(self.manifest, self.payload)
             except Exception as exc:
                 self.error = exc
                 logger.error("rank %d: writing shard of iteration %d failed: %s",
-                             data_group.rank, self.iteration, exc)
+                             rank, self.iteration, exc)
             if self.plan is not None:
                 def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
                     if committed is None:
-                        raise RuntimeError(f"rank {data_group.rank} has no shard to send: "
-                                           f"{self.error}")
+                        raise RuntimeError(f"rank {rank} has no shard to send: {self.error}")
                     return committed, self.payload
+                received: dict[tuple[int, int], StoreReceiver] = {}
+                sent = sum(1 for t in self.plan.transfers if t.src == rank)
                 try:
-                    exchange_shards(self.plan, data_group, store, world_size, source, ring)
+                    with metrics.timed("replicate", rank, self.iteration, session) as box:
+                        exchange_shards(self.plan, data_group, store, world_size, source, ring,
+                                        received)
+                        box["nbytes"] = sent * self.manifest.data_nbytes + sum(
+                            r.manifest.data_nbytes for r in received.values())
                 except Exception as exc:
                     self.error = self.error or exc
         except BaseException as exc:  # never let the worker die silently

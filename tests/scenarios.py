@@ -132,13 +132,15 @@ def stall_then_exit(rank: int, world: int, base: str, slow_rank: int, sleep: flo
 
 
 def _replicated_manager(rank: int, base: str, strategy: str, kwargs: dict[str, Any],
-                        ranks_per_node: int, keep_last: int = 1) -> LocalCheckpointManager:
+                        ranks_per_node: int, keep_last: int = 1,
+                        metrics: Any = None) -> LocalCheckpointManager:
     from replication import make_strategy
 
     node = rank // ranks_per_node
     return LocalCheckpointManager(Path(base) / f"node{node}", "job",
                                   make_strategy(strategy, **kwargs), keep_last=keep_last,
-                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}")
+                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
+                                  metrics=metrics)
 
 
 def replicated_save(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],
@@ -150,13 +152,20 @@ def replicated_save(rank: int, world: int, base: str, strategy: str, kwargs: dic
 
 def replicated_load(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],
                     ranks_per_node: int) -> dict[str, Any]:
-    with _replicated_manager(rank, base, strategy, kwargs, ranks_per_node) as mgr:
+    fetched: list[int] = []  # bytes this rank received from peers, from the metrics hook
+
+    def hook(m: Any) -> None:
+        if m.phase == "fetch_from_peer":
+            fetched.append(m.nbytes)
+
+    with _replicated_manager(rank, base, strategy, kwargs, ranks_per_node,
+                             metrics=hook) as mgr:
         latest = mgr.find_latest()
         if latest < 0:
             return {"latest": latest}
         loaded, ckpt_id = mgr.load()
     return {"latest": latest, "ckpt_id": list(ckpt_id), "digest": digest(loaded),
-            "expected": digest(make_state(rank, latest, n=4))}
+            "expected": digest(make_state(rank, latest, n=4)), "fetched": sum(fetched)}
 
 
 def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]:

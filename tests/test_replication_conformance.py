@@ -63,9 +63,12 @@ def test_node_loss_recovery_restores_redundancy_and_survives_a_second_loss(
 
     for lost in (1, 0):  # lose node 1, recover; then lose node 0, recover again
         shutil.rmtree(root / f"node{lost}")
-        for v in load_all(tmp_path, root, name, nodes, per):
+        values = load_all(tmp_path, root, name, nodes, per)
+        for v in values:
             assert v["latest"] == 5 and v["digest"] == v["expected"]
         assert [held(root, n, 5) for n in range(nodes)] == want  # redundancy restored
+        # Only the replaced node's ranks received anything (reported by the metrics hook).
+        assert [v["fetched"] > 0 for v in values] == [r // per == lost for r in range(world)]
 
 
 @pytest.mark.parametrize("nodes,per", LAYOUTS)

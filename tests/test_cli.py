@@ -1,0 +1,148 @@
+"""The ``localckpt`` command against checkpoints made by real managers: a replicated 4-rank job
+on 2 simulated nodes, a wiped node, a corrupted chunk, leftovers; text and --json output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scenarios
+from dist_harness import run_ranks
+from scenarios import make_state
+
+from localckpt import LocalCheckpointManager
+from localckpt.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Iterations 3 and 5 of a 4-rank job, node_spread F=2, 2 nodes, keep_last=2."""
+    tmp = tmp_path_factory.mktemp("cli-job")
+    results = run_ranks(scenarios.replicated_save, 4, tmp, str(tmp / "roots"), "node_spread",
+                        {"replication_factor": 2}, 2, [3, 5], 2)
+    assert all(r.ok for r in results), [r.message for r in results]
+    return tmp / "roots"
+
+
+@pytest.fixture
+def roots(job: Path, tmp_path: Path) -> list[Path]:
+    copy = tmp_path / "roots"
+    shutil.copytree(job, copy)
+    return [copy / "node0", copy / "node1"]
+
+
+def test_ls_shows_coverage_copies_and_a_wiped_node(capsys: pytest.CaptureFixture[str],
+                                                   roots: list[Path]) -> None:
+    rows = cli_json(capsys, "ls", *map(str, roots))
+    assert [(r["iteration"], r["complete"], r["copies_min"], r["copies_max"]) for r in rows] == [
+        (3, True, 2, 2), (5, True, 2, 2)]
+    assert rows[1]["holders"]["0"] == [str(roots[0]), str(roots[1])] and rows[1]["bytes"] > 0
+
+    shutil.rmtree(roots[1])
+    roots[1].mkdir()  # the replacement node: an empty root
+    rows = cli_json(capsys, "ls", *map(str, roots))
+    assert [(r["iteration"], r["complete"], r["copies_min"]) for r in rows] == [
+        (3, True, 1), (5, True, 1)]
+    shutil.rmtree(roots[0] / "job" / "iter_0000000005" / "rank_00002_of_00004")
+    code, out, _ = run_cli(capsys, "ls", *map(str, roots))
+    assert code == 0
+    line5 = next(line for line in out.splitlines() if line.split()[1:2] == ["5"])
+    assert line5.split()[3] == "NO" and line5.endswith(" 2")
+
+
+def test_inspect_shows_identity_and_tensor_table(capsys: pytest.CaptureFixture[str],
+                                                 roots: list[Path]) -> None:
+    shard = roots[0] / "job" / "iter_0000000005" / "rank_00001_of_00004"
+    code, out, _ = run_cli(capsys, "inspect", str(shard))
+    assert code == 0
+    assert "iteration 5, owner rank 1 of 4, session 'job'" in out
+    assert "model/layer0.weight" in out and "bfloat16" in out and '"hostname"' in out
+    doc = cli_json(capsys, "inspect", str(shard))
+    assert doc["iteration"] == 5 and doc["identity"]["job"]["nodes"] == 2
+
+
+def test_verify_passes_then_names_the_corrupt_file(capsys: pytest.CaptureFixture[str],
+                                                   roots: list[Path]) -> None:
+    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 16, "corrupt": []}
+    chunk = roots[1] / "job" / "iter_0000000005" / "rank_00003_of_00004" / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0xFF
+    chunk.write_bytes(raw)
+    code, out, err = run_cli(capsys, "verify", *map(str, roots))
+    assert code == 1
+    assert "16 shards verified, 1 corrupt" in out and str(chunk) in out
+    assert "[####################] 16/16" in err  # the progress bar
+
+
+def test_gc_dry_run_then_removal(capsys: pytest.CaptureFixture[str], roots: list[Path]) -> None:
+    leftover = roots[0] / "job" / "iter_0000000005" / ".tmp-rank_00000_of_00004-w00000-dead"
+    leftover.mkdir()
+    plan = cli_json(capsys, "gc", str(roots[0]), "--dry-run")
+    old = roots[0] / "job" / "iter_0000000003"
+    expected = {str(leftover)} | {str(old / f"rank_{o:05d}_of_00004") for o in range(4)}
+    assert plan["dry_run"] and set(plan["removed"]) == expected and leftover.exists()
+    done = cli_json(capsys, "gc", str(roots[0]))
+    assert set(done["removed"]) == expected
+    assert not leftover.exists() and not (roots[0] / "job" / "iter_0000000003").exists()
+    assert (roots[0] / "job" / "iter_0000000005" / "rank_00000_of_00004").is_dir()
+
+
+def test_gc_removes_other_world_sizes_when_asked(capsys: pytest.CaptureFixture[str],
+                                                 root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save(make_state(0, 1), 1)
+    assert cli_json(capsys, "gc", str(root), "--world-size", "4")["removed"] == [
+        str(root / "_default" / "iter_0000000001" / "rank_00000_of_00001")]
+    assert main(["ls", str(root)]) == 2  # nothing left: a clear error, not an empty table
+
+
+def test_doctor_reports_storage_gpus_versions_and_warns_on_small_roots(
+        capsys: pytest.CaptureFixture[str], root: Path) -> None:
+    report = cli_json(capsys, "doctor", "--root", str(root), "--expected-bytes", str(1 << 60))
+    assert report["root"]["free_bytes"] > 0 and report["root"]["fs"]
+    assert report["nvml"] in ("ok", "no NVIDIA driver")
+    assert report["versions"]["torch"] and report["versions"]["zarr"]
+    assert any("--shm-size" in w for w in report["warnings"])
+    code, out, _ = run_cli(capsys, "doctor", "--root", str(root))
+    assert code == 0 and "GPUs" in out and "versions" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["ls", "/nonexistent/root"], ["verify", "/nonexistent"], ["inspect", "/nonexistent"],
+    ["gc", "/nonexistent"], ["doctor", "--root", "/nonexistent"], ["ls", "{empty}"],
+    ["inspect", "{empty}"]])
+def test_bad_paths_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                           argv: list[str]) -> None:
+    argv = [a.replace("{empty}", str(tmp_path)) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"localckpt {argv[0]}: error:")
+    assert "Traceback" not in err
+
+
+def test_console_script_runs_as_a_program(root: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "localckpt.cli", "ls", str(root / "none")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    exe = Path(sys.executable).parent / "localckpt"
+    if exe.exists():  # installed by pip install -e (the README's set-up)
+        out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "verify" in out.stdout
