@@ -49,6 +49,7 @@ from .errors import (
     IncompleteCheckpointError,
     NoCheckpointError,
 )
+from .faults import fault_point
 from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name, writer_identity
 from .metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .replicated import PieceRing, restore
@@ -269,6 +270,7 @@ class LocalCheckpointManager:
         tasd: TensorAwareStateDict = prepared["tasd"]
         layout = prepared["layout"]
         chunk_nbytes, chunk_count = prepared["chunking"]
+        fault_point("staging", self.rank, iteration)
         payload = self._arena.stage(tasd.tensors, layout, chunk_nbytes * chunk_count)
         entries = tuple(
             TensorEntry(key_path=path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
@@ -319,6 +321,7 @@ class LocalCheckpointManager:
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
+        fault_point("after_commit", self.rank, job.iteration)
         with self._timed("finalize", job.iteration):
             self._finalize(job.iteration, job.error)
 
@@ -346,6 +349,7 @@ class LocalCheckpointManager:
             self.latest_iteration = -1
             raise
         self.latest_iteration = iteration
+        fault_point("finalize", self.rank, iteration)
         keep = retained_iterations(inventories, self.world_size, self.keep_last, self._fetchable)
         for it, owner, world in shards_to_delete(inventories[self.rank], keep):
             self._store.delete(ShardRef(it, owner, world,
@@ -363,6 +367,7 @@ class LocalCheckpointManager:
         verified by ``load``.
         """
         self._settle_inflight()
+        fault_point("find_latest", self.rank)
         with self._timed("find_latest", -1) as box:
             inventories = self._gather_inventories("find_latest")
             self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
@@ -417,6 +422,7 @@ class LocalCheckpointManager:
             raise NoCheckpointError(
                 f"no complete checkpoint of session {self.session_id!r} under {self.root} "
                 f"for a world of {self.world_size} ranks")
+        fault_point("load_retrieval", self.rank, iteration)
 
         if self._placement is not None:
             def fetched(seconds: float, nbytes: int) -> None:

@@ -30,6 +30,7 @@ from replication.executor import run_exchange
 from .collectives import CheckpointGroup
 from .coverage import Inventory
 from .errors import CorruptShardError, NoCheckpointError
+from .faults import fault_point
 from .manifest import ShardManifest, dtype_from_name
 from .shard_writer import ShardWriter
 from .staging import tensor_view
@@ -121,6 +122,7 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
     """Run this rank's part of ``plan``; raise the first local failure (the caller agrees).
     Received shards are committed to ``store`` (and listed in ``received``)."""
     def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
+        fault_point("replica_send", group.rank, t.iteration)
         manifest, payload = source(t)
         return encode_manifest(manifest), payload, piece_nbytes(manifest)
 

@@ -20,6 +20,7 @@ from typing import Any
 import crc32c
 
 from .errors import CorruptShardError, InsufficientSpaceError
+from .faults import fault_point
 from .manifest import ShardManifest
 
 _WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
@@ -99,8 +100,12 @@ class ShardWriter:
             raise ValueError(f"chunk {index} of {len(chunk)} bytes: expected index < "
                              f"{self.manifest.chunk_count} and {self.manifest.chunk_nbytes} bytes")
         path = self.tmp / "data" / "c" / str(index)
+        own = self.manifest.owner_rank == self._writer_rank
 
         def write() -> int:
+            if index == 0:
+                fault_point("local_write" if own else "replica_receive", self._writer_rank,
+                            self.manifest.iteration)
             crc = int(crc32c.crc32c(chunk))
             _write_file(path, chunk, crc.to_bytes(4, "little"))
             return crc
@@ -146,6 +151,8 @@ class ShardWriter:
             _write_file(tmp / "zarr.json", json.dumps(group, allow_nan=False).encode())
             for d in (tmp / "data" / "c", tmp / "data", tmp):
                 fsync_dir(d)
+            if manifest.owner_rank == self._writer_rank:
+                fault_point("before_commit", self._writer_rank, manifest.iteration)
             self._rename_into_place()
             fsync_dir(self.final.parent)
             if self._created_dirs:

@@ -1,14 +1,22 @@
 """A small, deterministic data-parallel training job that checkpoints with localckpt.
 
-Run under torchrun. Every rank trains a replica of a small MLP with Adam; gradients are averaged
-over the default (training) process group. The batch of each step is derived from (seed, step,
-rank) and the RNG states travel in the checkpoint, so a run that crashes and resumes ends with
-weights bit-identical to an uninterrupted run of the same length.
+Run under torchrun, on one node or on several simulated nodes (one torchrun agent per node,
+``--nnodes K --node-rank i``). Every rank trains a replica of a small MLP with Adam; gradients are
+averaged over the default (training) process group. The batch of each step is derived from
+(seed, step, rank) and the RNG states travel in the checkpoint, so a run that is interrupted by
+faults and resumes ends with weights bit-identical to an uninterrupted run of the same length.
 
-At start-up it resumes from ``find_latest`` / ``load``; it saves every ``--save-every`` steps.
-``--crash-at-step S --crash-rank R`` kills rank R (hard exit, no cleanup) at step S of the first
-attempt only (torchrun's TORCHELASTIC_RESTART_COUNT == 0), so torchrun's restart resumes it.
-Each rank writes ``<out>/rank<r>.json`` with the final weights' digest and what it resumed from.
+At start-up it resumes through ``find_latest`` / ``load``; it saves every ``--save-every`` steps,
+asynchronously (``--sync`` for blocking saves) with replication across nodes, and finalizes
+completed saves each step. A save that fails (the same error on every rank) is logged and training
+goes on: losing one checkpoint is not a reason to stop a job.
+
+``--root`` may contain ``{node}`` (the torchrun node rank): each simulated node its own root.
+``--crash-at-step S --crash-rank R`` hard-exits rank R at step S of the first attempt. Faults
+inside localckpt are armed with ``LOCALCKPT_FAULTS`` (see localckpt/faults.py).
+
+Each rank appends JSON events to ``<out>/events-rank<r>.jsonl`` (start, resumed, finalized,
+save_failed, done) and writes ``<out>/rank<r>.json`` with the final weights' digest at the end.
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from localckpt import LocalCheckpointManager
+from localckpt import (
+    AsyncCallsQueue,
+    CheckpointingError,
+    CollectiveError,
+    LocalCheckpointManager,
+)
 
 
 def build_model(seed: int) -> torch.nn.Module:
@@ -51,31 +64,65 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+class Events:
+    """Append-only JSON lines, one file per rank, kept across attempts and node replacement."""
+
+    def __init__(self, out: Path, rank: int, attempt: int, node: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / f"events-rank{rank}.jsonl"
+        self.base = {"rank": rank, "attempt": attempt, "node": node, "pid": os.getpid()}
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        line = json.dumps({**self.base, "event": event, "t": time.time(), **fields}) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--root", required=True, help="node-local checkpoint root")
-    parser.add_argument("--out", required=True, help="directory for per-rank result JSON")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", required=True, help="node-local root; may contain {node}")
+    parser.add_argument("--out", required=True, help="directory for per-rank results and events")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--crash-at-step", type=int, default=-1)
     parser.add_argument("--crash-rank", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="localckpt's and the training group's collective timeout")
+    parser.add_argument("--repl", default="auto",
+                        help="replication strategy name; auto: node_spread on 2+ nodes")
+    parser.add_argument("--keep-last", type=int, default=1)
+    parser.add_argument("--sync", action="store_true", help="blocking saves instead of async")
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="extra time per step (gives faults time to land mid-save)")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("LOCALCKPT_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(attempt)
+    # The simulated node: fixed per agent by the launcher (torchrun's GROUP_RANK follows the
+    # rendezvous order, which changes when a node is replaced).
+    node = int(os.environ.get("LOCALCKPT_DEMO_NODE", os.environ.get("GROUP_RANK", "0")))
+    init_process_group(attempt, args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(1)
+    events = Events(Path(args.out), rank, attempt, node)
+    events("start")
 
     model = build_model(args.seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)  # dropout masks differ per rank, as in real jobs
 
-    mgr = LocalCheckpointManager(args.root, "demo", timeout=args.timeout)
+    repl = ("node_spread" if nodes >= 2 else None) if args.repl == "auto" else args.repl
+    fetched: list[int] = []
+    mgr = LocalCheckpointManager(
+        args.root.format(node=node), "demo", repl, keep_last=args.keep_last,
+        timeout=args.timeout, node_id=f"node{node}",
+        metrics=lambda m: fetched.append(m.nbytes) if m.phase == "fetch_from_peer" else None)
+    queue = AsyncCallsQueue(timeout=args.timeout)
     started = time.monotonic()
     resumed_from = mgr.find_latest()
     start_step = 0
@@ -87,6 +134,19 @@ def main() -> None:
         random.setstate(_as_random_state(state["rng"]["python"]))
         start_step = state["step"] + 1
     restore_s = time.monotonic() - started
+    events("resumed", iteration=resumed_from, seconds=restore_s, fetched_bytes=sum(fetched))
+
+    pending: dict[int, int] = {}  # queue call index -> iteration
+
+    def finalize(blocking: bool = False) -> None:
+        try:
+            for index in queue.maybe_finalize_async_calls(blocking=blocking):
+                events("finalized", iteration=pending.pop(index))
+        except CollectiveError:
+            raise  # localckpt's group is broken (a peer died or timed out): restart the job
+        except CheckpointingError as exc:  # agreed on every rank: this save is lost
+            failed = pending.pop(min(pending))
+            events("save_failed", iteration=failed, error=type(exc).__name__, message=str(exc))
 
     for step in range(start_step, args.steps):
         if attempt == 0 and step == args.crash_at_step and rank == args.crash_rank:
@@ -100,34 +160,68 @@ def main() -> None:
             dist.all_reduce(p.grad)
             p.grad /= world
         opt.step()
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
+        events("step", step=step)
+        finalize()
         if (step + 1) % args.save_every == 0:
-            mgr.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                      "step": step}, iteration=step)
+            save(mgr, queue, events, pending, finalize, step, args.sync, {
+                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "step": step})
 
+    while pending:
+        finalize(blocking=True)
+    queue.close()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "attempt": attempt, "resumed_from": resumed_from,
-        "restore_seconds": restore_s, "digest": weights_digest(model),
+        "rank": rank, "node": node, "attempt": attempt, "resumed_from": resumed_from,
+        "restore_seconds": restore_s, "fetched_bytes": sum(fetched),
+        "digest": weights_digest(model),
     }))
+    events("done", digest=weights_digest(model))
     mgr.close()
     dist.destroy_process_group()
 
 
-def init_process_group(attempt: int) -> None:
+def save(mgr: LocalCheckpointManager, queue: AsyncCallsQueue, events: Events,
+         pending: dict[int, int], finalize: Any, step: int, sync: bool, state: Any) -> None:
+    try:
+        if sync:
+            mgr.save(state, iteration=step)
+            events("finalized", iteration=step)
+            return
+        request = mgr.save(state, iteration=step, is_async=True)
+    except CollectiveError:
+        raise
+    except CheckpointingError as exc:
+        # The previous async save, finalized by this save's back-pressure, failed everywhere;
+        # or this one failed validation. Either way training goes on.
+        failed = min(pending) if pending else None
+        iteration = pending.pop(failed) if failed is not None else step
+        events("save_failed", iteration=iteration, error=type(exc).__name__, message=str(exc))
+        return
+    if request is not None:
+        pending[queue.schedule_async_request(request)] = step
+
+
+def init_process_group(attempt: int, timeout: float) -> None:
     """The training group, with its store keys namespaced by restart attempt.
 
     torchrun's agent keeps one store across restarts; without a per-attempt prefix a restarted
     gloo group reads the dead attempt's peer addresses and fails with "Connection refused".
+    With several agents (nodes) the attempt counts differ per node, so there the agents run with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every rendezvous round gets a fresh store.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_hosts_store,
                           timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
-                            rank=rank, world_size=world)
+    if agent_hosts_store:  # one agent's store for every attempt: namespace the keys
+        store = dist.PrefixStore(f"attempt{attempt}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
 
 
 def _as_random_state(state: Any) -> tuple[Any, ...]:
