@@ -26,6 +26,11 @@ the torchrun agent, and every sibling: the whole simulated node), ``raise`` (Inj
 timeout). Keys: ``rank`` and ``iteration`` (default: any), ``attempt`` (default 0: only in the
 first attempt, ``$TORCHELASTIC_RESTART_COUNT``, so a restarted job is not killed again; ``*``
 for every attempt), ``times`` (how often it fires in one process, default 1).
+
+With several torchrun agents the restart counts differ per node (an agent that restarts because
+another node failed does not count a restart), so a restarted rank can see attempt 0 again. Set
+``LOCALCKPT_FAULTS_ONCE_DIR`` to a directory shared by the job's processes and each fault fires
+at most once in the whole job: the first process to fire it leaves a marker file there.
 """
 
 from __future__ import annotations
@@ -117,10 +122,23 @@ def fault_point(point: str, rank: int, iteration: int | None = None) -> None:
     if _armed is None:
         return
     for fault in _armed:
-        if fault.matches(point, rank, iteration):
+        if fault.matches(point, rank, iteration) and _first_in_job(fault):
             fault.times -= 1
             _fire(fault, rank, iteration)
             return
+
+
+def _first_in_job(fault: Fault) -> bool:
+    once_dir = os.environ.get("LOCALCKPT_FAULTS_ONCE_DIR")
+    if not once_dir:
+        return True
+    marker = os.path.join(once_dir, f"fired-{fault.point}-{fault.action}-{fault.rank}-"
+                                    f"{fault.iteration}-{fault.attempt}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _fire(fault: Fault, rank: int, iteration: int | None) -> None:

@@ -155,8 +155,9 @@ class Job:
     """One training job: K torchrun agents sharing a rendezvous hosted by this driver."""
 
     def __init__(self, work: Path, steps: int, timeout: float, faults: str = "") -> None:
-        import torch.distributed as dist
         from datetime import timedelta
+
+        import torch.distributed as dist
 
         self.work, self.steps, self.timeout, self.faults = work, steps, timeout, faults
         self.port = free_port()
@@ -167,11 +168,12 @@ class Job:
         self.replaced: list[int] = []
 
     def start_agent(self, node: int, with_faults: bool) -> None:
-        env = dict(os.environ, LOCALCKPT_DEMO_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+        env = dict(os.environ, LOCALCKPT_DEMO_NODE=str(node), OMP_NUM_THREADS="1",
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(HERE.parent))
         env.pop("LOCALCKPT_FAULTS", None)
         if with_faults and self.faults:
             env["LOCALCKPT_FAULTS"] = self.faults
+            env["LOCALCKPT_FAULTS_ONCE_DIR"] = str(self.work)  # each fault fires once per job
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
                "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=chaos",
@@ -323,7 +325,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="scenarios whose name contains this text")
     p.add_argument("--jobs", type=int, default=1, help="scenarios run at once")
-    p.add_argument("--timeout", type=float, default=10.0, help="localckpt collective timeout")
+    p.add_argument("--timeout", type=float, default=6.0, help="localckpt collective timeout")
     p.add_argument("--deadline", type=float, default=150.0, help="seconds a scenario may take")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=str(HERE.parent / "docs" / "chaos.json"))
