@@ -23,10 +23,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchlib  # noqa: E402
+import benchlib
 
-from localckpt.coverage import Inventory, choose_latest  # noqa: E402
-from replication import (  # noqa: E402
+from localckpt.coverage import Inventory, choose_latest
+from replication import (
     Topology,
     make_strategy,
     retrieval_plan,

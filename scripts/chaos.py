@@ -177,7 +177,9 @@ class Job:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
                "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=chaos",
-               "--rdzv-conf=is_host=false,join_timeout=120", "--max-restarts=4",
+               # A dead node is noticed after 2 missed 1 s heartbeats (default: 3 x 5 s).
+               "--rdzv-conf=is_host=false,join_timeout=120,keep_alive_interval=1,"
+               "keep_alive_max_attempt=2", "--max-restarts=4",
                "--monitor-interval=0.2", str(HERE / "train_demo.py"),
                "--root", str(self.work / "node{node}"), "--out", str(self.work / "out"),
                "--steps", str(self.steps), "--save-every", str(SAVE_EVERY),

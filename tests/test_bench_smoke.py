@@ -36,3 +36,14 @@ def test_bench_async_quick_writes_report(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "benchmarks-async.json").read_text())
     assert data["stall_ratio_to_memcpy"] > 0 and data["async_to_sync_ratio"] > 0
+
+
+def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_planning.py"),
+                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "benchmarks-planning.json").read_text())["rows"]
+    assert [r["world"] for r in rows] == [64, 256]
+    assert all(r["retrieval_after_node_loss"]["remote"] > 0 for r in rows)
+    assert "Planning at scale" in (tmp_path / "benchmarks-planning.md").read_text()
