@@ -63,6 +63,8 @@ from .store import (
     byte_view,
     bytes_needed,
     chunking,
+    remove_leftovers,
+    session_dir,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,7 +136,14 @@ class LocalCheckpointManager:
         self._data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe background
         self.rank = self._group.rank
         self.world_size = self._group.world_size
-        names = self._group.exchange("topology", lambda: local_node_name(node_id))
+        def start() -> str:
+            # No rank of this job writes before this exchange completes, so every crash
+            # leftover of the session can go, whichever rank left it: ranks move between nodes
+            # when a node is replaced, and a leftover's writer may now live elsewhere.
+            remove_leftovers(session_dir(root, session_id), None)
+            return local_node_name(node_id)
+
+        names = self._group.exchange("start", start)
         self.topology = Topology(tuple(names))
         # Recorded in every manifest; a shard written under another layout is warned about.
         self._job_identity = {"world_size": self.world_size, "nodes": self.topology.num_nodes,
@@ -149,7 +158,6 @@ class LocalCheckpointManager:
             raise
         self._store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                  chunk_nbytes=chunk_nbytes)
-        self._store.remove_leftovers()
         self._arena = StagingArena()
         self._ring = PieceRing()  # receive buffers for replicas, reused across saves
         self._inflight: SaveJob | None = None  # the async save not yet finalized

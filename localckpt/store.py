@@ -291,17 +291,25 @@ class ShardStore:
     def remove_leftovers(self) -> list[Path]:
         """Delete this writer's temporary and trash directories (crash leftovers) and empty
         iteration directories. Returns what was removed."""
-        removed = []
-        tag = f"-w{self.writer_rank:05d}-"
-        for it_entry in _scandir(self.session_path):
-            if not _ITER_RE.fullmatch(it_entry.name):
-                continue
-            for entry in _scandir(Path(it_entry.path)):
-                if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(Path(entry.path))
-            _remove_if_empty(Path(it_entry.path))
-        return removed
+        return remove_leftovers(self.session_path, self.writer_rank)
+
+
+def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
+    """Delete the temporary and trash directories of ``writer_rank`` (None: of every writer)
+    under ``session_path``, and empty iteration directories. Every writer's are only safe to
+    remove while no rank of the job can be writing (before the manager's first collective
+    completes). Tolerates ranks of one node doing this at the same time."""
+    removed = []
+    tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
+    for it_entry in _scandir(session_path):
+        if not _ITER_RE.fullmatch(it_entry.name):
+            continue
+        for entry in _scandir(Path(it_entry.path)):
+            if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+        _remove_if_empty(Path(it_entry.path))
+    return removed
 
 
 

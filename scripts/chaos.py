@@ -71,6 +71,7 @@ class Outcome:
     recovery_s: float
     seconds: float
     violations: list[str] = field(default_factory=list)
+    relaunches: int = 0  # whole-job relaunches after torchrun gave up
 
 
 def ci_scenarios() -> list[Scenario]:
@@ -160,12 +161,27 @@ class Job:
         import torch.distributed as dist
 
         self.work, self.steps, self.timeout, self.faults = work, steps, timeout, faults
-        self.port = free_port()
-        # The rendezvous store lives here, not in a node that a scenario kills.
-        self._store = dist.TCPStore("127.0.0.1", self.port, is_master=True, multi_tenant=True,
-                                    wait_for_workers=False, timeout=timedelta(seconds=60))
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.replaced: list[int] = []
+        self.relaunches = 0
+        self._store: Any = None
+        self._new_rendezvous = lambda: dist.TCPStore(
+            "127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+            timeout=timedelta(seconds=60))
+
+    def start_all(self, with_faults: bool) -> None:
+        """A fresh rendezvous (hosted here, not in a node that a scenario kills) and an agent
+        per node."""
+        self.port = free_port()
+        self._store = self._new_rendezvous()
+        for node in range(NODES):
+            self.start_agent(node, with_faults)
+
+    def stop_all(self) -> None:
+        for a in self.agents.values():
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
 
     def start_agent(self, node: int, with_faults: bool) -> None:
         env = dict(os.environ, LOCALCKPT_DEMO_NODE=str(node), OMP_NUM_THREADS="1",
@@ -178,7 +194,7 @@ class Job:
                "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=chaos",
                # A dead node is noticed after 2 missed 1 s heartbeats (default: 3 x 5 s).
-               "--rdzv-conf=is_host=false,join_timeout=120,keep_alive_interval=1,"
+               "--rdzv-conf=is_host=false,join_timeout=30,keep_alive_interval=1,"
                "keep_alive_max_attempt=2", "--max-restarts=4",
                "--monitor-interval=0.2", str(HERE / "train_demo.py"),
                "--root", str(self.work / "node{node}"), "--out", str(self.work / "out"),
@@ -189,9 +205,9 @@ class Job:
                                              start_new_session=True)
 
     def run(self, deadline: float, wipe_lost: bool) -> str | None:
-        """Run to the end, replacing nodes whose agent was killed. None, or what went wrong."""
-        for node in range(NODES):
-            self.start_agent(node, with_faults=True)
+        """Run to the end, replacing nodes whose agent was killed, and relaunching the whole
+        job (as a cluster scheduler would) when torchrun gives up. None, or what went wrong."""
+        self.start_all(with_faults=True)
         end = time.monotonic() + deadline
         try:
             while True:
@@ -205,15 +221,18 @@ class Job:
                             shutil.rmtree(self.work / f"node{node}", ignore_errors=True)
                         self.start_agent(node, with_faults=False)
                     elif code not in (None, 0):
-                        return f"agent of node {node} failed with exit status {code}"
+                        if self.relaunches == 2:
+                            return (f"agent of node {node} failed with exit status {code} "
+                                    f"after {self.relaunches} relaunches of the job")
+                        self.relaunches += 1  # e.g. the other node had already finished
+                        self.stop_all()
+                        self.start_all(with_faults=False)
+                        break
                 if time.monotonic() > end:
                     return f"hang: not finished within {deadline:.0f}s"
                 time.sleep(0.1)
         finally:
-            for a in self.agents.values():
-                if a.poll() is None:
-                    os.killpg(a.pid, signal.SIGKILL)
-                    a.wait()
+            self.stop_all()
             self._store = None
 
 
@@ -315,9 +334,12 @@ def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
         pre = SAVED[2]
         if error is None:
             damage_at_rest(work, sc.damage)
+    job = Job(work, STEPS, timeout, sc.faults)
     if error is None:
-        error = Job(work, STEPS, timeout, sc.faults).run(deadline, wipe_lost=sc.wipe)
-    return check(sc, work, reference, pre, error, started)
+        error = job.run(deadline, wipe_lost=sc.wipe)
+    outcome = check(sc, work, reference, pre, error, started)
+    outcome.relaunches = job.relaunches
+    return outcome
 
 
 def main() -> int:

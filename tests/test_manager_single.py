@@ -158,3 +158,17 @@ def test_tensors_straddling_chunk_boundaries_load_exactly(root: Path) -> None:
         loaded, _ = mgr.load()
     assert len(list(root.rglob("data/c/*"))) > 5
     assert digest(loaded) == digest(state)
+
+
+def test_leftovers_of_any_writer_are_removed_when_a_job_starts(root: Path) -> None:
+    """After a node replacement ranks may move between nodes: a leftover written by rank 1 on
+    this node must not outlive the restart just because rank 1 now runs elsewhere."""
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(make_state(0, 1), 1)
+    it = root / "s" / "iter_0000000001"
+    theirs = it / ".tmp-rank_00001_of_00002-w00001-0123456789ab"
+    (theirs / "data").mkdir(parents=True)
+    (it / ".trash-rank_00003_of_00004-w00003-0123456789ab").mkdir()
+    with LocalCheckpointManager(root, "s") as mgr:
+        assert not list(it.glob(".*"))
+        assert mgr.find_latest() == 1
