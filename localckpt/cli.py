@@ -27,9 +27,14 @@ from typing import Any
 from . import health
 from .errors import CheckpointingError
 from .manifest import ShardManifest
-from .store import ShardRef, ShardStore, list_shards
-
-_DEFAULT_SESSION_DIR = "_default"
+from .store import (
+    ShardRef,
+    ShardStore,
+    find_leftovers,
+    list_sessions,
+    list_shards,
+    session_dir,
+)
 
 
 class UsageError(Exception):
@@ -39,8 +44,7 @@ class UsageError(Exception):
 def _sessions(root: Path) -> list[str]:
     if not root.is_dir():
         raise UsageError(f"{root}: not a directory")
-    return sorted("" if p.name == _DEFAULT_SESSION_DIR else p.name for p in root.iterdir()
-                  if p.is_dir() and not p.name.startswith("."))
+    return list_sessions(root)
 
 
 def _all_shards(roots: Sequence[Path]) -> list[tuple[Path, str, ShardRef]]:
@@ -158,8 +162,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     root = Path(args.root)
     removed = []
     for session in _sessions(root):
-        base = root / (session or _DEFAULT_SESSION_DIR)
-        removed += [p for p in base.glob("iter_*/.*") if p.name.startswith((".tmp-", ".trash-"))]
+        removed += find_leftovers(session_dir(root, session))
         shards = list_shards(root, session)
         if args.world_size is not None:
             removed += [s.path for s in shards if s.world_size != args.world_size]

@@ -37,7 +37,7 @@ class SaveJob:
     done: threading.Event = field(default_factory=threading.Event)
     scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
     finalized: bool = False
-    metrics: Metrics | None = None
+    metrics: Metrics = field(default_factory=Metrics)
 
     def mark_scheduled(self) -> None:
         self.scheduled = True
@@ -45,7 +45,7 @@ class SaveJob:
     def run(self, store: ShardStore, data_group: CheckpointGroup, ring: PieceRing,
             world_size: int) -> None:
         """Write, then replicate (this rank's part of the plan). Never raises; sets ``done``."""
-        metrics = self.metrics or Metrics()
+        metrics = self.metrics
         rank, session = data_group.rank, self.manifest.session_id
         try:
             committed: ShardManifest | None = None

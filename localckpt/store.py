@@ -294,22 +294,33 @@ class ShardStore:
         return remove_leftovers(self.session_path, self.writer_rank)
 
 
-def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
-    """Delete the temporary and trash directories of ``writer_rank`` (None: of every writer)
-    under ``session_path``, and empty iteration directories. Every writer's are only safe to
-    remove while no rank of the job can be writing (before the manager's first collective
-    completes). Tolerates ranks of one node doing this at the same time."""
-    removed = []
+def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[Path]:
+    """The temporary and trash directories (crash leftovers) of ``writer_rank`` (None: of every
+    writer) under ``session_path``."""
     tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
+    return [Path(entry.path) for it_entry in _scandir(session_path)
+            if _ITER_RE.fullmatch(it_entry.name)
+            for entry in _scandir(Path(it_entry.path))
+            if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
+
+
+def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
+    """Delete :func:`find_leftovers` and then empty iteration directories. Every writer's are
+    only safe to remove while no rank of the job can be writing (before the manager's first
+    collective completes). Tolerates ranks of one node doing this at the same time."""
+    removed = find_leftovers(session_path, writer_rank)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     for it_entry in _scandir(session_path):
-        if not _ITER_RE.fullmatch(it_entry.name):
-            continue
-        for entry in _scandir(Path(it_entry.path)):
-            if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
-        _remove_if_empty(Path(it_entry.path))
+        if _ITER_RE.fullmatch(it_entry.name):
+            _remove_if_empty(Path(it_entry.path))
     return removed
+
+
+def list_sessions(root: Path) -> list[str]:
+    """Session ids with a directory under ``root`` ("" for the default session)."""
+    return sorted("" if e.name == _DEFAULT_SESSION_DIR else e.name for e in _scandir(root)
+                  if e.is_dir() and not e.name.startswith("."))
 
 
 
