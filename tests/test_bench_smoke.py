@@ -12,30 +12,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_bench_quick_writes_report(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads((tmp_path / "benchmarks.json").read_text())
-    for key in ("write_ratio_to_raw_write", "read_ratio_to_raw_read", "stage_ratio_to_memcpy"):
-        assert data["localckpt"][key] > 0
-    assert "local shard write" in (tmp_path / "benchmarks.md").read_text()
-
-
-def test_bench_replication_quick_writes_report(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_replication.py"),
-                           "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "benchmarks-replication.json").read_text())
-    assert data["replication_ratio_to_raw"] > 0 and data["restore_ratio_to_raw"] > 0
-    assert "restore after node loss" in (tmp_path / "benchmarks-replication.md").read_text()
-
-
-def test_bench_async_quick_writes_report(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_async.py"), "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "benchmarks-async.json").read_text())
-    assert data["stall_ratio_to_memcpy"] > 0 and data["async_to_sync_ratio"] > 0
+    data = json.loads((tmp_path / "benchmarks.json").read_text())
+    rows = {(r["case"], r["world"], r["factor"]): r for r in data["rows"]}
+    assert set(rows) == {("uniform", 2, 1), ("uniform", 2, 2), ("uniform", 4, 2),
+                         ("small", 2, 2), ("transformer", 2, 2)}
+    replicated = rows["uniform", 4, 2]
+    for phase in ("memcpy", "tmpfs_write_fresh", "gloo_save_schedule", "stall", "write",
+                  "replicate", "finalize", "find_latest", "load_local", "load_after_node_loss",
+                  "torch_save", "torch_load", "torch_save_and_replicate", "dcp_save",
+                  "dcp_async_save", "dcp_load"):
+        assert len(replicated["samples_s"][phase]) == 2, phase
+        assert replicated["median_s"][phase] > 0, phase
+    for ratio in ("stall_to_memcpy", "write_to_raw_write", "replicate_to_raw_gloo",
+                  "node_loss_to_raw", "async_to_torch_save_and_replicate"):
+        assert replicated["ratios"][ratio] > 0, ratio
+    assert "replicate" not in rows["uniform", 2, 1]["median_s"]  # F=1: nothing to replicate
+    assert rows["small", 2, 2]["tensors"] == 200
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "## Targets" in text and "transformer" in text
 
 
 def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:

@@ -1,0 +1,212 @@
+"""bench.py's report: derived ratios, the markdown tables and the plot (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+RAW = ("memcpy", "crc32c", "tmpfs_write_fresh", "tmpfs_write_in_place", "tmpfs_read",
+       "tmpfs_read_fresh", "gloo_one_direction")
+
+# (ratio, how it is formed, bound, "<=" or ">=", what it says)
+TARGETS = (
+    ("stall_to_memcpy", "stall / memcpy", 1.25, "<=", "async save stall vs memcpy (time)"),
+    ("write_to_raw_write", "raw write / local write", 0.85, ">=",
+     "local write vs raw tmpfs write (throughput)"),
+    ("replicate_to_raw_gloo", "raw send/recv / replication", 0.8, ">=",
+     "replication vs raw gloo, same schedule (throughput)"),
+    ("node_loss_to_raw", "restore / (raw read + transfer)", 1.3, "<=",
+     "load after node loss vs raw read + transfer (time)"),
+    ("async_to_torch_save_and_replicate", "async save to finalized / (torch.save + send by hand)",
+     0.5, "<=", "async save through finalize vs torch.save + replication by hand (time)"),
+)
+
+
+def label(c: dict[str, Any]) -> str:
+    what = f"{c['nbytes'] // MiB} MiB" if c["case"] == "uniform" else c["case"]
+    return f"{what} × {c['world']} ranks, F={c['factor']}"
+
+
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    """Adds GB/s per rank of every timed figure and the ratios to raw limits."""
+    m, n = row["median_s"], row["nbytes"]
+    gbps = {k: n / s / 1e9 for k, s in m.items() if s > 0}
+
+    def ratio(a: str, b: str) -> float | None:
+        return m[a] / m[b] if a in m and b in m and m[b] > 0 else None
+
+    ratios = {
+        "stall_to_memcpy": ratio("stall", "memcpy"),
+        "write_to_raw_write": ratio("tmpfs_write_fresh", "write"),
+        "replicate_to_raw_gloo": ratio("gloo_save_schedule", "replicate"),
+        "node_loss_to_raw": ratio("load_after_node_loss", "raw_read_and_transfer"),
+        "async_to_torch_save_and_replicate": ratio("async_save_to_finalized",
+                                                   "torch_save_and_replicate"),
+        "async_to_torch_save": ratio("async_save_to_finalized", "torch_save"),
+        "load_local_to_raw_read_fresh": ratio("tmpfs_read_fresh", "load_local"),
+        "torch_save_to_raw_write": ratio("tmpfs_write_fresh", "torch_save"),
+        "torch_load_to_raw_read_fresh": ratio("tmpfs_read_fresh", "torch_load"),
+        "dcp_save_to_raw_write": ratio("tmpfs_write_fresh", "dcp_save"),
+        "dcp_load_to_raw_read_fresh": ratio("tmpfs_read_fresh", "dcp_load"),
+        "dcp_save_over_localckpt_save": ratio("dcp_save", "async_save_to_finalized"),
+        "dcp_async_stall_over_stall": ratio("dcp_async_stall", "stall"),
+        "dcp_load_over_load_local": ratio("dcp_load", "load_local"),
+        "torch_load_over_load_local": ratio("torch_load", "load_local"),
+    }
+    return {**row, "label": label(row), "GBps_per_rank": gbps,
+            "ratios": {k: v for k, v in ratios.items() if v is not None}}
+
+
+def _met(value: float, bound: float, op: str) -> bool:
+    return value <= bound if op == "<=" else value >= bound
+
+
+def _f(value: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _ms(row: dict[str, Any], key: str) -> str:
+    s = row["median_s"].get(key)
+    return "–" if s is None else f"{s * 1000:,.0f}"
+
+
+def markdown(r: dict[str, Any], cmd: str, plot: Path | None) -> str:
+    rows = r["rows"]
+    out = [f"""# Benchmarks
+
+Measured by `{cmd}` on {r['date']}: {r['machine']}, {r['cpus']} cores, {r['memory_gib']} GiB
+available, torch {r['torch']}, scratch on `{r['root_fs']}`; {r['wall_s'] / 60:.0f} minutes.
+Each configuration is a fresh job of gloo ranks on 2 simulated nodes (loopback, one tmpfs root
+per node). Every figure is the median of {r['repeats']} runs of an operation done by **all ranks at
+once** (time of the slowest rank), and is compared with the raw limit measured the same way, in
+the same job. GB/s are per rank (10⁹ bytes). F is the replication factor (`node_spread`).
+Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
+"""]
+    if plot is not None:
+        out.append(f"![throughput per rank against size]({plot.name})\n")
+    out.append("## Targets\n\n| target | ratio | bound | range over configurations | met in |\n"
+               "|---|---|---:|---:|---:|")
+    for key, formed, bound, op, what in TARGETS:
+        values = [row["ratios"][key] for row in rows if key in row["ratios"]]
+        if not values:
+            continue
+        met = sum(_met(v, bound, op) for v in values)
+        out.append(f"| {what} | {formed} | {op} {bound} | {min(values):.2f} – {max(values):.2f} "
+                   f"| {met} of {len(values)} |")
+    out.append("\n## Raw limits (GB/s per rank, all ranks at once)\n\n"
+               "| configuration | memcpy | crc32c | tmpfs write, fresh file + fsync | tmpfs write "
+               "in place | tmpfs read | tmpfs read, fresh memory | gloo one direction |\n"
+               "|---|" + "---:|" * len(RAW))
+    for row in rows:
+        g = row["GBps_per_rank"]
+        out.append(f"| {row['label']} | " + " | ".join(_f(g.get(k)) for k in RAW) + " |")
+    out.append("\n## localckpt's phases\n\nTimes in ms; in brackets the ratio to the raw limit "
+               "(time ratio for the stall and the restore, throughput ratio otherwise).\n\n"
+               "| configuration | stall (÷ memcpy) | local write GB/s (× raw write) | replication "
+               "(× raw send/recv) | finalize | async save to finalized | `find_latest` | `load` "
+               "local GB/s (× raw fresh read) | `load` after node loss (÷ raw read + transfer) |"
+               "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        q, g = row["ratios"], row["GBps_per_rank"]
+        repl = "–" if "replicate_to_raw_gloo" not in q else \
+            f"{_ms(row, 'replicate')} ({q['replicate_to_raw_gloo']:.2f})"
+        lost = "–" if "node_loss_to_raw" not in q else \
+            f"{_ms(row, 'load_after_node_loss')} ({q['node_loss_to_raw']:.2f})"
+        out.append(f"| {row['label']} | {_ms(row, 'stall')} ({_f(q.get('stall_to_memcpy'))}) | "
+                   f"{_f(g.get('write'))} ({_f(q.get('write_to_raw_write'))}) | {repl} | "
+                   f"{_ms(row, 'finalize')} | {_ms(row, 'async_save_to_finalized')} | "
+                   f"{_ms(row, 'find_latest')} | {_f(g.get('load_local'))} "
+                   f"({_f(q.get('load_local_to_raw_read_fresh'))}) | {lost} |")
+    out.append("\n## Against torch.save and torch.distributed.checkpoint (tmpfs)\n\n"
+               "Times in ms. torch.save / DCP neither fsync nor checksum; DCP writes one "
+               "directory that every rank must see (a shared file system on a real cluster).\n\n"
+               "| configuration | torch.save GB/s | torch.load GB/s | torch.save + send by hand "
+               "| localckpt async save to finalized ÷ that | DCP save | DCP async_save stall / "
+               "total | DCP load | DCP save ÷ localckpt save | DCP load ÷ localckpt load |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        q, g = row["ratios"], row["GBps_per_rank"]
+        by_hand = _ms(row, "torch_save_and_replicate")
+        vs = _f(q.get("async_to_torch_save_and_replicate", q.get("async_to_torch_save")))
+        if "async_to_torch_save_and_replicate" not in q:
+            vs += " (÷ torch.save)"
+        out.append(f"| {row['label']} | {_f(g.get('torch_save'))} | {_f(g.get('torch_load'))} | "
+                   f"{by_hand} | {vs} | {_ms(row, 'dcp_save')} | "
+                   f"{_ms(row, 'dcp_async_stall')} / {_ms(row, 'dcp_async_save')} | "
+                   f"{_ms(row, 'dcp_load')} | {_f(q.get('dcp_save_over_localckpt_save'))} | "
+                   f"{_f(q.get('dcp_load_over_load_local'))} |")
+    cases = [row for row in rows if row["case"] != "uniform"]
+    if cases:
+        out.append("\n## State dicts other than a few large tensors\n")
+        for row in cases:
+            out.append(f"- **{row['label']}**: {row['tensors']:,} tensors, "
+                       f"{row['nbytes'] / MiB:,.1f} MiB per rank.")
+        ca = r["case_args"]
+        out.append(f"\n`small` is {ca['small_count']:,} fp32 tensors × {ca['small_kib']} KiB. "
+                   f"`transformer` is a {ca['layers']}-layer decoder (d_model {ca['d_model']}, "
+                   f"vocabulary {ca['vocab']:,}) after one `torch.optim.Adam` step: bf16 weights, "
+                   "fp32 master weights, `exp_avg`, `exp_avg_sq`, `step`, the CPU RNG state and a "
+                   "data-loader position. Their figures are in the tables above.")
+    if r["skipped"]:
+        out.append("\n## Not run on this machine\n")
+        out.extend(f"- {label(s)}: {s['reason']}." for s in r["skipped"])
+    return "\n".join(out) + "\n"
+
+
+PANELS = (  # title, localckpt figure, raw figure, baselines, replication factor of the rows
+    ("staging stall (async save)", "stall", "memcpy", ("dcp_async_stall",), 1),
+    ("local write", "write", "tmpfs_write_fresh", ("torch_save", "dcp_save"), 1),
+    ("replication", "replicate", "gloo_save_schedule", (), 2),
+    ("load, local", "load_local", "tmpfs_read_fresh", ("torch_load", "dcp_load"), 1),
+    ("load after node loss", "load_after_node_loss", "raw_read_and_transfer", (), 2),
+    ("save to finalized, F=2", "async_save_to_finalized", None, ("torch_save_and_replicate",), 2),
+)
+
+
+def plot(r: dict[str, Any], path: Path) -> Path | None:
+    """Throughput per rank against size, one panel per phase, raw limit dashed; None without
+    matplotlib (``pip install -e '.[plot]'``)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[plot]')")
+        return None
+    rows = [row for row in r["rows"] if row["case"] == "uniform"]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), sharex=True)
+    colours = {2: "tab:blue", 4: "tab:orange"}
+    styles = {"torch_save": ":", "dcp_save": "-.", "torch_load": ":", "dcp_load": "-.",
+              "dcp_async_stall": "-.", "torch_save_and_replicate": ":"}
+    for ax, (title, phase, raw, baselines, factor) in zip(axes.flat, PANELS, strict=True):
+        for world, colour in colours.items():
+            mine = sorted((row for row in rows if row["world"] == world
+                           and row["factor"] == factor), key=lambda row: row["nbytes"])
+            if not mine:
+                continue
+            x = [row["nbytes"] / MiB for row in mine]
+            for key, style, name in ((phase, "-", "localckpt"), (raw, "--", "raw limit"),
+                                     *((b, styles[b], b) for b in baselines)):
+                if key is None:
+                    continue
+                y = [row["GBps_per_rank"].get(key) for row in mine]
+                if all(v is not None for v in y):
+                    ax.plot(x, y, style, color=colour, marker="o", markersize=3,
+                            label=f"{name}, {world} ranks")
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("MiB per rank")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("GB/s per rank")
+    fig.suptitle(f"localckpt vs raw limits, torch.save and DCP ({r['cpus']} cores, tmpfs, "
+                 f"medians of {r['repeats']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
