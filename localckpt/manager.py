@@ -256,6 +256,7 @@ class LocalCheckpointManager:
             chunk_nbytes, chunk_count = chunking(layout.nbytes, self._store.chunk_nbytes)
             prepared.update(tasd=tasd, layout=layout, chunking=(chunk_nbytes, chunk_count),
                             container="basic" if tasd is state_dict else "plain")
+            self._store.wait_for_deletions()  # the previous save's retention frees space
             st = os.statvfs(self.root)
             return {"iteration": iteration if type(iteration) is int else repr(iteration),
                     "inventory": self._inventory().to_json(),
@@ -360,9 +361,9 @@ class LocalCheckpointManager:
         fault_point("finalize", self.rank, iteration)
         keep = retained_iterations(inventories, self.world_size, self.keep_last, self._fetchable)
         for it, owner, world in shards_to_delete(inventories[self.rank], keep):
-            self._store.delete(ShardRef(it, owner, world,
-                                        self._store.path_of(it, owner, world)))
-        self._store.remove_leftovers()
+            self._store.delete(ShardRef(it, owner, world, self._store.path_of(it, owner, world)),
+                               background=True)
+        self._store.remove_leftovers(background=True)
 
     # ------------------------------------------------------------------ restore
 

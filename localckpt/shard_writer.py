@@ -67,7 +67,10 @@ def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> N
 
 
 def trash_name(path: Path, writer_rank: int) -> Path:
-    return path.parent / f".trash-{path.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+    """Where a shard directory ``<session>/<iteration>/<shard>`` is renamed to before it is
+    deleted: the session directory, so its iteration directory can go at once."""
+    return path.parent.parent / (f".trash-{path.parent.name}-{path.name}-w{writer_rank:05d}-"
+                                 f"{uuid.uuid4().hex[:12]}")
 
 
 class ShardWriter:

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,9 +152,33 @@ class ShardStore:
         self.writer_rank = writer_rank
         self.chunk_nbytes = chunk_nbytes
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="localckpt-io")
+        # Freeing tmpfs pages costs about as much as writing them (~0.4 s per GiB here), so
+        # retention hands hidden shards to one thread instead of blocking a finalize on it.
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-reaper")
+        self._reaping: list[Future[None]] = []
 
     def close(self) -> None:
+        """Waits for background deletions, then releases the threads."""
+        self.wait_for_deletions()
+        self._reaper.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+
+    def wait_for_deletions(self) -> None:
+        """Block until every ``background=True`` deletion so far is done (free space is then
+        what ``statvfs`` reports). Deletion errors are logged by the reaper, never raised."""
+        pending, self._reaping = self._reaping, []
+        for f in pending:
+            f.result()
+
+    def _in_background(self, fn: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # a leftover is removed at the next start; never fail a save
+                logger.exception("background deletion under %s failed", self.session_path)
+
+        self._reaping = [f for f in self._reaping if not f.done()]
+        self._reaping.append(self._reaper.submit(run))
 
     def committed(self) -> list[ShardRef]:
         """Committed shards under this root (see :func:`list_shards`)."""
@@ -278,30 +302,49 @@ class ShardStore:
 
     # ---------------------------------------------------------------- delete
 
-    def delete(self, ref: ShardRef) -> None:
-        """Remove a committed shard: hidden atomically by a rename, then deleted. Missing is ok."""
+    def delete(self, ref: ShardRef, background: bool = False) -> None:
+        """Remove a committed shard: hidden atomically by a rename (from then on no listing
+        sees it), then deleted, by the reaper thread when ``background``. Missing is ok."""
         trash = trash_name(ref.path, self.writer_rank)
         try:
             os.rename(ref.path, trash)
         except FileNotFoundError:
             return
-        shutil.rmtree(trash, ignore_errors=True)
+
         _remove_if_empty(ref.path.parent)
 
-    def remove_leftovers(self) -> list[Path]:
+        def remove() -> None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+        if background:
+            self._in_background(remove)
+        else:
+            remove()
+
+    def remove_leftovers(self, background: bool = False) -> list[Path]:
         """Delete this writer's temporary and trash directories (crash leftovers) and empty
-        iteration directories. Returns what was removed."""
-        return remove_leftovers(self.session_path, self.writer_rank)
+        iteration directories. Returns what was removed; ``background``: nothing, the reaper
+        thread does it after earlier deletions."""
+        if not background:
+            return remove_leftovers(self.session_path, self.writer_rank)
+
+        def remove() -> None:
+            remove_leftovers(self.session_path, self.writer_rank)
+
+        self._in_background(remove)
+        return []
 
 
 def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[Path]:
     """The temporary and trash directories (crash leftovers) of ``writer_rank`` (None: of every
     writer) under ``session_path``."""
     tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
-    return [Path(entry.path) for it_entry in _scandir(session_path)
-            if _ITER_RE.fullmatch(it_entry.name)
-            for entry in _scandir(Path(it_entry.path))
-            if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
+    in_session = [Path(e.path) for e in _scandir(session_path)
+                  if e.name.startswith(".trash-") and tag in e.name]
+    return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
+                         if _ITER_RE.fullmatch(it_entry.name)
+                         for entry in _scandir(Path(it_entry.path))
+                         if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
 
 
 def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:

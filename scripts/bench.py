@@ -99,6 +99,9 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32_000)
+    p.add_argument("--io-threads", type=int, default=2, help="LocalCheckpointManager io_threads")
+    p.add_argument("--steps", nargs="+", default=["raw", "localckpt", "baselines"],
+                   choices=["raw", "localckpt", "baselines"], help="what to measure")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args()
     if a.quick:
@@ -126,12 +129,14 @@ def main() -> int:
             print(f"skip {label}: {reason}", file=sys.stderr, flush=True)
             continue
         print(f"run  {label} ...", file=sys.stderr, flush=True)
+        config.update(io_threads=a.io_threads, steps=a.steps)
         rows.append(run_config(config, case_args, a.repeats))
         print(f"     done in {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     result = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "python": sys.version.split()[0], "root_fs": benchlib.SHM, "repeats": a.repeats,
         "memory_gib": round(available()[0] / GiB, 1), "case_args": case_args,
+        "io_threads": a.io_threads,
         "date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - started,
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }

@@ -72,13 +72,17 @@ class Timer:
             self.samples[name].append(v)
 
 
-def _transfers(plan: ExchangePlan, rank: int, send: torch.Tensor, sink: torch.Tensor) -> None:
-    """The plan's transfers for this rank, done with bare send/recv of ``send``'s bytes."""
-    for t in plan.involving(rank):
+def _transfers(plan: ExchangePlan, rank: int, send: torch.Tensor, sink: torch.Tensor,
+               write_to: Path | None = None) -> None:
+    """The plan's transfers for this rank, done with bare send/recv of ``send``'s bytes; with
+    ``write_to``, each received buffer is then written to a fresh file there."""
+    for k, t in enumerate(plan.involving(rank)):
         if t.src == rank:
             dist.send(send, t.dst)
         else:
             dist.recv(sink, t.src)
+            if write_to is not None:
+                raw_write(write_to.with_suffix(f".{k}"), memoryview(sink.numpy()))
 
 
 def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
@@ -89,7 +93,7 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
     dst = torch.empty_like(src)
     dst.fill_(0)
     src_mv, dst_mv = memoryview(src.numpy()), memoryview(dst.numpy())
-    path = base / f"raw{rank}.bin"
+    path, copy = base / f"raw{rank}.bin", base / f"raw-received{rank}.bin"
     per_node = world // 2
     partner, sender = (rank + per_node) % world, rank < per_node
     plan = save_plan(placement, topology, 0) if placement is not None else None
@@ -108,11 +112,17 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
                   lambda: dist.send(src, partner) if sender else dist.recv(dst, partner))
         if plan is not None:
             timer.run("gloo_save_schedule", lambda: _transfers(plan, rank, src, dst))
+            # the least a replica costs: received, then written to a fresh tmpfs file
+            timer.run("gloo_save_schedule_and_write",
+                      lambda: _transfers(plan, rank, src, dst, write_to=copy),
+                      lambda: [p.unlink() for p in base.glob(f"{copy.stem}.*")])
     path.unlink(missing_ok=True)
+    for p in base.glob(f"{copy.stem}.*"):
+        p.unlink()
 
 
 def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
-                      factor: int, repeats: int) -> None:
+                      factor: int, repeats: int, io_threads: int) -> None:
     """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest, load from
     local disk; with replicas, load after node 1 was wiped against raw read + transfer."""
     per_node = world // 2
@@ -121,7 +131,7 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
     strategy = make_strategy("node_spread", replication_factor=factor) if factor > 1 else None
     records: list[PhaseMetric] = []
     mgr = LocalCheckpointManager(root, "bench", strategy, timeout=900, node_id=f"node{node}",
-                                 metrics=records.append)
+                                 metrics=records.append, io_threads=io_threads)
     queue = AsyncCallsQueue(timeout=900)
     mgr.save(case.state, 0)  # warm: staging arena allocated, directories exist
     for it in range(1, repeats + 1):
@@ -144,14 +154,14 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
     queue.close()
     mgr.close()
     if strategy is not None:
-        _node_loss(timer, case, rank, world, root, strategy, repeats)
+        _node_loss(timer, case, rank, world, root, strategy, repeats, io_threads)
     dist.barrier()
     if rank % per_node == 0:
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _node_loss(timer: Timer, case: bench_cases.Case, rank: int, world: int, root: Path,
-               strategy: Any, repeats: int) -> None:
+               strategy: Any, repeats: int, io_threads: int) -> None:
     """Wipe node 1, then find_latest + load on every rank (node 1's ranks fetch their shards and
     write node 1's replicas back). Raw: every source reads what it serves, the same transfers go
     over bare send/recv into fresh memory."""
@@ -167,20 +177,28 @@ def _node_loss(timer: Timer, case: bench_cases.Case, rank: int, world: int, root
     raw_write(path, memoryview(case.payload.numpy()))
     served = len(plan.sources_of(rank))
 
-    def raw_restore() -> None:
+    written_back = root.parent / f"written-back{rank}"
+
+    def raw_restore(write_back: bool) -> None:
         for _ in range(served):
             raw_read(path, memoryview(torch.empty(case.nbytes, dtype=torch.uint8).numpy()))
         _transfers(plan.exchange, rank, case.payload,
-                   torch.empty(case.nbytes, dtype=torch.uint8))
+                   torch.empty(case.nbytes, dtype=torch.uint8),
+                   write_to=written_back if write_back else None)
 
     for _ in range(repeats):
-        timer.run("raw_read_and_transfer", raw_restore)
+        timer.run("raw_read_and_transfer", lambda: raw_restore(False))
+        # what a restore that brings back redundancy does at least: fetched shards written
+        timer.run("raw_read_transfer_and_write_back", lambda: raw_restore(True),
+                  lambda: [p.unlink() for p in root.parent.glob(f"{written_back.name}.*")])
+        for p in root.parent.glob(f"{written_back.name}.*"):
+            p.unlink()
         dist.barrier()
         if rank == per_node:
             shutil.rmtree(root)
         dist.barrier()
         mgr = LocalCheckpointManager(root, "bench", strategy, timeout=900,
-                                     node_id=f"node{rank // per_node}")
+                                     node_id=f"node{rank // per_node}", io_threads=io_threads)
         timer.run("load_after_node_loss", lambda m=mgr: (m.find_latest(), m.load()))
         mgr.close()
     path.unlink()
@@ -261,7 +279,8 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
     if "raw" in steps:
         measure_raw(timer, case, rank, world, base, placement, topology, repeats)
     if "localckpt" in steps:
-        measure_localckpt(timer, case, rank, world, base, factor, repeats)
+        measure_localckpt(timer, case, rank, world, base, factor, repeats,
+                          config.get("io_threads", 2))
     if "baselines" in steps:
         measure_baselines(timer, case, rank, world, base, factor, repeats)
     if rank == 0:

@@ -41,7 +41,10 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "stall_to_memcpy": ratio("stall", "memcpy"),
         "write_to_raw_write": ratio("tmpfs_write_fresh", "write"),
         "replicate_to_raw_gloo": ratio("gloo_save_schedule", "replicate"),
+        "replicate_to_raw_gloo_and_write": ratio("gloo_save_schedule_and_write", "replicate"),
         "node_loss_to_raw": ratio("load_after_node_loss", "raw_read_and_transfer"),
+        "node_loss_to_raw_with_write_back": ratio("load_after_node_loss",
+                                                  "raw_read_transfer_and_write_back"),
         "async_to_torch_save_and_replicate": ratio("async_save_to_finalized",
                                                    "torch_save_and_replicate"),
         "async_to_torch_save": ratio("async_save_to_finalized", "torch_save"),
@@ -103,17 +106,23 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
         g = row["GBps_per_rank"]
         out.append(f"| {row['label']} | " + " | ".join(_f(g.get(k)) for k in RAW) + " |")
     out.append("\n## localckpt's phases\n\nTimes in ms; in brackets the ratio to the raw limit "
-               "(time ratio for the stall and the restore, throughput ratio otherwise).\n\n"
+               "(time ratio for the stall and the restore, throughput ratio otherwise). "
+               "Replication and restore have a second ratio: to the raw operation plus the "
+               "write of the received bytes into tmpfs that the phase must also do (a replica "
+               "is only of use on the holder's disk; a restore brings redundancy back).\n\n"
                "| configuration | stall (÷ memcpy) | local write GB/s (× raw write) | replication "
-               "(× raw send/recv) | finalize | async save to finalized | `find_latest` | `load` "
-               "local GB/s (× raw fresh read) | `load` after node loss (÷ raw read + transfer) |"
+               "(× raw send/recv; × send/recv + write) | finalize | async save to finalized | "
+               "`find_latest` | `load` local GB/s (× raw fresh read) | `load` after node loss "
+               "(÷ raw read + transfer; ÷ with write-back) |"
                "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         q, g = row["ratios"], row["GBps_per_rank"]
         repl = "–" if "replicate_to_raw_gloo" not in q else \
-            f"{_ms(row, 'replicate')} ({q['replicate_to_raw_gloo']:.2f})"
+            f"{_ms(row, 'replicate')} ({q['replicate_to_raw_gloo']:.2f}; " \
+            f"{q['replicate_to_raw_gloo_and_write']:.2f})"
         lost = "–" if "node_loss_to_raw" not in q else \
-            f"{_ms(row, 'load_after_node_loss')} ({q['node_loss_to_raw']:.2f})"
+            f"{_ms(row, 'load_after_node_loss')} ({q['node_loss_to_raw']:.2f}; " \
+            f"{q['node_loss_to_raw_with_write_back']:.2f})"
         out.append(f"| {row['label']} | {_ms(row, 'stall')} ({_f(q.get('stall_to_memcpy'))}) | "
                    f"{_f(g.get('write'))} ({_f(q.get('write_to_raw_write'))}) | {repl} | "
                    f"{_ms(row, 'finalize')} | {_ms(row, 'async_save_to_finalized')} | "

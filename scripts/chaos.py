@@ -306,7 +306,8 @@ def check(sc: Scenario, work: Path, reference: str, pre_iteration: int | None,
     identical = all(d == reference for d in digests)
     if not identical:
         violations.append("final weights differ from the fault-free run")
-    leftovers = [str(p) for p in work.glob("node*/demo/iter_*/.*")]
+    leftovers = [str(p) for p in [*work.glob("node*/demo/iter_*/.*"),
+                                  *work.glob("node*/demo/.trash-*")]]
     if leftovers and not error:
         violations.append(f"leftovers after the last save: {leftovers}")
     last = SAVED[-1]

@@ -13,7 +13,7 @@ import zarr
 
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from localckpt.manifest import ShardManifest
-from localckpt.store import ShardStore, check_free_space, chunking, list_shards
+from localckpt.store import ShardStore, check_free_space, chunking, find_leftovers, list_shards
 
 
 def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,
@@ -85,6 +85,56 @@ def test_leftovers_never_block_a_resave_and_cleanup_removes_only_own(store: Shar
     assert torch.equal(store.read(store.committed()[0])[1], payload)
     removed = store.remove_leftovers()
     assert removed == [mine] and theirs.exists() and not mine.exists()
+
+
+def test_background_delete_hides_at_once_and_frees_by_the_wait(store: ShardStore,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    import threading
+
+    import localckpt.store as store_module
+
+    _write(store, 1)
+    _write(store, 2)
+    ref = next(r for r in store.committed() if r.iteration == 1)
+    release = threading.Event()
+    real_rmtree = store_module.shutil.rmtree
+
+    def slow_rmtree(path: Path, ignore_errors: bool = False) -> None:
+        release.wait(10)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(store_module.shutil, "rmtree", slow_rmtree)
+    store.delete(ref, background=True)
+    # Hidden by the rename before delete returns, its iteration directory gone; the bytes
+    # are still being freed.
+    assert [r.iteration for r in store.committed()] == [2]
+    assert not ref.path.parent.exists()
+    trash = [p for p in store.session_path.iterdir() if p.name.startswith(".trash-")]
+    assert len(trash) == 1 and (trash[0] / "zarr.json").exists()
+    assert find_leftovers(store.session_path, 0) == trash  # a crash now leaves it for cleanup
+    release.set()
+    store.wait_for_deletions()
+    assert not trash[0].exists()
+    assert [r.iteration for r in store.committed()] == [2]
+
+
+def test_a_failing_background_delete_is_logged_not_raised(store: ShardStore,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    import localckpt.store as store_module
+
+    _write(store, 1)
+    ref = store.committed()[0]
+
+    def broken(path: Path, ignore_errors: bool = False) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(store_module.shutil, "rmtree", broken)
+    store.delete(ref, background=True)
+    store.wait_for_deletions()
+    assert "background deletion" in caplog.text and store.committed() == []
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete", "trailer"])
