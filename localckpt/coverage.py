@@ -45,6 +45,31 @@ class Inventory:
         return cls(int(doc["rank"]), str(doc["session"]), shards)
 
 
+def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
+    """:meth:`Inventory.from_json` of every gathered document. Ranks of one node share a root
+    and nearly always list the same shards: a listing equal to the previous distinct one shares
+    its decoded set (comparing lists is far cheaper than building the set; at 16k ranks with 8
+    per node that is 8x less decoding and memory)."""
+    out: list[Inventory] = []
+    last_listing: Any = None
+    shards: frozenset[ShardKey] = frozenset()
+    for doc in docs:
+        if doc["shards"] != last_listing:
+            last_listing = doc["shards"]
+            shards = Inventory.from_json(doc).shards
+        out.append(Inventory(int(doc["rank"]), str(doc["session"]), shards))
+    return out
+
+
+def _distinct_listings(inventories: Sequence[Inventory]
+                       ) -> list[tuple[frozenset[ShardKey], list[int]]]:
+    """Each distinct shard set (by identity, see :func:`decode_inventories`) with its ranks."""
+    by_id: dict[int, tuple[frozenset[ShardKey], list[int]]] = {}
+    for inv in inventories:
+        by_id.setdefault(id(inv.shards), (inv.shards, []))[1].append(inv.rank)
+    return list(by_id.values())
+
+
 def check_sessions(inventories: Sequence[Inventory]) -> None:
     """All ranks must use the same session id; ConfigurationError names the odd ones."""
     sessions = {inv.session_id for inv in inventories}
@@ -63,10 +88,16 @@ def complete_iterations(inventories: Sequence[Inventory], world_size: int,
     if len(inventories) != world_size:
         raise ValueError(f"expected {world_size} inventories, got {len(inventories)}")
     owners: dict[int, set[int]] = defaultdict(set)
-    for inv in inventories:
-        for it, owner, world in inv.shards:
-            if world == world_size and 0 <= owner < world_size and (fetchable or owner == inv.rank):
-                owners[it].add(owner)
+    if fetchable:  # who lists a shard does not matter: each distinct listing counts once
+        for shards, _ in _distinct_listings(inventories):
+            for it, owner, world in shards:
+                if world == world_size and 0 <= owner < world_size:
+                    owners[it].add(owner)
+    else:
+        for inv in inventories:
+            for it, owner, world in inv.shards:
+                if world == world_size and owner == inv.rank:
+                    owners[it].add(owner)
     return sorted((it for it, o in owners.items() if len(o) == world_size), reverse=True)
 
 
@@ -97,8 +128,8 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], w
             f"iteration: expected a non-negative int, got {type(iteration).__name__} {iteration!r}")
     if iteration < 0:
         raise InvalidIterationError(f"iteration: expected a non-negative int, got {iteration}")
-    foreign = sorted({(w, inv.rank) for inv in inventories for _, _, w in inv.shards
-                      if w != world_size})
+    foreign = sorted({(w, r) for shards, ranks in _distinct_listings(inventories)
+                      for w in {w for _, _, w in shards if w != world_size} for r in ranks})
     if foreign:
         sizes = sorted({w for w, _ in foreign})
         ranks = sorted({r for _, r in foreign})

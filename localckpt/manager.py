@@ -38,6 +38,7 @@ from .coverage import (
     Inventory,
     check_capacity,
     choose_latest,
+    decode_inventories,
     retained_iterations,
     shards_to_delete,
     validate_save,
@@ -193,7 +194,7 @@ class LocalCheckpointManager:
 
     def _gather_inventories(self, step: str) -> list[Inventory]:
         docs = self._group.exchange(step, lambda: self._inventory().to_json())
-        return [Inventory.from_json(d) for d in docs]
+        return decode_inventories(docs)
 
     # ------------------------------------------------------------------ save
 
@@ -265,7 +266,7 @@ class LocalCheckpointManager:
                     "free": st.f_bavail * st.f_frsize}
 
         gathered = self._group.exchange("save: validation", prepare)
-        inventories = [Inventory.from_json(g["inventory"]) for g in gathered]
+        inventories = decode_inventories([g["inventory"] for g in gathered])
         # Every rank reaches the same verdicts from the same gathered input.
         validate_save([g["iteration"] for g in gathered], inventories, self.world_size,
                       self._fetchable)
@@ -342,8 +343,7 @@ class LocalCheckpointManager:
             return self._inventory().to_json()
 
         try:
-            inventories = [Inventory.from_json(d)
-                           for d in self._group.exchange("save: finalize", report)]
+            inventories = decode_inventories(self._group.exchange("save: finalize", report))
             latest = choose_latest(inventories, self.world_size, self._fetchable)
             if latest != iteration:
                 missing = [inv.rank for inv in inventories

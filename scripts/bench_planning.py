@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchlib
 
-from localckpt.coverage import Inventory, choose_latest
+from localckpt.coverage import Inventory, choose_latest, decode_inventories
 from replication import (
     Topology,
     make_strategy,
@@ -90,7 +90,7 @@ def one_size(world: int, repeats: int) -> dict[str, Any]:
     row["inventory_json_bytes_per_rank"] = len(json.dumps(docs[0]))
 
     def find_latest() -> int:
-        return choose_latest([Inventory.from_json(d) for d in docs], world, True)
+        return choose_latest(decode_inventories(docs), world, True)
 
     s, mib, latest = timed(find_latest, repeats)
     assert latest == ITERATIONS - 1

@@ -10,6 +10,7 @@ from localckpt.coverage import (
     Inventory,
     check_capacity,
     choose_latest,
+    decode_inventories,
     retained_iterations,
     shards_to_delete,
     validate_save,
@@ -116,3 +117,25 @@ def test_choose_latest_for_16k_ranks_and_10_iterations_is_fast() -> None:
     started = time.perf_counter()
     assert choose_latest(invs, world) == 9
     assert time.perf_counter() - started < 5  # generous: a regression guard, not a benchmark
+
+
+def test_node_mates_listing_the_same_shards_share_one_decoded_set() -> None:
+    # 2 nodes x 2 ranks, replicated: node 0 lost iteration 7's replica of owner 3 on rank 1's
+    # listing only (it looked before the replica was committed), node 1 has every shard.
+    full = [(it, o, 4) for it in (5, 7) for o in range(4)]
+    partial = [k for k in full if k != (7, 3, 4)]
+    docs = [inv(0, *full).to_json(), inv(1, *partial).to_json(), inv(2, *full).to_json(),
+            inv(3, *full).to_json()]
+    decoded = decode_inventories(docs)
+    assert decoded == [Inventory.from_json(d) for d in docs]
+    assert [i.rank for i in decoded] == [0, 1, 2, 3]
+    assert decoded[2].shards is decoded[3].shards  # equal neighbours: decoded once
+    assert decoded[0].shards is not decoded[1].shards
+    assert choose_latest(decoded, 4, fetchable=True) == 7
+    # Without replication, who lists a shard matters: rank 3 must hold its own.
+    lost_own = [inv(r, *(k for k in full if k[1] == r and (k[0], r) != (7, 3)))
+                for r in range(4)]
+    assert choose_latest(decode_inventories([i.to_json() for i in lost_own]), 4) == 5
+    with pytest.raises(WorldSizeMismatchError, match=r"\[8\].*ranks \[2, 3\]"):
+        validate_save([9] * 4, decode_inventories(
+            [*docs[:2], inv(2, (1, 0, 8)).to_json(), inv(3, (1, 0, 8)).to_json()]), 4, True)
