@@ -27,6 +27,8 @@ import json
 import logging
 import os
 import random
+import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -100,6 +102,8 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("LOCALCKPT_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
 
+    if "LOCALCKPT_DEMO_NODE" in os.environ:
+        die_with_agent()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # The simulated node: fixed per agent by the launcher (torchrun's GROUP_RANK follows the
     # rendezvous order, which changes when a node is replaced).
@@ -203,6 +207,20 @@ def save(mgr: LocalCheckpointManager, queue: AsyncCallsQueue, events: Events,
         return
     if request is not None:
         pending[queue.schedule_async_request(request)] = step
+
+
+def die_with_agent() -> None:
+    """A simulated node's rank dies with its torchrun agent, as on a real node. torchrun starts
+    workers in their own session, so killing the agent's process group (a node loss in the
+    chaos harness, or the end of a scenario) would otherwise leave this rank running, orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the agent died before prctl took effect
+        os._exit(1)
 
 
 def init_process_group(attempt: int, timeout: float) -> None:
