@@ -103,7 +103,15 @@ def main() -> int:
     p.add_argument("--steps", nargs="+", default=["raw", "localckpt", "baselines"],
                    choices=["raw", "localckpt", "baselines"], help="what to measure")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report-from", metavar="JSON",
+                   help="only render the markdown and plot of an earlier run's JSON")
     a = p.parse_args()
+    if a.report_from:
+        result = json.loads(Path(a.report_from).read_text())
+        result["rows"] = [bench_report.derive(r) for r in result["rows"]]
+        write_report(result, Path(a.out), result.get("command", "python scripts/bench.py"),
+                     a.no_plot)
+        return 0
     if a.quick:
         a.sizes, a.repeats, a.small_count = [2], 2, 200
         a.d_model, a.layers, a.vocab = 64, 2, 1000
@@ -130,7 +138,12 @@ def main() -> int:
             continue
         print(f"run  {label} ...", file=sys.stderr, flush=True)
         config.update(io_threads=a.io_threads, steps=a.steps)
-        rows.append(run_config(config, case_args, a.repeats))
+        try:
+            rows.append(run_config(config, case_args, a.repeats))
+        except Exception as exc:  # e.g. a rank killed by the OOM killer: report, go on
+            skipped.append({**config, "reason": f"failed: {type(exc).__name__}: {exc}"})
+            print(f"     failed: {exc}", file=sys.stderr, flush=True)
+            continue
         print(f"     done in {rows[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     result = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -140,15 +153,19 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - started,
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }
-    out = Path(a.out)
+    result["command"] = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    write_report(result, Path(a.out), result["command"].strip(), a.no_plot)
+    return 0
+
+
+def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> None:
+    """benchmarks.json, benchmarks.md and (with matplotlib) benchmarks.png under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "python scripts/bench.py" + (" --quick" if a.quick else "")
-    plot = None if a.no_plot else bench_report.plot(result, out / "benchmarks.png")
+    plot = None if no_plot else bench_report.plot(result, out / "benchmarks.png")
     text = bench_report.markdown(result, cmd, plot)
     (out / "benchmarks.json").write_text(json.dumps(result, indent=1))
     (out / "benchmarks.md").write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

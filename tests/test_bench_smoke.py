@@ -32,6 +32,14 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     assert rows["small", 2, 2]["tensors"] == 200
     text = (tmp_path / "benchmarks.md").read_text()
     assert "## Targets" in text and "transformer" in text
+    # the report renders again from the JSON alone (no re-run)
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--report-from",
+                           str(tmp_path / "benchmarks.json"), "--out", str(again), "--no-plot"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "benchmarks.md").read_text().split("## Targets")[1] == \
+        text.split("## Targets")[1]
 
 
 def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:
