@@ -19,6 +19,7 @@ import crc32c
 import torch
 
 from .errors import CorruptShardError, UnsupportedFormatError
+from .gc_pause import gc_paused
 
 FORMAT_VERSION = 1
 
@@ -91,6 +92,26 @@ class ShardManifest:
     @property
     def ckpt_id(self) -> tuple[int, int, str]:
         return (self.iteration, self.owner_rank, self.session_id)
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """``to_json_dict()`` as JSON bytes, built once per manifest: the commit writes these
+        bytes and replication sends them (tens of ms each for 10,000 tensors)."""
+        with gc_paused():
+            return json.dumps(self.to_json_dict(), allow_nan=False).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, where: str) -> ShardManifest:
+        """:meth:`from_json_dict` of JSON ``data`` as produced by :attr:`encoded` (a received
+        manifest); ``data`` becomes the result's ``encoded``."""
+        try:
+            doc = json.loads(data)
+        except ValueError as exc:
+            raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
+        manifest = cls.from_json_dict(doc, where)
+        # The checksum matched, so these bytes encode exactly this manifest.
+        manifest.__dict__["encoded"] = bytes(data)
+        return manifest
 
     def to_json_dict(self) -> dict[str, Any]:
         # Built by hand: dataclasses.asdict deep-copies the hollow structure and every entry

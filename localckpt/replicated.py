@@ -7,7 +7,6 @@ global decisions as pure plans over gathered inventories.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,16 +30,13 @@ from .collectives import CheckpointGroup
 from .coverage import Inventory
 from .errors import CorruptShardError, NoCheckpointError
 from .faults import fault_point
+from .gc_pause import gc_paused
 from .manifest import ShardManifest, dtype_from_name
 from .shard_writer import ShardWriter
-from .staging import tensor_view
+from .staging import unpack
 from .store import ShardRef, ShardStore, byte_view
 
 logger = logging.getLogger(__name__)
-
-
-def encode_manifest(manifest: ShardManifest) -> bytes:
-    return json.dumps(manifest.to_json_dict(), allow_nan=False).encode()
 
 
 PIECE_TARGET_NBYTES = 64 << 20
@@ -78,7 +74,8 @@ class StoreReceiver:
     def __init__(self, store: ShardStore, t: Transfer, meta: bytes, nbytes: int,
                  world_size: int, ring: PieceRing) -> None:
         where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
-        self.manifest = ShardManifest.from_json_dict(json.loads(meta), where)
+        with gc_paused():  # parsing allocates ~10 objects per tensor; see gc_paused
+            self.manifest = ShardManifest.from_json_bytes(meta, where)
         m = self.manifest
         expected = (store.session_id, t.iteration, t.owner, world_size)
         got = (m.session_id, m.iteration, m.owner_rank, m.world_size)
@@ -86,6 +83,7 @@ class StoreReceiver:
             raise CorruptShardError(f"{where}: manifest says (session, iteration, owner, world) = "
                                     f"{got} and {nbytes} bytes, expected {expected}")
         self._ring = ring
+        self._store = store
         self._in_slot: dict[int, range] = {}  # ring slot -> chunks whose bytes it holds
         self._current = torch.empty(0, dtype=torch.uint8)  # the piece being received
         self._writer: ShardWriter = store.begin_write(m)
@@ -108,7 +106,7 @@ class StoreReceiver:
         self._in_slot[index % self._ring.slots] = chunks
 
     def finish(self) -> None:
-        self._writer.commit()
+        self._store.commit(self._writer)
 
     def abort(self) -> None:
         self._writer.abort()
@@ -124,7 +122,7 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
     def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
         fault_point("replica_send", group.rank, t.iteration)
         manifest, payload = source(t)
-        return encode_manifest(manifest), payload, piece_nbytes(manifest)
+        return manifest.encoded, payload, piece_nbytes(manifest)
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
         receiver = StoreReceiver(store, t, meta, nbytes, world_size, ring)
@@ -142,8 +140,8 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
 
 def tensors_from_buffer(manifest: ShardManifest, buffer: torch.Tensor) -> list[torch.Tensor]:
     """Each tensor of ``manifest`` copied out of the packed ``buffer`` into its own storage."""
-    return [tensor_view(buffer, e.offset, e.nbytes, dtype_from_name(e.dtype), e.shape).clone()
-            for e in manifest.tensors]
+    return unpack(buffer, [(e.offset, e.nbytes, dtype_from_name(e.dtype), e.shape)
+                           for e in manifest.tensors])
 
 
 @dataclass

@@ -41,6 +41,12 @@ def array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
     }
 
 
+def group_metadata(manifest: ShardManifest) -> bytes:
+    """The group's zarr.json: the manifest under ``attributes["localckpt"]``."""
+    return (b'{"zarr_format": 3, "node_type": "group", "attributes": {"localckpt": '
+            + manifest.encoded + b"}}")
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         written = os.write(fd, view[:_WRITE_BLOCK])
@@ -144,14 +150,13 @@ class ShardWriter:
                 raise CorruptShardError(
                     f"{self.final}: received chunk {bad} has crc32c {crcs[bad]:#010x}, its "
                     f"manifest says {manifest.chunk_crc32c[bad]:#010x}; not committed")
-            manifest = replace(manifest, chunk_crc32c=crcs)
+            if crcs != manifest.chunk_crc32c:
+                manifest = replace(manifest, chunk_crc32c=crcs)
             tmp = self.tmp
             _write_file(tmp / "data" / "zarr.json",
                         json.dumps(array_metadata(manifest.chunk_nbytes,
                                                   manifest.chunk_count)).encode())
-            group = {"zarr_format": 3, "node_type": "group",
-                     "attributes": {"localckpt": manifest.to_json_dict()}}
-            _write_file(tmp / "zarr.json", json.dumps(group, allow_nan=False).encode())
+            _write_file(tmp / "zarr.json", group_metadata(manifest))
             for d in (tmp / "data" / "c", tmp / "data", tmp):
                 fsync_dir(d)
             if manifest.owner_rank == self._writer_rank:

@@ -10,14 +10,20 @@ stream and finished by an event.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .errors import CorruptShardError
 from .manifest import dtype_name
 
 ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
+
+# Below this a plain memmove beats a torch copy, whose dispatch and view building cost several
+# microseconds per tensor (10,000 x 4 KiB: 77 -> 17 ms); above it torch's multi-threaded copy wins.
+_MEMMOVE_MAX_NBYTES = 256 * 1024
 
 
 def aligned(n: int, alignment: int = ALIGNMENT) -> int:
@@ -97,11 +103,7 @@ class StagingArena:
             if device.type == "cuda":
                 events.append(self._stage_cuda(device, tensors, indices, layout, buf))
             else:
-                for i in indices:
-                    t = tensors[i]
-                    tensor_view(buf, layout.offsets[i], layout.sizes[i], t.dtype, t.shape).copy_(
-                        t.detach()
-                    )
+                _stage_cpu(tensors, indices, layout, buf)
         for event in events:
             event.synchronize()
         return buf
@@ -122,3 +124,40 @@ class StagingArena:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event
+
+
+def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: PackedLayout,
+               buf: torch.Tensor) -> None:
+    base = buf.data_ptr()
+    for i in indices:
+        t = tensors[i]
+        size = layout.sizes[i]
+        # A conjugate or negative view's memory is not its value: only torch's copy resolves it.
+        if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            if size:
+                ctypes.memmove(base + layout.offsets[i], t.data_ptr(), size)
+        else:
+            tensor_view(buf, layout.offsets[i], size, t.dtype, t.shape).copy_(t.detach())
+
+
+def unpack(buffer: torch.Tensor,
+           entries: Sequence[tuple[int, int, torch.dtype, Sequence[int]]]) -> list[torch.Tensor]:
+    """Each (offset, nbytes, dtype, shape) of the packed uint8 CPU ``buffer`` copied into a
+    tensor of its own storage (the inverse of :meth:`StagingArena.stage`)."""
+    base = buffer.data_ptr()
+    out = []
+    for offset, nbytes, dtype, shape in entries:
+        t = torch.empty(tuple(shape), dtype=dtype)
+        # Raw copies below: a manifest that disagrees with itself must not address other memory.
+        if not (offset >= 0 and offset + nbytes <= buffer.numel()
+                and t.numel() * t.element_size() == nbytes):
+            raise CorruptShardError(
+                f"manifest entry ({offset=}, {nbytes=}, {dtype}, shape {tuple(shape)}) does not "
+                f"fit its {buffer.numel()}-byte data")
+        if nbytes <= _MEMMOVE_MAX_NBYTES:
+            if nbytes:
+                ctypes.memmove(t.data_ptr(), base + offset, nbytes)
+        else:
+            t.copy_(tensor_view(buffer, offset, nbytes, dtype, shape))
+        out.append(t)
+    return out

@@ -47,3 +47,14 @@ def test_edited_manifest_fails_its_checksum() -> None:
 def test_malformed_documents_are_corrupt_not_crashes(doc: object) -> None:
     with pytest.raises(CorruptShardError):
         ShardManifest.from_json_dict(doc, "shard-x")
+
+
+def test_received_bytes_are_reused_verbatim_and_checked() -> None:
+    m = _manifest()
+    back = ShardManifest.from_json_bytes(m.encoded, "from rank 1")
+    assert back == m and back.encoded == m.encoded
+    assert json.loads(m.encoded) == m.to_json_dict()
+    with pytest.raises(CorruptShardError, match="from rank 1: unreadable manifest"):
+        ShardManifest.from_json_bytes(m.encoded[:-3], "from rank 1")
+    with pytest.raises(CorruptShardError, match="manifest checksum mismatch"):
+        ShardManifest.from_json_bytes(m.encoded.replace(b"model/w", b"model/v"), "from rank 1")

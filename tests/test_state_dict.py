@@ -52,6 +52,17 @@ def test_every_dtype_roundtrips_bit_exact(root: Path, dtype_name: str) -> None:
         assert loaded[key].shape == t.shape
 
 
+def test_lazy_views_and_offset_slices_are_saved_by_value(root: Path) -> None:
+    z = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    base = torch.arange(100, dtype=torch.float64)
+    state = {"conj": z.conj(), "neg": z.conj().imag, "slice": base[37:41],
+             "big_slice": torch.randn(300_000)[1:]}  # past the memmove size, offset storage
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    loaded = _roundtrip(root, state)
+    for key, t in state.items():
+        assert torch.equal(loaded[key], t.resolve_conj().resolve_neg()), key
+
+
 def test_nested_structures_and_scalars_roundtrip_exactly(root: Path) -> None:
     state = OrderedDict(
         model=OrderedDict([("b", torch.ones(2)), ("a", torch.zeros(3))]),

@@ -13,7 +13,14 @@ import zarr
 
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from localckpt.manifest import ShardManifest
-from localckpt.store import ShardStore, check_free_space, chunking, find_leftovers, list_shards
+from localckpt.store import (
+    ShardStore,
+    byte_view,
+    check_free_space,
+    chunking,
+    find_leftovers,
+    list_shards,
+)
 
 
 def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,
@@ -171,6 +178,24 @@ def test_damaged_or_missing_manifest_is_corruption(store: ShardStore) -> None:
     with pytest.raises(CorruptShardError, match="manifest missing"):
         store.read(ref)
 
+
+
+def test_manifest_is_parsed_once_until_the_shard_is_replaced(store: ShardStore) -> None:
+    _write(store, 1, nbytes=10_000)
+    ref = store.committed()[0]
+    first = store.read_manifest(ref)
+    assert store.read_manifest(ref) is first  # find_latest, then load: one parse
+    _write(store, 1, nbytes=9000)  # a re-save commits a new directory at the same path
+    assert store.read_manifest(store.committed()[0]).data_nbytes == 9000
+
+
+def test_byte_view_shares_memory_and_refuses_strided_tensors() -> None:
+    t = torch.zeros(4, dtype=torch.float32)
+    view = byte_view(t)
+    view[4:8] = torch.tensor([1.5]).numpy().tobytes()
+    assert len(view) == 16 and t[1].item() == 1.5
+    with pytest.raises(ValueError, match="expected a contiguous CPU tensor"):
+        byte_view(torch.zeros(4, 4).t())
 
 
 def test_delete_hides_atomically_and_removes_empty_iteration(store: ShardStore,

@@ -1,0 +1,104 @@
+"""Reading one shard: the manifest, and the chunks scattered straight into tensors, verified.
+
+The counterpart of :mod:`localckpt.shard_writer`; :class:`localckpt.store.ShardStore` decides
+which shard and where the bytes go.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import crc32c
+
+from .errors import CorruptShardError
+from .manifest import ShardManifest
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
+
+
+def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
+                     targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor) -> None:
+    """Read the chunks under ``chunk_dir`` into ``targets`` (see ShardStore.read_into), one
+    chunk per task on ``pool``. Raises CorruptShardError naming the first bad file."""
+    size = manifest.chunk_nbytes
+    starts = [off for off, _ in targets]
+
+    def one(i: int) -> None:
+        path = chunk_dir / str(i)
+        pieces = _pieces(targets, starts, i * size, (i + 1) * size)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise CorruptShardError(f"{path}: chunk file missing") from exc
+        try:
+            got = _preadv_all(fd, list(pieces), 0)
+            trailer = os.pread(fd, 5, size)
+        finally:
+            os.close(fd)
+        if got != size or len(trailer) != 4:
+            raise CorruptShardError(
+                f"{path}: expected {size + 4} bytes, file has {got + len(trailer)}"
+                f"{'+' if len(trailer) > 4 else ''} (truncated or overwritten)")
+        crc = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc)
+        stored = int.from_bytes(trailer, "little")
+        if crc != stored or crc != manifest.chunk_crc32c[i]:
+            raise CorruptShardError(
+                f"{path}: checksum mismatch (computed crc32c {crc:#010x}, file says "
+                f"{stored:#010x}, manifest says {manifest.chunk_crc32c[i]:#010x})"
+            )
+
+    list(pool.map(one, range(manifest.chunk_count)))
+
+
+def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
+    """The manifest in the attributes of a shard group's zarr.json ``data`` read from ``where``."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return ShardManifest.from_json_dict(
+        attrs.get("localckpt") if isinstance(attrs, dict) else None, where)
+
+
+def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,
+            hi: int) -> list[memoryview]:
+    """The buffers that bytes [lo, hi) of the packed data go to, in order; gaps get scratch."""
+    pieces: list[memoryview] = []
+    pos = lo
+    k = max(bisect.bisect_right(starts, lo) - 1, 0)
+    while k < len(targets) and targets[k][0] < hi:
+        off, view = targets[k]
+        begin, end = max(off, pos), min(off + len(view), hi)
+        if end > begin:
+            if begin > pos:  # alignment padding between tensors
+                pieces.append(memoryview(bytearray(begin - pos)))
+            pieces.append(view[begin - off : end - off])
+            pos = end
+        k += 1
+    if pos < hi:  # padding at the end of the data
+        pieces.append(memoryview(bytearray(hi - pos)))
+    return pieces
+
+
+def _preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
+    """preadv into ``pieces`` until they are full or the file ends; returns bytes read."""
+    total, i = 0, 0
+    while i < len(pieces):
+        n = os.preadv(fd, pieces[i : i + _IOV_MAX], offset + total)
+        if n == 0:
+            break
+        total += n
+        while i < len(pieces) and n >= len(pieces[i]):
+            n -= len(pieces[i])
+            i += 1
+        if n:
+            pieces[i] = pieces[i][n:]
+    return total
