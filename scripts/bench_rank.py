@@ -123,8 +123,8 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
 
 def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
                       factor: int, repeats: int, io_threads: int) -> None:
-    """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest, load from
-    local disk; with replicas, load after node 1 was wiped against raw read + transfer."""
+    """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest and load
+    from local disk by a new manager (a restart); with replicas, load after node 1 was wiped against raw read + transfer."""
     per_node = world // 2
     node = rank // per_node
     root = base / f"node{node}"
@@ -149,8 +149,12 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
         if strategy is not None:
             figures["replicate"] = phase["replicate"]
         timer.add(figures)
-        timer.run("find_latest", mgr.find_latest)
-        timer.run("load_local", mgr.load)
+        # As after a restart: a new manager, which has parsed no manifest yet.
+        fresh = LocalCheckpointManager(root, "bench", strategy, timeout=900,
+                                       node_id=f"node{node}", io_threads=io_threads)
+        timer.run("find_latest", fresh.find_latest)
+        timer.run("load_local", fresh.load)
+        fresh.close()
     queue.close()
     mgr.close()
     if strategy is not None:
