@@ -132,11 +132,12 @@ def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: Pack
     for i in indices:
         t = tensors[i]
         size = layout.sizes[i]
-        # A conjugate or negative view's memory is not its value: only torch's copy resolves it.
-        if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            if size:
-                ctypes.memmove(base + layout.offsets[i], t.data_ptr(), size)
-        else:
+        # A conjugate or negative view's memory is not its value, and an efficient zero tensor
+        # has none (data_ptr 0): only torch's copy resolves them.
+        src = t.data_ptr() if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() else 0
+        if src and not (t.is_conj() or t.is_neg()):
+            ctypes.memmove(base + layout.offsets[i], src, size)
+        elif size:
             tensor_view(buf, layout.offsets[i], size, t.dtype, t.shape).copy_(t.detach())
 
 

@@ -124,7 +124,8 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
 def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
                       factor: int, repeats: int, io_threads: int) -> None:
     """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest and load
-    from local disk by a new manager (a restart); with replicas, load after node 1 was wiped against raw read + transfer."""
+    from local disk by a new manager (a restart); with replicas, load after node 1 was wiped
+    against raw read + transfer."""
     per_node = world // 2
     node = rank // per_node
     root = base / f"node{node}"

@@ -56,7 +56,8 @@ def test_lazy_views_and_offset_slices_are_saved_by_value(root: Path) -> None:
     z = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
     base = torch.arange(100, dtype=torch.float64)
     state = {"conj": z.conj(), "neg": z.conj().imag, "slice": base[37:41],
-             "big_slice": torch.randn(300_000)[1:]}  # past the memmove size, offset storage
+             "big_slice": torch.randn(300_000)[1:],  # past the memmove size, offset storage
+             "zero": torch._efficientzerotensor(6)}  # no memory at all (data_ptr 0)
     assert state["conj"].is_conj() and state["neg"].is_neg()
     loaded = _roundtrip(root, state)
     for key, t in state.items():
