@@ -26,6 +26,8 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
     """Read the chunks under ``chunk_dir`` into ``targets`` (see ShardStore.read_into), one
     chunk per task on ``pool``. Raises CorruptShardError naming the first bad file."""
     size = manifest.chunk_nbytes
+    # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
+    targets = sorted(targets, key=lambda target: target[0])
     starts = [off for off, _ in targets]
 
     def one(i: int) -> None:

@@ -5,7 +5,8 @@ aligned slots of a single uint8 buffer; that buffer is what the shard store writ
 replication sends, so there are no per-tensor files or transfers. The buffer is kept across saves
 and reallocated only when a save needs more than it holds. On CUDA the buffer is pinned and the
 device-to-host copies run on a side stream, ordered after the work already queued on the current
-stream and finished by an event.
+stream and finished by an event; small CUDA tensors of one device and dtype are packed next to
+each other, so that they are gathered on the GPU and cross to the host in one copy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from .errors import CorruptShardError
 from .manifest import dtype_name
@@ -25,6 +27,12 @@ ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
 # microseconds per tensor (10,000 x 4 KiB: 77 -> 17 ms); above it torch's multi-threaded copy wins.
 _MEMMOVE_MAX_NBYTES = 256 * 1024
 
+# Each device-to-host copy costs ~15 us of launch and dispatch, whatever its size: 10,000 CUDA
+# tensors of 4 KiB took 171 ms one by one on an H100, 40 MB at 53 GB/s take 0.8 ms. CUDA tensors
+# up to this size are therefore gathered on the GPU (one kernel per run) and copied together.
+_GATHER_MAX_NBYTES = 1 << 20
+_GATHER_RUN_MAX_NBYTES = 64 << 20  # bounds the GPU scratch a gathered copy needs
+
 
 def aligned(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
@@ -32,27 +40,60 @@ def aligned(n: int, alignment: int = ALIGNMENT) -> int:
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """Where each tensor goes in the arena. ``nbytes`` is the end of the last tensor."""
+    """Where each tensor goes in the arena. ``nbytes`` is the end of the last tensor.
+
+    ``runs``: groups of tensor indices (one CUDA device and dtype each) whose bytes lie back to
+    back from an aligned offset, in the order listed: each run is staged as one copy.
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
+    runs: tuple[tuple[int, ...], ...] = ()
+
+
+def _gatherable(t: torch.Tensor, size: int) -> bool:
+    # Only plain memory can be concatenated as is: a conjugate or negative view's memory is not
+    # its value, and an efficient zero tensor has none.
+    return (t.is_cuda and 0 < size <= _GATHER_MAX_NBYTES and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg() or t._is_zerotensor()))
 
 
 def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
-    """Aligned offsets for ``tensors`` packed in order (pure)."""
-    offsets, sizes = [], []
-    end = 0
-    for t in tensors:
+    """Offsets for ``tensors`` (pure): small CUDA tensors first, back to back in runs of one
+    device and dtype; then every other tensor in order, each at a 64-byte aligned offset."""
+    sizes = []
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    rest = []
+    for i, t in enumerate(tensors):
         dtype_name(t.dtype)  # raises TypeError for a dtype we cannot store
         if t.is_quantized:
             raise TypeError("quantized tensors are not supported: dequantize them before saving")
         size = t.numel() * t.element_size()
-        start = aligned(end)
-        offsets.append(start)
         sizes.append(size)
-        end = start + size
-    return PackedLayout(tuple(offsets), tuple(sizes), end)
+        if _gatherable(t, size):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            rest.append(i)
+    offsets = [0] * len(tensors)
+    runs: list[tuple[int, ...]] = []
+    end = 0
+    for members in groups.values():
+        run: list[int] = []
+        for i in members:
+            if run and end + sizes[i] - offsets[run[0]] > _GATHER_RUN_MAX_NBYTES:
+                runs.append(tuple(run))
+                run = []
+            if not run:
+                end = aligned(end)
+            offsets[i] = end  # same dtype back to back: every offset a multiple of its size
+            end += sizes[i]
+            run.append(i)
+        runs.append(tuple(run))
+    for i in rest:
+        offsets[i] = aligned(end)
+        end = offsets[i] + sizes[i]
+    return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs))
 
 
 def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
@@ -101,7 +142,11 @@ class StagingArena:
             by_device.setdefault(t.device, []).append(i)
         for device, indices in by_device.items():
             if device.type == "cuda":
-                events.append(self._stage_cuda(device, tensors, indices, layout, buf))
+                runs = [r for r in layout.runs if tensors[r[0]].device == device]
+                in_runs = {i for r in runs for i in r}
+                events.append(self._stage_cuda(device, tensors,
+                                               [i for i in indices if i not in in_runs], runs,
+                                               layout, buf))
             else:
                 _stage_cpu(tensors, indices, layout, buf)
         for event in events:
@@ -109,14 +154,21 @@ class StagingArena:
         return buf
 
     def _stage_cuda(self, device: torch.device, tensors: Sequence[torch.Tensor],
-                    indices: list[int], layout: PackedLayout,
+                    indices: list[int], runs: list[tuple[int, ...]], layout: PackedLayout,
                     buf: torch.Tensor) -> torch.cuda.Event:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # The side stream must see every kernel already queued that writes these tensors.
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.no_grad():
+            for run in runs:
+                start = layout.offsets[run[0]]
+                end = layout.offsets[run[-1]] + layout.sizes[run[-1]]
+                # Concatenated in C++ (no Python per tensor), on this stream: the scratch is
+                # reused only by later work on the same stream, so freeing it here is safe.
+                flat = _flatten_dense_tensors([tensors[i] for i in run])  # type: ignore[no-untyped-call]
+                buf[start:end].view(flat.dtype).copy_(flat, non_blocking=self._pin)
             for i in indices:
                 t = tensors[i]
                 dst = tensor_view(buf, layout.offsets[i], layout.sizes[i], t.dtype, t.shape)

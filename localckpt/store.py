@@ -287,7 +287,7 @@ class ShardStore:
     def read_into(self, ref: ShardRef, manifest: ShardManifest,
                   targets: Sequence[tuple[int, memoryview]]) -> None:
         """Scatter-read the data of ``ref`` into ``targets``: (offset in the packed data,
-        byte buffer), sorted by offset and not overlapping. Bytes no target covers (alignment
+        byte buffer), in any order, not overlapping. Bytes no target covers (alignment
         and chunk padding) are read into scratch space, so every chunk's CRC-32C is still checked
         against both the file trailer and ``manifest``; tensors land in their own storage with no
         extra copy.

@@ -163,6 +163,12 @@ def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> 
     out.mkdir(parents=True, exist_ok=True)
     plot = None if no_plot else bench_report.plot(result, out / "benchmarks.png")
     text = bench_report.markdown(result, cmd, plot)
+    cuda = out / "benchmarks-cuda.json"  # written by bench_cuda.py on a GPU machine
+    if cuda.exists():
+        import bench_cuda
+
+        section = json.loads(cuda.read_text())
+        text += "\n" + bench_cuda.markdown(section, section["command"])
     (out / "benchmarks.json").write_text(json.dumps(result, indent=1))
     (out / "benchmarks.md").write_text(text)
     print(text)

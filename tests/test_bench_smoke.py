@@ -51,3 +51,26 @@ def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:
     assert [r["world"] for r in rows] == [64, 256]
     assert all(r["retrieval_after_node_loss"]["remote"] > 0 for r in rows)
     assert "Planning at scale" in (tmp_path / "benchmarks-planning.md").read_text()
+
+
+def test_cuda_bench_runs_or_says_why_not_and_its_section_renders(tmp_path: Path) -> None:
+    import torch
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cuda.py"), "--quick",
+                           "--out", str(tmp_path / "cuda")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if torch.cuda.is_available():
+        rows = json.loads((tmp_path / "cuda" / "benchmarks-cuda.json").read_text())["rows"]
+        assert [r["case"] for r in rows] == ["uniform", "transformer", "small"]
+    else:
+        assert "no CUDA device" in proc.stdout and not (tmp_path / "cuda").exists()
+    # The GPU figures recorded in docs/ are embedded in benchmarks.md by the CPU-side report.
+    for name in ("benchmarks.json", "benchmarks-cuda.json"):
+        (tmp_path / name).write_text((REPO / "docs" / name).read_text())
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--report-from",
+                           str(tmp_path / "benchmarks.json"), "--out", str(tmp_path),
+                           "--no-plot"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    section = (tmp_path / "benchmarks.md").read_text().split("## CUDA staging")[1]
+    assert "NVIDIA" in section and "| small |" in section

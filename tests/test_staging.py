@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -28,3 +30,31 @@ def test_unpack_inverts_stage_into_separate_storages() -> None:
 def test_unpack_refuses_entries_outside_the_data(entry: tuple) -> None:
     with pytest.raises(CorruptShardError, match="does not fit its 100-byte data"):
         unpack(torch.zeros(100, dtype=torch.uint8), [entry])
+
+
+def test_layout_packs_gathered_tensors_back_to_back_in_capped_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runs' packing (CUDA tensors on a GPU machine) checked here with CPU tensors."""
+    from localckpt import staging
+
+    monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 1024)
+    monkeypatch.setattr(staging, "_GATHER_RUN_MAX_NBYTES", 2048)
+    tensors = [torch.arange(3, dtype=torch.float32), torch.zeros(5000),  # 20,000 B: not gathered
+               torch.arange(7, dtype=torch.int16), torch.arange(250, dtype=torch.float32),
+               torch.arange(250, dtype=torch.float32) + 1000, torch.ones(1, dtype=torch.int16),
+               torch.arange(256, dtype=torch.float32) + 2000]
+    layout = plan_layout(tensors)
+    # float32 [0, 3, 4] fit 2,048 bytes; [6] starts the next run; int16 [2, 5] run apart
+    assert layout.runs == ((0, 3, 4), (6,), (2, 5))
+    for run in layout.runs:
+        assert layout.offsets[run[0]] % 64 == 0
+        for a, b in itertools.pairwise(run):
+            assert layout.offsets[b] == layout.offsets[a] + layout.sizes[a]
+    assert layout.offsets[1] % 64 == 0
+    spans = sorted((o, o + n) for o, n in zip(layout.offsets, layout.sizes, strict=True))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    assert layout.nbytes == max(end for _, end in spans)
+    buf = StagingArena(pin=False).stage(tensors, layout, layout.nbytes)
+    back = unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
+                        zip(tensors, layout.offsets, layout.sizes, strict=True)])
+    assert all(torch.equal(t, b) for t, b in zip(tensors, back, strict=True))

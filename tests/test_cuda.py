@@ -1,0 +1,118 @@
+"""The CUDA paths: pinned staging on a side stream, a CUDA state dict saved and loaded back onto
+its device, and NVML on a real driver. Skipped where there is no CUDA device (CI); run on a GPU
+machine with ``pytest tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from localckpt import LocalCheckpointManager, health
+from localckpt.async_calls import AsyncCallsQueue
+from localckpt.staging import StagingArena, plan_layout, tensor_view
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _mixed_tensors() -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [
+        torch.randn(1024, 1024, device="cuda", generator=g),  # 4 MiB: above the memmove size
+        torch.arange(10, device="cuda", dtype=torch.int64),
+        torch.randn(64, 48, device="cuda", generator=g).t(),  # not contiguous
+        torch.randn(300, device="cuda", generator=g).to(torch.bfloat16),
+        torch.empty(0, device="cuda"),
+        torch.randn(5),  # a CPU tensor in the same save
+    ]
+
+
+@pytest.mark.parametrize("pin", [None, False])
+def test_stage_copies_cuda_tensors_exactly(pin: bool | None) -> None:
+    arena = StagingArena(pin=pin)
+    tensors = _mixed_tensors()
+    layout = plan_layout(tensors)
+    buf = arena.stage(tensors, layout, layout.nbytes + 100)
+    assert buf.is_pinned() == (pin is None)  # pinned by default when CUDA is available
+    for t, offset, size in zip(tensors, layout.offsets, layout.sizes, strict=True):
+        assert torch.equal(tensor_view(buf, offset, size, t.dtype, t.shape), t.cpu())
+    assert not buf[layout.nbytes:].any()
+
+
+@pytest.mark.parametrize("shape", [(2048, 2048), (64, 64)])  # copied alone; gathered
+def test_stage_sees_queued_work_and_returns_a_snapshot(shape: tuple[int, int]) -> None:
+    """The side stream waits for kernels already queued on the current stream, and on return the
+    copy is complete: training may overwrite the tensor at once."""
+    a = torch.randn(*shape, device="cuda")
+    out = torch.empty_like(a)
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s on the stream
+    torch.mul(a, 2, out=out)  # queued behind the sleep: not yet run when stage is called
+    arena = StagingArena()
+    layout = plan_layout([out])
+    buf = arena.stage([out], layout, layout.nbytes)
+    out.fill_(-1)  # the next training step
+    torch.cuda.synchronize()
+    staged = tensor_view(buf, 0, layout.sizes[0], out.dtype, out.shape)
+    assert torch.equal(staged, (a * 2).cpu())
+
+
+def test_many_small_cuda_tensors_are_gathered_by_dtype_and_staged_exactly() -> None:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    tensors = []
+    for i in range(400):
+        t = torch.randn(1 + i % 97, device="cuda", generator=g)
+        tensors.append([t, t.to(torch.bfloat16), (t * 100).long(), t > 0][i % 4])
+    tensors += [torch.randn(256, 1024, device="cuda", generator=g) for _ in range(70)]  # 1 MiB
+    tensors += [torch.randn(300_000, device="cuda", generator=g),  # above the gather size
+                torch.randn(16, 8, device="cuda", generator=g).t(),  # not contiguous
+                torch.randn(8, dtype=torch.complex64, device="cuda", generator=g).conj(),
+                torch.randn(3)]
+    layout = plan_layout(tensors)
+    runs_by_dtype: dict[torch.dtype, int] = {}
+    for run in layout.runs:
+        dtype = tensors[run[0]].dtype
+        assert all(tensors[i].dtype == dtype for i in run)
+        runs_by_dtype[dtype] = runs_by_dtype.get(dtype, 0) + 1
+    # ~70 MiB of float32 takes two runs of at most 64 MiB; the others one each
+    assert runs_by_dtype == {torch.float32: 2, torch.bfloat16: 1, torch.int64: 1, torch.bool: 1}
+    assert sum(map(len, layout.runs)) == 470
+    buf = StagingArena().stage(tensors, layout, layout.nbytes)
+    for t, offset, size in zip(tensors, layout.offsets, layout.sizes, strict=True):
+        assert torch.equal(tensor_view(buf, offset, size, t.dtype, t.shape), t.cpu())
+
+
+def test_async_save_and_load_cuda_state_dict(root: Path) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {"model": {"w": torch.randn(512, 256, device="cuda", generator=g),
+                       "b": torch.randn(256, device="cuda", generator=g).to(torch.bfloat16)},
+             "small": [torch.full((4,), float(i), device="cuda") for i in range(300)],
+             "cpu": torch.arange(7), "step": 11}
+    expected = {"w": state["model"]["w"].cpu(), "b": state["model"]["b"].cpu()}
+    with LocalCheckpointManager(root, "s") as mgr:
+        req = mgr.save(state, 1, is_async=True)
+        state["model"]["w"].zero_()  # training goes on while the save runs
+        queue = AsyncCallsQueue(timeout=60)
+        queue.schedule_async_request(req)  # type: ignore[arg-type]
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        queue.close()
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, ckpt_id = mgr.load()
+    assert ckpt_id == (1, 0, "s")
+    w, b = loaded["model"]["w"], loaded["model"]["b"]
+    assert w.device == b.device == torch.device("cuda", torch.cuda.current_device())
+    assert torch.equal(w.cpu(), expected["w"]) and torch.equal(b.cpu(), expected["b"])
+    assert b.dtype == torch.bfloat16
+    assert [t.item() for t in (x[0] for x in loaded["small"])] == [float(i) for i in range(300)]
+    assert all(x.is_cuda for x in loaded["small"])
+    # moved to the GPU together, yet each in a storage of its own
+    assert len({x.untyped_storage().data_ptr() for x in loaded["small"]}) == 300
+    assert loaded["cpu"].device.type == "cpu" and loaded["step"] == 11
+
+
+def test_nvml_inventory_names_the_gpus() -> None:
+    pytest.importorskip("pynvml")
+    status, gpus = health.gpu_inventory()
+    assert status == "ok"
+    assert len(gpus) >= torch.cuda.device_count()
+    assert all(g.name and g.uuid.startswith("GPU-") and g.memory_total_bytes > 0 for g in gpus)
