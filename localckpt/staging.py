@@ -170,9 +170,14 @@ class StagingArena:
                 flat = _flatten_dense_tensors([tensors[i] for i in run])  # type: ignore[no-untyped-call]
                 buf[start:end].view(flat.dtype).copy_(flat, non_blocking=self._pin)
             for i in indices:
-                t = tensors[i]
+                t = tensors[i].detach()
+                if t.is_conj() or t.is_neg():
+                    # Materialized here first: a copy to the host of a lazy view applies the bit
+                    # on the host, racing the asynchronous copy (seen on an H100: the memory,
+                    # not the value, was staged).
+                    t = t.resolve_conj().resolve_neg()
                 dst = tensor_view(buf, layout.offsets[i], layout.sizes[i], t.dtype, t.shape)
-                dst.copy_(t.detach(), non_blocking=self._pin)
+                dst.copy_(t, non_blocking=self._pin)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event

@@ -40,6 +40,18 @@ def test_stage_copies_cuda_tensors_exactly(pin: bool | None) -> None:
     assert not buf[layout.nbytes:].any()
 
 
+def test_lazy_conjugate_and_negative_views_stage_their_values() -> None:
+    z = torch.randn(1 << 20, dtype=torch.complex64, device="cuda")
+    tensors = [z.conj(), z.conj().imag, torch._neg_view(torch.randn(1 << 20, device="cuda"))]
+    assert tensors[0].is_conj() and tensors[1].is_neg() and tensors[2].is_neg()
+    arena = StagingArena()
+    layout = plan_layout(tensors)
+    for _ in range(3):  # the bug this guards against was a race: not every run showed it
+        buf = arena.stage(tensors, layout, layout.nbytes)
+        for t, offset, size in zip(tensors, layout.offsets, layout.sizes, strict=True):
+            assert torch.equal(tensor_view(buf, offset, size, t.dtype, t.shape), t.cpu())
+
+
 @pytest.mark.parametrize("shape", [(2048, 2048), (64, 64)])  # copied alone; gathered
 def test_stage_sees_queued_work_and_returns_a_snapshot(shape: tuple[int, int]) -> None:
     """The side stream waits for kernels already queued on the current stream, and on return the
