@@ -29,9 +29,10 @@ _MEMMOVE_MAX_NBYTES = 256 * 1024
 
 # Each device-to-host copy costs ~15 us of launch and dispatch, whatever its size: 10,000 CUDA
 # tensors of 4 KiB took 171 ms one by one on an H100, 40 MB at 53 GB/s take 0.8 ms. CUDA tensors
-# up to this size are therefore gathered on the GPU (one kernel per run) and copied together.
-_GATHER_MAX_NBYTES = 1 << 20
-_GATHER_RUN_MAX_NBYTES = 64 << 20  # bounds the GPU scratch a gathered copy needs
+# up to this size are therefore gathered on the GPU (one kernel per run) and copied together;
+# loads batch the copies back to the GPU the same way (state_dict.restore_devices).
+GATHER_MAX_NBYTES = 1 << 20
+GATHER_RUN_MAX_NBYTES = 64 << 20  # bounds the scratch a gathered copy needs
 
 
 def aligned(n: int, alignment: int = ALIGNMENT) -> int:
@@ -55,7 +56,7 @@ class PackedLayout:
 def _gatherable(t: torch.Tensor, size: int) -> bool:
     # Only plain memory can be concatenated as is: a conjugate or negative view's memory is not
     # its value, and an efficient zero tensor has none.
-    return (t.is_cuda and 0 < size <= _GATHER_MAX_NBYTES and t.is_contiguous()
+    return (t.is_cuda and 0 < size <= GATHER_MAX_NBYTES and t.is_contiguous()
             and not (t.is_conj() or t.is_neg() or t._is_zerotensor()))
 
 
@@ -76,24 +77,32 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
         else:
             rest.append(i)
     offsets = [0] * len(tensors)
-    runs: list[tuple[int, ...]] = []
+    runs = [run for members in groups.values()
+            for run in split_runs(members, [sizes[i] for i in members], GATHER_RUN_MAX_NBYTES)]
     end = 0
-    for members in groups.values():
-        run: list[int] = []
-        for i in members:
-            if run and end + sizes[i] - offsets[run[0]] > _GATHER_RUN_MAX_NBYTES:
-                runs.append(tuple(run))
-                run = []
-            if not run:
-                end = aligned(end)
+    for run in runs:
+        end = aligned(end)
+        for i in run:
             offsets[i] = end  # same dtype back to back: every offset a multiple of its size
             end += sizes[i]
-            run.append(i)
-        runs.append(tuple(run))
     for i in rest:
         offsets[i] = aligned(end)
         end = offsets[i] + sizes[i]
     return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs))
+
+
+def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
+    """``items`` in consecutive runs of at most ``limit`` bytes (an item larger than ``limit``
+    alone); none for no items."""
+    runs: list[list[int]] = []
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if not runs or total + size > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(item)
+        total += size
+    return [tuple(run) for run in runs]
 
 
 def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
@@ -170,7 +179,7 @@ class StagingArena:
                 flat = _flatten_dense_tensors([tensors[i] for i in run])  # type: ignore[no-untyped-call]
                 buf[start:end].view(flat.dtype).copy_(flat, non_blocking=self._pin)
             for i in indices:
-                t = tensors[i].detach()
+                t = tensors[i]
                 if t.is_conj() or t.is_neg():
                     # Materialized here first: a copy to the host of a lazy view applies the bit
                     # on the host, racing the asynchronous copy (seen on an H100: the memory,

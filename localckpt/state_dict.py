@@ -20,14 +20,9 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-logger = logging.getLogger(__name__)
+from .staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
-# A host-to-device copy costs tens of microseconds whatever its size (10,000 CUDA tensors of
-# 4 KiB: 0.10 GB/s one by one on an H100). Tensors bound for a GPU up to this size cross in one
-# copy of their concatenation, batches of at most _BATCH_TOTAL_NBYTES, then a batched device
-# copy gives each its own storage.
-_BATCH_MAX_NBYTES = 1 << 20
-_BATCH_TOTAL_NBYTES = 64 << 20
+logger = logging.getLogger(__name__)
 
 JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dict[str, JSON]
 
@@ -247,19 +242,23 @@ def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths:
 
 def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> list[torch.Tensor]:
     """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent. Each
-    result has a storage of its own."""
+    result has a storage of its own.
+
+    A host-to-device copy costs tens of microseconds whatever its size, so small tensors bound
+    for a GPU cross as in staging: one copy of their concatenation per run of one device and
+    dtype, then a batched device copy into their own storages."""
     cache: dict[str, torch.device] = {}
     out = list(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, recorded) in enumerate(zip(tensors, devices, strict=True)):
         device = resolve_device(recorded, cache)
-        if device.type == "cuda" and 0 < t.numel() * t.element_size() <= _BATCH_MAX_NBYTES:
+        if device.type == "cuda" and 0 < t.numel() * t.element_size() <= GATHER_MAX_NBYTES:
             batches.setdefault((device, t.dtype), []).append(i)
         elif device.type != "cpu":
             out[i] = t.to(device)
     for (device, _), indices in batches.items():
-        for batch in _split(indices, [tensors[i].numel() * tensors[i].element_size()
-                                      for i in indices], _BATCH_TOTAL_NBYTES):
+        for batch in split_runs(indices, [tensors[i].numel() * tensors[i].element_size()
+                                          for i in indices], GATHER_RUN_MAX_NBYTES):
             group = [tensors[i] for i in batch]
             flat = _flatten_dense_tensors(group).to(device)  # type: ignore[no-untyped-call]
             views = _unflatten_dense_tensors(flat, group)  # type: ignore[no-untyped-call]
@@ -269,15 +268,3 @@ def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> 
                 out[i] = m
     return out
 
-
-def _split(items: list[int], sizes: list[int], limit: int) -> list[list[int]]:
-    """``items`` in consecutive batches of at most ``limit`` bytes (or one item each)."""
-    batches: list[list[int]] = [[]]
-    total = 0
-    for item, size in zip(items, sizes, strict=True):
-        if batches[-1] and total + size > limit:
-            batches.append([])
-            total = 0
-        batches[-1].append(item)
-        total += size
-    return batches

@@ -41,6 +41,7 @@ import torch
 from localckpt import LocalCheckpointManager, health
 from localckpt.async_calls import AsyncCallsQueue
 from localckpt.staging import StagingArena, plan_layout
+from localckpt.state_dict import as_tensor_aware
 from localckpt.store import byte_view
 
 
@@ -53,14 +54,6 @@ def to_cuda(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cuda(v) for v in obj)
     return obj
-
-
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) \
-        else ()
-    return [t for v in items for t in tensors_of(v)]
 
 
 def median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -124,7 +117,7 @@ def measure_case(case: bench_cases.Case, repeats: int, root: Path) -> dict[str, 
     med = raw_limits(case.payload, repeats)
     med["read_to_gpu"] = raw_read_to_gpu_s(case.payload, root, repeats)
     state = to_cuda(case.state)
-    tensors = tensors_of(state)
+    tensors = list(as_tensor_aware(state).tensors)  # what a save stages, in its order
     med["arena_stage"] = arena_stage_s(tensors, repeats)
 
     stalls, finalized, loads = [], [], []
@@ -146,7 +139,6 @@ def measure_case(case: bench_cases.Case, repeats: int, root: Path) -> dict[str, 
                 loads.append(time.perf_counter() - t)
             del loaded
         queue.close()
-    shutil.rmtree(root, ignore_errors=True)
     med |= {"save_stall": statistics.median(stalls),
             "async_save_to_finalized": statistics.median(finalized),
             "load_to_gpu": statistics.median(loads)}

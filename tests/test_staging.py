@@ -38,7 +38,7 @@ def test_layout_packs_gathered_tensors_back_to_back_in_capped_runs(
     from localckpt import staging
 
     monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 1024)
-    monkeypatch.setattr(staging, "_GATHER_RUN_MAX_NBYTES", 2048)
+    monkeypatch.setattr(staging, "GATHER_RUN_MAX_NBYTES", 2048)
     tensors = [torch.arange(3, dtype=torch.float32), torch.zeros(5000),  # 20,000 B: not gathered
                torch.arange(7, dtype=torch.int16), torch.arange(250, dtype=torch.float32),
                torch.arange(250, dtype=torch.float32) + 1000, torch.ones(1, dtype=torch.int16),
