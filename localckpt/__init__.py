@@ -2,7 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .async_calls import AsyncCallsQueue, AsyncRequest
 from .errors import (
     CheckpointingError,
     CheckpointingException,
@@ -19,7 +18,8 @@ from .errors import (
     WorldSizeMismatchError,
 )
 from .manager import CkptID, LocalCheckpointManager
-from .metrics import Metrics, PhaseMetric
+from .ops.metrics import Metrics, PhaseMetric
+from .save.async_calls import AsyncCallsQueue, AsyncRequest
 from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __all__ = [

@@ -30,9 +30,8 @@ from replication import (
     strategy_names,
 )
 
-from .async_calls import AsyncRequest
-from .collectives import CheckpointGroup
-from .coverage import (
+from .control.collectives import CheckpointGroup
+from .control.coverage import (
     Inventory,
     check_capacity,
     choose_latest,
@@ -48,15 +47,23 @@ from .errors import (
     IncompleteCheckpointError,
     NoCheckpointError,
 )
-from .faults import fault_point
 from .gc_pause import gc_paused
-from .manifest import ShardManifest, TensorEntry, dtype_from_name, dtype_name, writer_identity
-from .metrics import MetricHook, Metrics, PhaseMetric, as_metrics
-from .replicated import PieceRing, restore
-from .save_job import SaveJob
-from .staging import StagingArena, plan_layout
+from .load.restore import restore
+from .ops.faults import fault_point
+from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
+from .save.async_calls import AsyncRequest
+from .save.job import SaveJob
+from .save.staging import StagingArena, plan_layout
 from .state_dict import TensorAwareStateDict, as_tensor_aware, rebuild_state_dict
-from .store import (
+from .storage.manifest import (
+    ShardManifest,
+    TensorEntry,
+    dtype_from_name,
+    dtype_name,
+    writer_identity,
+)
+from .storage.peer_io import PieceRing
+from .storage.store import (
     DEFAULT_CHUNK_NBYTES,
     ShardRef,
     ShardStore,
@@ -88,8 +95,8 @@ class LocalCheckpointManager:
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
         busy: what an async save does while the previous one is in flight: "wait" for it, or
             "skip" this save (decided alike on every rank).
-        metrics: a :class:`localckpt.metrics.Metrics` or a callable receiving each
-            :class:`~localckpt.metrics.PhaseMetric` (per-phase seconds and bytes); records also
+        metrics: a :class:`localckpt.Metrics` or a callable receiving each
+            :class:`~localckpt.PhaseMetric` (per-phase seconds and bytes); records also
             go to the ``localckpt.metrics`` logger and to ``$LOCALCKPT_METRICS_FILE`` if set.
 
     Construction is collective when torch.distributed is initialised (it creates a gloo group from
@@ -374,8 +381,8 @@ class LocalCheckpointManager:
         save in flight first.
 
         Lists committed shards (no data is read), all-gathers the inventories and picks the
-        newest complete iteration with :func:`localckpt.coverage.choose_latest`. Checksums are
-        verified by ``load``.
+        newest complete iteration with
+        :func:`localckpt.control.coverage.choose_latest`. Checksums are verified by ``load``.
         """
         self._settle_inflight()
         fault_point("find_latest", self.rank)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
+from .save.staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
 logger = logging.getLogger(__name__)
 

@@ -38,11 +38,12 @@ import bench_cases
 import benchlib
 import torch
 
-from localckpt import LocalCheckpointManager, health
-from localckpt.async_calls import AsyncCallsQueue
-from localckpt.staging import StagingArena, plan_layout
+from localckpt import LocalCheckpointManager
+from localckpt.ops import health
+from localckpt.save.async_calls import AsyncCallsQueue
+from localckpt.save.staging import StagingArena, plan_layout
 from localckpt.state_dict import as_tensor_aware
-from localckpt.store import byte_view
+from localckpt.storage.store import byte_view
 
 
 def to_cuda(obj: Any) -> Any:

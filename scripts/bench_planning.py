@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchlib
 
-from localckpt.coverage import Inventory, choose_latest, decode_inventories
+from localckpt.control.coverage import Inventory, choose_latest, decode_inventories
 from replication import (
     Topology,
     make_strategy,

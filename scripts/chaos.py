@@ -43,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from localckpt.store import list_shards  # noqa: E402
+from localckpt.storage.store import list_shards  # noqa: E402
 
 STEPS, SAVE_EVERY, NODES = 40, 10, 2
 SAVED = [s for s in range(STEPS) if (s + 1) % SAVE_EVERY == 0]  # 9, 19, 29, 39

@@ -198,7 +198,7 @@ def async_saves(rank: int, world: int, base: str, per_node: int, iterations: lis
     ``per_node`` ranks per simulated node with node_spread replication; 0: no replication."""
     import torch.distributed as dist
 
-    from localckpt.async_calls import AsyncCallsQueue
+    from localckpt.save.async_calls import AsyncCallsQueue
 
     replicated = per_node > 0
     per_node = per_node or 1
@@ -247,7 +247,7 @@ def find_and_load_n4(rank: int, base: str) -> dict[str, Any]:
 
 def exchange_sizes(rank: int, world: int, sizes: list[int]) -> list[int]:
     """Every rank contributes a payload of sizes[rank] characters; returns what it gathered."""
-    from localckpt.collectives import CheckpointGroup
+    from localckpt.control.collectives import CheckpointGroup
 
     group = CheckpointGroup(30)
     try:

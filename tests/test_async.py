@@ -12,8 +12,8 @@ import torch
 from scenarios import digest, make_state
 
 from localckpt import LocalCheckpointManager
-from localckpt.async_calls import AsyncCallsQueue, AsyncRequest
 from localckpt.errors import RankFailureError
+from localckpt.save.async_calls import AsyncCallsQueue, AsyncRequest
 
 
 def test_queue_runs_in_background_and_finalizes_in_order() -> None:
@@ -153,7 +153,7 @@ def test_pending_async_save_is_drained_at_interpreter_exit(tmp_path: Path, root:
     program = textwrap.dedent(f"""
         import time, torch
         from localckpt import LocalCheckpointManager
-        from localckpt.async_calls import AsyncCallsQueue
+        from localckpt.save.async_calls import AsyncCallsQueue
         queue = AsyncCallsQueue(timeout=30)
         mgr = LocalCheckpointManager({str(root)!r}, "exit", timeout=30)
         real = mgr._store.write

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from localckpt.faults import POINTS
+from localckpt.ops.faults import POINTS
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = {"kill_rank", "kill_node", "wipe_node", "flip_byte", "truncate", "enospc", "slow_rank",

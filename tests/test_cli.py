@@ -16,7 +16,7 @@ from dist_harness import run_ranks
 from scenarios import make_state
 
 from localckpt import LocalCheckpointManager
-from localckpt.cli import main
+from localckpt.ops.cli import main
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -138,7 +138,7 @@ def test_bad_paths_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], t
 
 
 def test_console_script_runs_as_a_program(root: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "localckpt.cli", "ls", str(root / "none")],
+    proc = subprocess.run([sys.executable, "-m", "localckpt.ops.cli", "ls", str(root / "none")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not a directory" in proc.stderr
     assert "Traceback" not in proc.stderr

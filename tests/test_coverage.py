@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from localckpt.coverage import (
+from localckpt.control.coverage import (
     Inventory,
     check_capacity,
     choose_latest,

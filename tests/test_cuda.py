@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from localckpt import LocalCheckpointManager, health
-from localckpt.async_calls import AsyncCallsQueue
-from localckpt.staging import StagingArena, plan_layout, tensor_view
+from localckpt import LocalCheckpointManager
+from localckpt.ops import health
+from localckpt.save.async_calls import AsyncCallsQueue
+from localckpt.save.staging import StagingArena, plan_layout, tensor_view
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from scenarios import digest, make_state
 
-from localckpt import InsufficientSpaceError, LocalCheckpointManager, faults
-from localckpt.faults import Fault, InjectedFault, parse
+from localckpt import InsufficientSpaceError, LocalCheckpointManager
+from localckpt.ops import faults
+from localckpt.ops.faults import Fault, InjectedFault, parse
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,7 @@ def test_every_single_rank_point_fires(root: Path, point: str) -> None:
 
 
 def test_kill_action_sigkills_the_process(tmp_path: Path) -> None:
-    code = ("from localckpt import faults\n"
+    code = ("from localckpt.ops import faults\n"
             "faults.fault_point('staging', 3, 7)\n"
             "print('survived')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

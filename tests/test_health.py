@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from localckpt import health
+from localckpt.ops import health
 
 
 class FakeNVML:

@@ -19,7 +19,7 @@ from localckpt import (
     LocalCheckpointManager,
     NoCheckpointError,
 )
-from localckpt import store as store_module
+from localckpt.storage import store as store_module
 
 
 def iterations_on_disk(root: Path) -> list[int]:
@@ -178,7 +178,7 @@ def test_round_trip_when_the_layout_is_not_in_state_dict_order(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, small CUDA tensors are packed first, ahead of their state-dict order; readers
     must not depend on offsets growing (made to happen here with small CPU tensors)."""
-    from localckpt import staging
+    from localckpt.save import staging
     from localckpt.state_dict import as_tensor_aware
 
     monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 4096)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from localckpt.errors import CorruptShardError, UnsupportedFormatError
-from localckpt.manifest import FORMAT_VERSION, ShardManifest, TensorEntry
+from localckpt.storage.manifest import FORMAT_VERSION, ShardManifest, TensorEntry
 
 
 def _manifest() -> ShardManifest:

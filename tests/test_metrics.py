@@ -16,7 +16,7 @@ from localckpt import (
     Metrics,
     NoCheckpointError,
 )
-from localckpt.metrics import PhaseMetric
+from localckpt.ops.metrics import PhaseMetric
 
 
 def test_every_phase_reaches_hooks_and_the_jsonl_file(root: Path, tmp_path: Path) -> None:

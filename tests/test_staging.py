@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localckpt.errors import CorruptShardError
-from localckpt.staging import StagingArena, plan_layout, unpack
+from localckpt.save.staging import StagingArena, plan_layout, unpack
 
 
 def test_unpack_inverts_stage_into_separate_storages() -> None:
@@ -35,7 +35,7 @@ def test_unpack_refuses_entries_outside_the_data(entry: tuple) -> None:
 def test_layout_packs_gathered_tensors_back_to_back_in_capped_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The runs' packing (CUDA tensors on a GPU machine) checked here with CPU tensors."""
-    from localckpt import staging
+    from localckpt.save import staging
 
     monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 1024)
     monkeypatch.setattr(staging, "GATHER_RUN_MAX_NBYTES", 2048)

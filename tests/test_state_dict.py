@@ -12,8 +12,8 @@ import torch
 from scenarios import digest
 
 from localckpt import BasicTensorAwareStateDict, LocalCheckpointManager
-from localckpt.manifest import _DTYPES
 from localckpt.state_dict import decode_hollow, restore_devices
+from localckpt.storage.manifest import _DTYPES
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 import zarr
 
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
-from localckpt.manifest import ShardManifest
-from localckpt.store import (
+from localckpt.storage.manifest import ShardManifest
+from localckpt.storage.store import (
     ShardStore,
     byte_view,
     check_free_space,
@@ -99,7 +99,7 @@ def test_background_delete_hides_at_once_and_frees_by_the_wait(store: ShardStore
                                                                ) -> None:
     import threading
 
-    import localckpt.store as store_module
+    import localckpt.storage.store as store_module
 
     _write(store, 1)
     _write(store, 2)
@@ -130,7 +130,7 @@ def test_a_failing_background_delete_is_logged_not_raised(store: ShardStore,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture
                                                           ) -> None:
-    import localckpt.store as store_module
+    import localckpt.storage.store as store_module
 
     _write(store, 1)
     ref = store.committed()[0]

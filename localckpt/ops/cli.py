@@ -24,10 +24,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import health
-from .errors import CheckpointingError
-from .manifest import ShardManifest
-from .store import (
+from ..errors import CheckpointingError
+from ..ops import health
+from ..storage.manifest import ShardManifest
+from ..storage.store import (
     ShardRef,
     ShardStore,
     find_leftovers,

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ConfigurationError,
     InsufficientSpaceError,
     InvalidIterationError,

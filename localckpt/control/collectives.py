@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import (
+from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
     describe_failure,

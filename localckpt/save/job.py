@@ -16,11 +16,11 @@ import torch
 
 from replication import ExchangePlan, Transfer
 
-from .collectives import CheckpointGroup
-from .manifest import ShardManifest
-from .metrics import Metrics
-from .replicated import PieceRing, StoreReceiver, exchange_shards
-from .store import ShardStore
+from ..control.collectives import CheckpointGroup
+from ..ops.metrics import Metrics
+from ..storage.manifest import ShardManifest
+from ..storage.peer_io import PieceRing, StoreReceiver, exchange_shards
+from ..storage.store import ShardStore
 
 logger = logging.getLogger(__name__)
 

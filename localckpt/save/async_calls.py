@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from .collectives import CheckpointGroup
-from .errors import ConfigurationError, describe_failure, error_from_failures
+from ..control.collectives import CheckpointGroup
+from ..errors import ConfigurationError, describe_failure, error_from_failures
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 import crc32c
 import torch
 
-from .errors import CorruptShardError, UnsupportedFormatError
-from .gc_pause import gc_paused
+from ..errors import CorruptShardError, UnsupportedFormatError
+from ..gc_pause import gc_paused
 
 FORMAT_VERSION = 1
 
@@ -181,7 +181,7 @@ _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "wo
 
 @functools.cache
 def _node_identity() -> dict[str, Any]:
-    from .health import node_identity
+    from ..ops.health import node_identity
 
     return node_identity()
 
@@ -189,7 +189,7 @@ def _node_identity() -> dict[str, Any]:
 def writer_identity() -> dict[str, Any]:
     """Who wrote a shard (node: hostname, boot id, GPU UUIDs; process; versions): recorded in
     its manifest for operators and tools. NVML is asked once per process."""
-    from . import __version__
+    from .. import __version__
 
     return {**_node_identity(), "pid": os.getpid(), "torch": torch.__version__,
             "localckpt": __version__}

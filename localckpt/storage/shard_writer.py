@@ -19,8 +19,8 @@ from typing import Any
 
 import crc32c
 
-from .errors import CorruptShardError, InsufficientSpaceError
-from .faults import fault_point
+from ..errors import CorruptShardError, InsufficientSpaceError
+from ..ops.faults import fault_point
 from .manifest import ShardManifest
 
 _WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file, read_chunks_into
 from .shard_writer import ShardWriter, trash_name

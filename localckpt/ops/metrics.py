@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("localckpt.metrics")  # a stable name users configure
 
 PHASES = ("stall", "write", "replicate", "finalize", "find_latest", "load", "fetch_from_peer")
 
@@ -127,5 +127,5 @@ def as_metrics(value: Metrics | MetricHook | None) -> Metrics:
         return value
     if callable(value):
         return Metrics([value])
-    raise ConfigurationError(f"metrics: expected a localckpt.metrics.Metrics, a callable or None, "
+    raise ConfigurationError(f"metrics: expected a localckpt.Metrics, a callable or None, "
                     f"got {type(value).__name__}")

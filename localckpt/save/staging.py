@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from .errors import CorruptShardError
-from .manifest import dtype_name
+from ..errors import CorruptShardError
+from ..storage.manifest import dtype_name
 
 ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
 

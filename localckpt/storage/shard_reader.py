@@ -1,7 +1,7 @@
 """Reading one shard: the manifest, and the chunks scattered straight into tensors, verified.
 
-The counterpart of :mod:`localckpt.shard_writer`; :class:`localckpt.store.ShardStore` decides
-which shard and where the bytes go.
+The counterpart of :mod:`localckpt.storage.shard_writer`;
+:class:`localckpt.storage.store.ShardStore` decides which shard and where the bytes go.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import crc32c
 
-from .errors import CorruptShardError
+from ..errors import CorruptShardError
 from .manifest import ShardManifest
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
