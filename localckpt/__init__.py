@@ -14,6 +14,7 @@ from .errors import (
     InvalidIterationError,
     NoCheckpointError,
     RankFailureError,
+    SessionInUseError,
     UnsupportedFormatError,
     WorldSizeMismatchError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "NoCheckpointError",
     "PhaseMetric",
     "RankFailureError",
+    "SessionInUseError",
     "TensorAwareStateDict",
     "UnsupportedFormatError",
     "WorldSizeMismatchError",

@@ -56,6 +56,11 @@ class IncompleteCheckpointError(CheckpointingError):
     """After a save, some rank's shard of the iteration is missing: the save failed."""
 
 
+class SessionInUseError(CheckpointingError):
+    """A session directory is locked: by a live job (for ``localckpt gc``), or by an operator
+    command that is deleting in it (for a manager starting)."""
+
+
 class CollectiveError(CheckpointingError):
     """A collective on localckpt's own process group failed (a peer died or the group broke)."""
 
@@ -92,6 +97,7 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
         InsufficientSpaceError,
         NoCheckpointError,
         IncompleteCheckpointError,
+        SessionInUseError,
         CollectiveError,
         CollectiveTimeoutError,
         RankFailureError,

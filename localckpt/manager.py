@@ -5,6 +5,9 @@ Names and call pattern follow NVIDIA's local checkpoint manager so users can swi
 ``load() -> (state_dict, (iteration, rank, session_id))``. Every public method is collective: all
 ranks of the job call it, in the same order. Collectives run on the manager's own gloo group with
 ``timeout``; a failure on any rank raises the same exception on every rank.
+
+This module is the facade: arguments, bootstrap, and the verbs. The save path is
+:mod:`localckpt.save.saver`, the load path :mod:`localckpt.load.restore`.
 """
 
 from __future__ import annotations
@@ -14,63 +17,30 @@ import logging
 import os
 import time
 import zlib
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from replication import (
-    NoReplication,
-    ReplicationStrategy,
-    Topology,
-    local_node_name,
-    make_strategy,
-    save_plan,
-    strategy_names,
-)
+from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
 
+from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
-from .control.coverage import (
-    Inventory,
-    check_capacity,
-    choose_latest,
-    decode_inventories,
-    retained_iterations,
-    shards_to_delete,
-    validate_save,
-)
-from .errors import (
-    CollectiveTimeoutError,
-    ConfigurationError,
-    CorruptShardError,
-    IncompleteCheckpointError,
-    NoCheckpointError,
-)
+from .control.context import Context
+from .errors import ConfigurationError
 from .gc_pause import gc_paused
-from .load.restore import restore
-from .ops.faults import fault_point
+from .load.restore import find_latest, restore
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
-from .save.job import SaveJob
-from .save.staging import StagingArena, plan_layout
-from .state_dict import TensorAwareStateDict, as_tensor_aware, rebuild_state_dict
-from .storage.manifest import (
-    ShardManifest,
-    TensorEntry,
-    dtype_from_name,
-    dtype_name,
-    writer_identity,
-)
-from .storage.peer_io import PieceRing
+from .save.saver import SavePath
+from .state_dict import rebuild_state_dict
+from .storage.manifest import ShardManifest
+from .storage.session_lock import SessionLock
 from .storage.store import (
     DEFAULT_CHUNK_NBYTES,
+    MAX_WORLD_SIZE,
     ShardRef,
     ShardStore,
-    byte_view,
-    bytes_needed,
-    chunking,
-    remove_leftovers,
     session_dir,
 )
 
@@ -84,7 +54,8 @@ class LocalCheckpointManager:
 
     Args:
         root_local_ckpt_dir: node-local directory (tmpfs such as /dev/shm, or NVMe). Created if
-            missing. Ranks of one node may share it.
+            missing (0700). Ranks of one node may share it. Refused if it is a symbolic link or
+            owned by another user, unless ``allow_unsafe_root``.
         session_id: separates jobs sharing a root; "" is the default session.
         repl_strategy: None (no replicas), a ReplicationStrategy, or the registered name of one
             built with its defaults (``replication.strategy_names()``).
@@ -98,17 +69,25 @@ class LocalCheckpointManager:
         metrics: a :class:`localckpt.Metrics` or a callable receiving each
             :class:`~localckpt.PhaseMetric` (per-phase seconds and bytes); records also
             go to the ``localckpt.metrics`` logger and to ``$LOCALCKPT_METRICS_FILE`` if set.
+        strict: raise ConfigurationError, instead of logging a warning, when the replication
+            strategy leaves some shard without a copy on another node.
+        allow_unsafe_root: accept a root (or session directory) that is a symbolic link or is
+            owned by another user.
 
-    Construction is collective when torch.distributed is initialised (it creates a gloo group from
-    the default group); without it the manager runs as a world of one.
+    Construction is collective when torch.distributed is initialised (it creates two gloo groups
+    from the default group and runs one exchange); without it the manager runs as a world of
+    one. It holds a shared lock on the session directory until :meth:`close` (``localckpt gc``
+    refuses to delete in a session a live job holds).
     """
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
                  repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
-                 busy: str = "wait", metrics: Metrics | MetricHook | None = None) -> None:
-        self.metrics = as_metrics(metrics)
+                 busy: str = "wait", metrics: Metrics | MetricHook | None = None,
+                 strict: bool = False, allow_unsafe_root: bool = False) -> None:
+        # Arguments: the same on every rank, so checked before any collective.
+        metrics_ = as_metrics(metrics)
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
             else repl_strategy
         if strategy is not None and not isinstance(strategy, ReplicationStrategy):
@@ -125,64 +104,66 @@ class LocalCheckpointManager:
         if type(io_threads) is not int or io_threads < 1:
             raise ConfigurationError(f"io_threads: expected an int >= 1, got {io_threads!r}")
         root = Path(root_local_ckpt_dir)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as exc:
-            raise ConfigurationError(
-                f"root_local_ckpt_dir: expected a directory, got {root} ({exc.strerror})"
-            ) from exc
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise ConfigurationError(f"root_local_ckpt_dir: {root} is not writable by this process")
-        self.root = root
-        self.session_id = session_id
+        session_dir(root, session_id)  # a bad session id is a ConfigurationError
+        self.root, self.session_id, self.keep_last, self.busy = root, session_id, keep_last, busy
         self.repl_strategy = strategy
-        self.keep_last = keep_last
-        self.busy = busy
         self.timeout = float(timeout)
-        self._group = CheckpointGroup(self.timeout)  # control: agreement, main thread only
-        self._data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe background
-        self.rank = self._group.rank
-        self.world_size = self._group.world_size
-        def start() -> str:
-            # No rank of this job writes before this exchange completes, so every crash
-            # leftover of the session can go, whichever rank left it: ranks move between nodes
-            # when a node is replaced, and a leftover's writer may now live elsewhere.
-            remove_leftovers(session_dir(root, session_id), None)
-            return local_node_name(node_id)
+        self.metrics = metrics_
+        self.latest_iteration = -1  # set by find_latest, by load and by a finalized save
 
-        names = self._group.exchange("start", start)
-        self.topology = Topology(tuple(names))
-        # Recorded in every manifest; a shard written under another layout is warned about.
-        self._job_identity = {"world_size": self.world_size, "nodes": self.topology.num_nodes,
-                              "topology_crc32": zlib.crc32("\n".join(names).encode())}
-        self._warned_foreign: set[int] = set()
-        try:  # pure: every rank raises the same TopologyError
-            self._placement = None if strategy is None or isinstance(strategy, NoReplication) \
-                else strategy.place(self.topology)
-        except Exception:
-            self._data_group.close()
-            self._group.close()
+        # Bootstrap: the groups, then one agreed step in which every rank prepares its root.
+        group = CheckpointGroup(self.timeout)  # control: agreement, training thread only
+        data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe in the background
+        self.rank, self.world_size = group.rank, group.world_size
+        locks: list[SessionLock] = []
+
+        def start() -> dict[str, Any]:
+            if self.world_size > MAX_WORLD_SIZE:
+                raise ConfigurationError(f"world size: expected at most {MAX_WORLD_SIZE} ranks "
+                                         f"(5 digits in shard names), got {self.world_size}")
+            doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
+                                       min(self.timeout, 30.0))
+            locks.append(lock)
+            return doc
+
+        try:
+            started = group.exchange("start", start)
+            names = [str(d["node"]) for d in started]
+            topology = Topology(tuple(names))
+            placement = place_replicas(strategy, topology,
+                                       [(int(d["root"][0]), int(d["root"][1])) for d in started],
+                                       strict, self.rank)
+            store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
+                               chunk_nbytes=chunk_nbytes)
+        except BaseException:
+            for lock in locks:
+                lock.release()
+            data_group.close()
+            group.close()
             raise
-        self._store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
-                                 chunk_nbytes=chunk_nbytes)
-        self._arena = StagingArena()
-        self._ring = PieceRing()  # receive buffers for replicas, reused across saves
-        self._inflight: SaveJob | None = None  # the async save not yet finalized
-        self.latest_iteration = -1  # set by find_latest and by a successful save
+        self._lock = locks[0]
+        self.topology = topology
+        # Recorded in every manifest; a shard written under another layout is warned about.
+        self._job_identity = {"world_size": self.world_size, "nodes": topology.num_nodes,
+                              "topology_crc32": zlib.crc32("\n".join(names).encode())}
+        self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
+                            data_group, topology, placement, store, metrics_,
+                            self._job_identity)
+        self._save = SavePath(self._ctx, keep_last, busy, self._finalized)
+        self._warned_foreign: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """Wait for an async save's local work (its shard is then committed; finalizing it needs
-        every rank and happens through the AsyncCallsQueue), then release the I/O threads and
-        the manager's process groups. Not collective."""
-        job = self._inflight
-        if job is not None and job.scheduled and not job.done.wait(self.timeout):
-            logger.error("rank %d: async save of iteration %d still running at close",
-                         self.rank, job.iteration)
-        self._store.close()
-        self._data_group.close()
-        self._group.close()
+        every rank and happens through the AsyncCallsQueue, so close the queue first), then
+        release the I/O threads, the process groups and the session lock. Not collective.
+        Every later collective of this manager raises CollectiveError."""
+        self._save.close()
+        self._ctx.store.close()
+        self._ctx.data_group.close()
+        self._ctx.group.close()
+        self._lock.release()
 
     def __enter__(self) -> LocalCheckpointManager:
         return self
@@ -190,19 +171,10 @@ class LocalCheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ckpt_id(self, iteration: int) -> CkptID:
-        return (iteration, self.rank, self.session_id)
+    def _finalized(self, iteration: int) -> None:
+        self.latest_iteration = iteration
 
-    def _inventory(self) -> Inventory:
-        shards = frozenset((s.iteration, s.owner_rank, s.world_size)
-                           for s in self._store.committed())
-        return Inventory(self.rank, self.session_id, shards)
-
-    def _gather_inventories(self, step: str) -> list[Inventory]:
-        docs = self._group.exchange(step, lambda: self._inventory().to_json())
-        return decode_inventories(docs)
-
-    # ------------------------------------------------------------------ save
+    # ------------------------------------------------------------------ the verbs
 
     def save(self, state_dict: Any, iteration: int,
              is_async: bool = False) -> AsyncRequest | None:
@@ -221,182 +193,67 @@ class LocalCheckpointManager:
         still in flight is waited for and finalized first (``busy="skip"``: this save is skipped
         on every rank and None returned instead).
 
-        Raises, on every rank alike: InvalidIterationError, WorldSizeMismatchError,
-        InsufficientSpaceError (checked before writing, replicas counted), RankTypeError
-        (unsupported leaf on some rank), IncompleteCheckpointError or the failing rank's error
-        when a write or a transfer failed (the iteration is then removed everywhere; for an async
-        save this is raised by the finalize step), CollectiveError / CollectiveTimeoutError.
-        Nothing committed earlier is touched by a failed save.
+        Raises, on every rank alike: InvalidIterationError (not an int, negative, >= 10**10, not
+        newer than the latest complete iteration), InsufficientSpaceError (checked before
+        writing, replicas counted), RankTypeError (unsupported leaf on some rank), the failing
+        rank's error for any failure while staging, IncompleteCheckpointError or the failing
+        rank's error when a write or a transfer failed (for an async save raised by the finalize
+        step), CollectiveError / CollectiveTimeoutError. A failed save's shards are removed only
+        when every rank agreed it failed; nothing committed earlier is touched.
         """
-        with self._timed("stall", iteration) as box, gc_paused():
-            if not self._settle_inflight(skip=is_async and self.busy == "skip"):
-                logger.info("rank %d: skipping save of iteration %s: the previous one is still "
-                            "in flight", self.rank, iteration)
-                return None
-            job = self._stage(state_dict, iteration)
-            box["nbytes"] = job.manifest.data_nbytes
-            if not is_async:
-                self._run_and_finalize(job)
-        if is_async:
-            self._inflight = job
-            return AsyncRequest(job.run, (self._store, self._data_group, self._ring,
-                                          self.world_size),
-                                finalize_fns=(partial(self._finalize_job, job),),
-                                preload_fn=job.mark_scheduled)
-        return None
-
-    def _run_and_finalize(self, job: SaveJob) -> None:
-        job.run(self._store, self._data_group, self._ring, self.world_size)
-        self._finalize_job(job)
-
-    def _timed(self, phase: str, iteration: int, nbytes: int = 0) -> Any:
-        it = iteration if type(iteration) is int else -1
-        return self.metrics.timed(phase, self.rank, it, self.session_id, nbytes)
-
-    def _stage(self, state_dict: Any, iteration: int) -> SaveJob:
-        """Validate (collective), check capacity, copy the tensors into the arena."""
-        prepared: dict[str, Any] = {}
-
-        def prepare() -> dict[str, Any]:
-            tasd = as_tensor_aware(state_dict)
-            layout = plan_layout(tasd.tensors)
-            chunk_nbytes, chunk_count = chunking(layout.nbytes, self._store.chunk_nbytes)
-            prepared.update(tasd=tasd, layout=layout, chunking=(chunk_nbytes, chunk_count),
-                            container="basic" if tasd is state_dict else "plain")
-            self._store.wait_for_deletions()  # the previous save's retention frees space
-            st = os.statvfs(self.root)
-            return {"iteration": iteration if type(iteration) is int else repr(iteration),
-                    "inventory": self._inventory().to_json(),
-                    "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
-                                           chunk_count),
-                    "free": st.f_bavail * st.f_frsize}
-
-        gathered = self._group.exchange("save: validation", prepare)
-        inventories = decode_inventories([g["inventory"] for g in gathered])
-        # Every rank reaches the same verdicts from the same gathered input.
-        validate_save([g["iteration"] for g in gathered], inventories, self.world_size,
-                      self._fetchable)
-        plan = save_plan(self._placement, self.topology, iteration) if self._placement else None
-        needed = [int(g["nbytes"]) for g in gathered]
-        writes = list(needed)
-        for t in plan.transfers if plan else ():
-            writes[t.dst] += needed[t.src]
-        check_capacity(writes, [int(g["free"]) for g in gathered], self.topology.node_of)
-
-        tasd: TensorAwareStateDict = prepared["tasd"]
-        layout = prepared["layout"]
-        chunk_nbytes, chunk_count = prepared["chunking"]
-        fault_point("staging", self.rank, iteration)
-        payload = self._arena.stage(tasd.tensors, layout, chunk_nbytes * chunk_count)
-        names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
-        entries = tuple(
-            TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
-                            t.dtype, dtype_name(t.dtype)),
-                        shape=tuple(t.shape), offset=off, nbytes=size,
-                        device=names.get(t.device) or names.setdefault(t.device, str(t.device)))
-            for t, path, off, size in zip(tasd.tensors, tasd.key_paths, layout.offsets,
-                                          layout.sizes, strict=True)
-        )
-        manifest = ShardManifest(
-            session_id=self.session_id, iteration=iteration, owner_rank=self.rank,
-            world_size=self.world_size, tensors=entries, hollow=tasd.hollow_structure(),
-            container=prepared["container"], data_nbytes=layout.nbytes,
-            chunk_nbytes=chunk_nbytes, chunk_count=chunk_count, chunk_crc32c=(),
-            identity={**writer_identity(), "job": self._job_identity},
-        )
-        return SaveJob(iteration, manifest, payload, plan, metrics=self.metrics)
-
-    @property
-    def _fetchable(self) -> bool:
-        """Whether a rank can obtain shards held by other ranks (replication is on)."""
-        return self._placement is not None
-
-    def _settle_inflight(self, skip: bool = False) -> bool:
-        """Back-pressure before anything that needs the arena or a settled disk: wait for the
-        async save in flight (bounded by ``timeout``) and finalize it (collective). With ``skip``
-        return False on every rank instead of waiting if it is not done on some rank."""
-        job = self._inflight
-        if job is None or job.finalized:
-            self._inflight = None
-            return True
-        if not job.scheduled:
-            raise ConfigurationError(
-                f"the AsyncRequest of the async save of iteration {job.iteration} was never "
-                "scheduled: pass it to AsyncCallsQueue.schedule_async_request (or call its "
-                "execute_sync) before the next save, find_latest or load")
-        if skip and not all(self._group.exchange("save: previous done?", job.done.is_set)):
-            return False
-        if not job.done.wait(self.timeout):
-            raise CollectiveTimeoutError(
-                f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.timeout:g}s (was its AsyncRequest scheduled on an AsyncCallsQueue?)")
-        self._finalize_job(job)
-        return True
-
-    def _finalize_job(self, job: SaveJob) -> None:
-        """Finalize ``job`` once (the queue may call this after back-pressure already did)."""
-        if job.finalized:
-            return
-        job.finalized = True
-        if self._inflight is job:
-            self._inflight = None
-        fault_point("after_commit", self.rank, job.iteration)
-        with self._timed("finalize", job.iteration):
-            self._finalize(job.iteration, job.error)
-
-    def _finalize(self, iteration: int, write_error: BaseException | None) -> None:
-        """Collective: agree the iteration is complete, then apply retention; or remove it."""
-        def report() -> dict[str, Any]:
-            if write_error is not None:
-                raise write_error
-            return self._inventory().to_json()
-
-        try:
-            inventories = decode_inventories(self._group.exchange("save: finalize", report))
-            latest = choose_latest(inventories, self.world_size, self._fetchable)
-            if latest != iteration:
-                missing = [inv.rank for inv in inventories
-                           if (iteration, inv.rank, self.world_size) not in inv.shards]
-                raise IncompleteCheckpointError(
-                    f"save of iteration {iteration}: expected a shard from every rank, ranks "
-                    f"{missing} have none; the latest complete iteration is {latest}")
-        except Exception:
-            for ref in self._store.committed():  # the failed iteration, replicas included
-                if ref.iteration == iteration:
-                    self._store.delete(ref)
-            self.latest_iteration = -1
-            raise
-        self.latest_iteration = iteration
-        fault_point("finalize", self.rank, iteration)
-        keep = retained_iterations(inventories, self.world_size, self.keep_last, self._fetchable)
-        for it, owner, world in shards_to_delete(inventories[self.rank], keep):
-            self._store.delete(ShardRef(it, owner, world, self._store.path_of(it, owner, world)),
-                               background=True)
-        self._store.remove_leftovers(background=True)
-
-    # ------------------------------------------------------------------ restore
+        return self._save.save(state_dict, iteration, is_async)
 
     def find_latest(self) -> int:
         """The newest loadable iteration, or -1. Collective. Waits for (and finalizes) an async
         save in flight first.
 
         Lists committed shards (no data is read), all-gathers the inventories and picks the
-        newest complete iteration with
-        :func:`localckpt.control.coverage.choose_latest`. Checksums are verified by ``load``.
+        newest iteration whose every owner's shard is held by some rank
+        (:func:`localckpt.control.coverage.choose_latest`). Shards of another world size are
+        reported in a warning and ignored. Checksums are verified by ``load``.
         """
-        self._settle_inflight()
-        fault_point("find_latest", self.rank)
-        with self._timed("find_latest", -1) as box, gc_paused():
-            inventories = self._gather_inventories("find_latest")
-            self.latest_iteration = choose_latest(inventories, self.world_size, self._fetchable)
+        self._save.settle()
+        with self._ctx.timed("find_latest", -1) as box, gc_paused():
+            self.latest_iteration = find_latest(self._ctx)
             box["iteration"] = self.latest_iteration
         if self.latest_iteration >= 0:
             # Parsed once: load finds it in the store's manifest cache.
+            store = self._ctx.store
             ref = ShardRef(self.latest_iteration, self.rank, self.world_size,
-                           self._store.path_of(self.latest_iteration, self.rank, self.world_size))
+                           store.path_of(self.latest_iteration, self.rank, self.world_size))
             with contextlib.suppress(Exception), gc_paused():  # load verifies; this only looks
-                self._warn_if_foreign(self._store.read_manifest(ref))
+                self._warn_if_foreign(store.read_manifest(ref))
         return self.latest_iteration
+
+    def load(self) -> tuple[Any, CkptID]:
+        """Load this rank's shard of the latest complete iteration. Collective.
+
+        Calls ``find_latest`` first if it has not been called (or found nothing). Returns the
+        state dict in the form it was saved (a plain dict, or a BasicTensorAwareStateDict when a
+        TensorAwareStateDict was saved), tensors on their original devices (CPU, with a warning,
+        where that device is absent), and ``(iteration, rank, session_id)``.
+
+        A copy that fails verification is quarantined (a warning names the file) and replaced
+        by a replica; when no copy of some shard is left, every rank falls back to the newest
+        older complete iteration in the same call, and the returned id says which.
+
+        Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
+        when no complete iteration is left, UnsupportedFormatError, CollectiveError.
+        """
+        self._save.settle()
+        if self.latest_iteration < 0:
+            self.find_latest()
+
+        def fetched(seconds: float, nbytes: int) -> None:
+            self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, self.latest_iteration,
+                                          seconds, nbytes, self.session_id, time.time()))
+
+        with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
+            manifest, tensors = restore(self._ctx, self.latest_iteration, fetched)
+            box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
+        self.latest_iteration = manifest.iteration
+        self._warn_if_foreign(manifest)
+        return _as_loaded(manifest, tensors), (manifest.iteration, self.rank, self.session_id)
 
     def _warn_if_foreign(self, manifest: ShardManifest) -> None:
         """Warn (once per iteration) when a shard was written by another session or by a job
@@ -415,63 +272,6 @@ class LocalCheckpointManager:
             logger.warning("rank %d: shard of iteration %d (owner %d) was written by a different "
                            "job: %s", self.rank, manifest.iteration, manifest.owner_rank,
                            "; ".join(problems))
-
-    def load(self) -> tuple[Any, CkptID]:
-        """Load this rank's shard of the latest complete iteration. Collective.
-
-        Calls ``find_latest`` first if it has not been called (or found nothing). Returns the
-        state dict in the form it was saved (a plain dict, or a BasicTensorAwareStateDict when a
-        TensorAwareStateDict was saved), tensors on their original devices (CPU, with a warning,
-        where that device is absent), and ``(iteration, rank, session_id)``.
-
-        Raises on every rank: NoCheckpointError, CorruptShardError naming the bad file (checksum
-        mismatch, truncation, missing chunk), UnsupportedFormatError, CollectiveError.
-        """
-        self._settle_inflight()
-        if self.latest_iteration < 0:
-            self.find_latest()
-        with self._timed("load", self.latest_iteration) as box, gc_paused():
-            manifest, tensors = self._load(self.latest_iteration)
-            box["nbytes"] = manifest.data_nbytes
-        self._warn_if_foreign(manifest)
-        return _as_loaded(manifest, tensors), self._ckpt_id(manifest.iteration)
-
-    def _load(self, iteration: int) -> tuple[ShardManifest, list[torch.Tensor]]:
-        if iteration < 0:
-            raise NoCheckpointError(
-                f"no complete checkpoint of session {self.session_id!r} under {self.root} "
-                f"for a world of {self.world_size} ranks")
-        fault_point("load_retrieval", self.rank, iteration)
-
-        if self._placement is not None:
-            def fetched(seconds: float, nbytes: int) -> None:
-                self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, iteration, seconds,
-                                              nbytes, self.session_id, time.time()))
-
-            return restore(iteration, self._group, self._store, self.topology, self._placement,
-                           self._read_own, self._gather_inventories, self._ring, fetched)
-        loaded: list[tuple[ShardManifest, list[torch.Tensor]]] = []
-
-        def read() -> None:
-            ref = ShardRef(iteration, self.rank, self.world_size,
-                           self._store.path_of(iteration, self.rank, self.world_size))
-            if not ref.path.is_dir():
-                raise CorruptShardError(f"{ref.path}: shard disappeared after find_latest")
-            loaded.append(self._read_own(ref))
-
-        self._group.exchange(f"load of iteration {iteration}", read)
-        return loaded[0]
-
-    def _read_own(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
-        """Read a shard straight into fresh per-tensor storages (scatter read, verified)."""
-        manifest = self._store.read_manifest(ref)
-        tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-                   for e in manifest.tensors]
-        self._store.read_into(ref, manifest, [
-            (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
-            if e.nbytes
-        ])
-        return manifest, tensors
 
 
 def _as_loaded(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:

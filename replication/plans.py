@@ -84,6 +84,14 @@ def save_plan(placement: Placement, topology: Topology, iteration: int) -> Excha
     return schedule(transfers)
 
 
+def owners_without_remote_copy(placement: Placement, topology: Topology) -> list[int]:
+    """Owner ranks none of whose replica holders is on another node: a strategy that places
+    replicas only on node mates (clique with replication_jump 1 on torchrun's layout, or ranks
+    the topology puts on one node) protects against nothing a node loss does."""
+    return [owner for owner, holders in enumerate(placement.holders)
+            if not any(not topology.same_node(owner, h) for h in holders)]
+
+
 def wanted_shards(placement: Placement, topology: Topology, iteration: int,
                   present: Sequence[frozenset[ShardId]]) -> list[tuple[int, ShardId]]:
     """(rank, shard) pairs to deliver so that every rank has its own shard and every node again

@@ -90,7 +90,7 @@ def one_size(world: int, repeats: int) -> dict[str, Any]:
     row["inventory_json_bytes_per_rank"] = len(json.dumps(docs[0]))
 
     def find_latest() -> int:
-        return choose_latest(decode_inventories(docs), world, True)
+        return choose_latest(decode_inventories(docs), world)
 
     s, mib, latest = timed(find_latest, repeats)
     assert latest == ITERATIONS - 1

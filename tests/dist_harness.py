@@ -3,6 +3,7 @@
 Each rank's outcome comes back as RankResult: its return value, or the exception's class name,
 base class names and message, so tests assert on behaviour without unpickling exceptions.
 A run that exceeds ``deadline`` kills every rank and fails: a hang is a test failure, not a stall.
+A rank that dies without reporting (a fault point's SIGKILL) comes back as error ``"Exited"``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
         p.start()
     got: dict[int, RankResult] = {}
     end = time.monotonic() + deadline
+    dead_since: dict[int, float] = {}
     try:
         while len(got) < world_size:
             remaining = end - time.monotonic()
@@ -102,7 +104,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
                 res = results.get(timeout=min(remaining, 0.5))
                 got[res.rank] = res
             except queue.Empty:
-                continue
+                pass
+            for r, p in enumerate(procs):  # died without a result (after a grace for the queue)
+                if r not in got and p.exitcode is not None and \
+                        time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2.0:
+                    got[r] = RankResult(r, None, "Exited", ("Exited",), f"exit code {p.exitcode}")
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -111,14 +111,14 @@ def write_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str,
         if rank == bad_rank:
             def broken_write(*args: Any, **kwargs: Any) -> Any:
                 raise OSError(5, "Input/output error (injected)")
-            mgr._store.write = broken_write  # type: ignore[method-assign]
+            mgr._ctx.store.write = broken_write  # type: ignore[method-assign]
         try:
             mgr.save(make_state(rank, 2), 2)
         except Exception as exc:
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
         else:
             error = None
-        leftover = sorted(p.name for p in (root / "job").iterdir())
+        leftover = sorted(p.name for p in (root / "job").iterdir() if p.name != ".lock")
     return {"error": error, "dirs": leftover, **find_and_load(rank, world, base)}
 
 
@@ -175,20 +175,21 @@ def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) ->
     with _replicated_manager(rank, base, "node_spread", {}, 2) as mgr:
         mgr.save(make_state(rank, 1, n=4), 1)
         if rank == bad_rank:
-            real = mgr._store.begin_write
+            real = mgr._ctx.store.begin_write
 
             def full(manifest: Any) -> Any:
                 if manifest.owner_rank != rank:
                     raise OSError(errno.ENOSPC, "No space left on device (injected)")
                 return real(manifest)
-            mgr._store.begin_write = full  # type: ignore[method-assign]
+            mgr._ctx.store.begin_write = full  # type: ignore[method-assign]
         try:
             mgr.save(make_state(rank, 2, n=4), 2)
             error = None
         except Exception as exc:
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
     return {"error": error,
-            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()),
+            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()
+                           if p.name != ".lock"),
             **replicated_load(rank, world, base, "node_spread", {}, 2)}
 
 
@@ -208,12 +209,12 @@ def async_saves(rank: int, world: int, base: str, per_node: int, iterations: lis
     errors, sums = [], []
     for it in iterations:
         if rank == fail_rank and it == fail_iteration:
-            real = mgr._store.write
+            real = mgr._ctx.store.write
 
             def broken(*args: Any, real: Any = real, **kwargs: Any) -> Any:
-                mgr._store.write = real  # type: ignore[method-assign]
+                mgr._ctx.store.write = real  # type: ignore[method-assign]
                 raise OSError(5, "Input/output error (injected in the background)")
-            mgr._store.write = broken  # type: ignore[method-assign]
+            mgr._ctx.store.write = broken  # type: ignore[method-assign]
         queue.schedule_async_request(mgr.save(make_state(rank, it, n=4), it, is_async=True))
         for _ in range(20):  # training steps on the default (training) group
             t = torch.ones(1000) * (rank + 1)
@@ -230,7 +231,8 @@ def async_saves(rank: int, world: int, base: str, per_node: int, iterations: lis
         errors.append((type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc)))
     queue.close()
     mgr.close()
-    dirs = sorted(p.name for p in (Path(base) / f"node{rank // per_node}" / "job").iterdir())
+    dirs = sorted(p.name for p in (Path(base) / f"node{rank // per_node}" / "job").iterdir()
+                  if p.name != ".lock")
     loaded = (replicated_load(rank, world, base, "node_spread", {}, per_node) if replicated
               else find_and_load_n4(rank, base))
     return {"errors": errors, "all_reduce_ok": set(sums) == {world * (world + 1) / 2},

@@ -78,12 +78,12 @@ def test_async_save_returns_after_staging_and_snapshots(root: Path) -> None:
 
 
 def _slow_writes(mgr: LocalCheckpointManager, gate: threading.Event) -> None:
-    real = mgr._store.write
+    real = mgr._ctx.store.write
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         gate.wait(30)
         return real(*args, **kwargs)
-    mgr._store.write = slow  # type: ignore[method-assign]
+    mgr._ctx.store.write = slow  # type: ignore[method-assign]
 
 
 def test_second_save_waits_for_the_one_in_flight(root: Path) -> None:
@@ -156,11 +156,11 @@ def test_pending_async_save_is_drained_at_interpreter_exit(tmp_path: Path, root:
         from localckpt.save.async_calls import AsyncCallsQueue
         queue = AsyncCallsQueue(timeout=30)
         mgr = LocalCheckpointManager({str(root)!r}, "exit", timeout=30)
-        real = mgr._store.write
+        real = mgr._ctx.store.write
         def slow(*a, **k):
             time.sleep(1.0)  # still writing when the interpreter starts to exit
             return real(*a, **k)
-        mgr._store.write = slow
+        mgr._ctx.store.write = slow
         queue.schedule_async_request(mgr.save({{"w": torch.arange(10.0)}}, 7, is_async=True))
         print("exiting", flush=True)
     """)

@@ -146,3 +146,92 @@ def test_console_script_runs_as_a_program(root: Path) -> None:
     if exe.exists():  # installed by pip install -e (the README's set-up)
         out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "verify" in out.stdout
+
+
+# ------------------------------------------------------------------ airtight core
+
+
+def _shard(root: Path, it: int, owner: int, world: int, session: str = "job") -> Path:
+    """A committed shard of (it, owner, world) under ``root``, as a job would leave it."""
+    import torch
+
+    from localckpt.storage.manifest import ShardManifest
+    from localckpt.storage.store import ShardStore, chunking
+
+    store = ShardStore(root, session, writer_rank=owner, chunk_nbytes=4096)
+    size, count = chunking(1000, 4096)
+    manifest = ShardManifest(session, it, owner, world, (), {"dict": []}, "plain", 1000, size,
+                             count, ())
+    try:
+        return store.write(manifest, torch.zeros(size * count, dtype=torch.uint8))[0].path
+    finally:
+        store.close()
+
+
+def _present(*roots: Path) -> list[tuple[int, int]]:
+    from localckpt.storage.store import list_shards
+
+    return sorted((s.iteration, s.owner_rank) for r in roots for s in list_shards(r, "job"))
+
+
+def test_gc_never_removes_the_only_complete_iteration(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    # a 2-rank job without replication; rank 1's save of iteration 2 failed
+    for it in (1, 2):
+        _shard(node0, it, 0, 2)
+    _shard(node1, 1, 1, 2)
+    # one root alone shows no complete iteration: nothing may go
+    assert cli_json(capsys, "gc", str(node0))["removed"] == []
+    # both roots: 1 is the only complete one; 2 is newer and may be completed elsewhere
+    assert cli_json(capsys, "gc", str(node0), str(node1))["removed"] == []
+    assert _present(node0, node1) == [(1, 0), (1, 1), (2, 0)]
+    _shard(node1, 2, 1, 2)
+    _shard(node0, 3, 0, 2)
+    done = cli_json(capsys, "gc", str(node0), str(node1))
+    assert sorted(done["removed"]) == sorted(
+        str(r / "job" / "iter_0000000001" / f"rank_{o:05d}_of_00002")
+        for r, o in ((node0, 0), (node1, 1)))
+    assert _present(node0, node1) == [(2, 0), (2, 1), (3, 0)]
+
+
+def test_gc_hides_a_shard_before_freeing_it(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "node0"
+    for it in (1, 2):
+        _shard(root, it, 0, 1)
+
+    def dies_midway(path: Any, ignore_errors: bool = False, **kwargs: Any) -> None:
+        for f in sorted(Path(path).rglob("*"), reverse=True)[:1]:
+            f.unlink()  # one file freed, then the process is gone
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        main(["gc", str(root)])
+    monkeypatch.undo()
+    capsys.readouterr()
+    # whatever is still listed is whole: a half-deleted shard is never visible
+    assert cli_json(capsys, "verify", str(root))["corrupt"] == []
+
+
+def test_ls_verify_and_gc_work_on_a_root_with_lost_and_found(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    (root / "lost+found").mkdir(parents=True)
+    _shard(root, 1, 0, 1)
+    assert [r["iteration"] for r in cli_json(capsys, "ls", str(root))] == [1]
+    assert cli_json(capsys, "verify", str(root))["verified"] == 1
+    assert cli_json(capsys, "gc", str(root))["removed"] == []
+
+
+def test_gc_refuses_a_session_a_live_job_holds(capsys: pytest.CaptureFixture[str],
+                                              root: Path) -> None:
+    with LocalCheckpointManager(root, "job") as mgr:
+        mgr.save(make_state(0, 1), 1)
+        mgr.save(make_state(0, 2), 2)
+        code, _, err = run_cli(capsys, "gc", str(root))
+        assert code == 2 and "in use" in err and "job" in err, err
+        assert cli_json(capsys, "gc", str(root), "--dry-run")["dry_run"]  # looking is fine
+    assert cli_json(capsys, "gc", str(root))["removed"] == []
+    assert _present(root) == [(2, 0)]

@@ -72,7 +72,7 @@ def test_enospc_in_local_write_fails_the_save_and_keeps_the_previous(root: Path)
     assert not list(root.glob("*/iter_*/.*"))  # no leftovers
 
 
-@pytest.mark.parametrize("point", ["staging", "before_commit", "after_commit", "finalize",
+@pytest.mark.parametrize("point", ["staging", "before_commit", "after_commit",
                                    "find_latest", "load_retrieval"])
 def test_every_single_rank_point_fires(root: Path, point: str) -> None:
     with LocalCheckpointManager(root) as mgr:
@@ -83,6 +83,21 @@ def test_every_single_rank_point_fires(root: Path, point: str) -> None:
             mgr.find_latest()
             mgr.load()
         assert mgr.find_latest() in (1, 2)
+
+
+def test_a_failure_in_retention_never_fails_a_finalized_save(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The "finalize" point fires after every rank agreed the iteration is complete: the save
+    has succeeded, and what retention left behind goes after the next save."""
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        faults.arm(Fault("finalize", "raise", iteration=2))
+        mgr.save(make_state(0, 2), 2)
+        assert mgr.latest_iteration == 2 and "finalize:raise" in caplog.text
+        assert sorted(p.name for p in root.glob("*/iter_*")) == ["iter_0000000001",
+                                                                 "iter_0000000002"]
+        mgr.save(make_state(0, 3), 3)
+    assert sorted(p.name for p in root.glob("*/iter_*")) == ["iter_0000000003"]
 
 
 def test_kill_action_sigkills_the_process(tmp_path: Path) -> None:

@@ -89,9 +89,9 @@ def test_staging_arena_is_reused_across_saves(root: Path) -> None:
     with LocalCheckpointManager(root) as mgr:
         for it in range(4):
             mgr.save(make_state(0, it), it)
-        assert mgr._arena.allocations == 1
+        assert mgr._save._arena.allocations == 1
         mgr.save({"big": torch.zeros(1 << 20)}, 10)
-        assert mgr._arena.allocations == 2
+        assert mgr._save._arena.allocations == 2
 
 
 def test_many_small_tensors_are_packed_into_few_chunk_files(root: Path) -> None:
@@ -190,3 +190,109 @@ def test_round_trip_when_the_layout_is_not_in_state_dict_order(
     with LocalCheckpointManager(root, "s") as mgr:
         loaded, _ = mgr.load()
     assert digest(loaded) == digest(make_state(0, 1))
+
+
+# ------------------------------------------------------------------ airtight core
+
+
+def _flip(path: Path, at: int = 0) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x20
+    path.write_bytes(raw)
+
+
+def test_corrupt_newest_falls_back_to_the_older_kept_one_in_the_same_load(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        for it in (1, 2):
+            mgr.save(make_state(0, it), it)
+    chunk = root / "s" / "iter_0000000002" / "rank_00000_of_00001" / "data" / "c" / "0"
+    _flip(chunk)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        assert mgr.find_latest() == 2
+        loaded, ckpt_id = mgr.load()
+        assert ckpt_id == (1, 0, "s") and digest(loaded) == digest(make_state(0, 1))
+        assert mgr.latest_iteration == 1
+        assert mgr.find_latest() == 1  # a restart now would not choose it again
+    assert str(chunk) in caplog.text and "quarantine" in caplog.text
+    assert iterations_on_disk(root) == [1]  # the corrupt one moved aside, not listed
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save(make_state(0, 3), 3)  # and the next save frees its space
+    assert not list((root / "s").glob(".quarantine-*"))
+
+
+def test_a_corrupt_only_checkpoint_is_reported_once_then_the_job_starts_fresh(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(make_state(0, 4), 4)
+    chunk = next(root.rglob("data/c/0"))
+    _flip(chunk)
+    with LocalCheckpointManager(root, "s") as mgr, pytest.raises(CorruptShardError) as info:
+        mgr.load()
+    assert str(chunk) in str(info.value)
+    with LocalCheckpointManager(root, "s") as mgr:
+        assert mgr.find_latest() == -1  # no restart loop on the same corrupt shard
+
+
+def test_iterations_beyond_the_name_width_are_refused_up_front(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(make_state(0, 1), 1)
+        with pytest.raises(InvalidIterationError, match="10 digits"):
+            mgr.save(make_state(0, 2), 10**10)
+        mgr.save(make_state(0, 2), 10**10 - 1)  # the largest that fits
+        assert mgr.find_latest() == 10**10 - 1
+    assert sorted(p.name for p in (root / "s").iterdir() if p.name.startswith("iter_")) == [
+        "iter_9999999999"]
+
+
+def test_a_root_reached_through_a_symlink_is_refused_unless_allowed(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ConfigurationError, match="symbolic link"):
+        LocalCheckpointManager(link)
+    with LocalCheckpointManager(link, allow_unsafe_root=True) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+    (real / "s2").symlink_to(tmp_path)  # a session directory planted as a link
+    with pytest.raises(ConfigurationError, match="symbolic link"):
+        LocalCheckpointManager(real, "s2")
+
+
+def test_a_root_owned_by_another_user_is_refused_unless_allowed(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 4242)
+    with pytest.raises(ConfigurationError, match=f"owned by uid {me}"):
+        LocalCheckpointManager(root)
+    with LocalCheckpointManager(root, allow_unsafe_root=True) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+
+
+def test_created_directories_are_made_durable(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NVMe a new directory entry is durable only once its parent is fsynced."""
+    import os
+
+    opened: dict[int, str] = {}
+    synced: list[str] = []
+    real_open, real_fsync = os.open, os.fsync
+
+    def spy_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = str(path)
+        return fd
+
+    def spy_fsync(fd: int) -> None:
+        synced.append(opened.get(fd, "?"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    root = tmp_path / "new" / "ckpt"
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+    assert str(root.parent) in synced  # the root's own entry
+    assert str(root) in synced  # the session directory's entry
+    assert str(root / "s") in synced  # the iteration directory's entry

@@ -58,3 +58,41 @@ def test_received_bytes_are_reused_verbatim_and_checked() -> None:
         ShardManifest.from_json_bytes(m.encoded[:-3], "from rank 1")
     with pytest.raises(CorruptShardError, match="manifest checksum mismatch"):
         ShardManifest.from_json_bytes(m.encoded.replace(b"model/w", b"model/v"), "from rank 1")
+
+
+def _edited(edit: object) -> dict:  # type: ignore[type-arg]
+    from localckpt.storage.manifest import _crc_of
+
+    doc = _manifest().to_json_dict()
+    edit(doc["manifest"])  # type: ignore[operator]
+    doc["crc32c"] = _crc_of(doc["manifest"])  # consistent: only the entries are wrong
+    return doc
+
+
+def _set(index: int, **fields: object):  # type: ignore[no-untyped-def]
+    return lambda body: body["tensors"][index].update(fields)
+
+
+@pytest.mark.parametrize("edit,text", [
+    (_set(0, nbytes=17), "nbytes"),
+    (_set(0, shape=[-4, 2]), "shape"),
+    (_set(0, shape=[1 << 40, 1 << 40]), "nbytes"),
+    (_set(1, offset=70), "beyond"),
+    (_set(1, offset=-8), "offset"),
+    (_set(1, offset=8), "overlap"),
+    (lambda body: body.update(data_nbytes=200), "chunk"),
+    (lambda body: body.update(chunk_crc32c=[]), "checksums"),
+    (lambda body: body.update(hollow={"dict": [["w", {"T": 7}]]}), "tensor 7"),
+    (lambda body: body.update(owner_rank=8), "owner"),
+    (lambda body: body.update(iteration=-1), "iteration"),
+])
+def test_inconsistent_entries_are_corrupt_before_anything_is_allocated(edit: object,
+                                                                       text: str) -> None:
+    with pytest.raises(CorruptShardError, match=text) as info:
+        ShardManifest.from_json_dict(_edited(edit), "shard-x")
+    assert "shard-x" in str(info.value)
+
+
+def test_an_unknown_dtype_is_an_unsupported_format() -> None:
+    with pytest.raises(UnsupportedFormatError, match="float3_e1m1"):
+        ShardManifest.from_json_dict(_edited(_set(0, dtype="float3_e1m1")), "shard-x")

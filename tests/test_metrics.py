@@ -83,7 +83,7 @@ def test_shard_of_another_topology_is_warned_about_once(
         root: Path, caplog: pytest.LogCaptureFixture) -> None:
     with LocalCheckpointManager(root, "t", node_id="old-node") as mgr:
         mgr.save(make_state(0, 4), 4)
-        manifest = mgr._store.read_manifest(mgr._store.committed()[0])
+        manifest = mgr._ctx.store.read_manifest(mgr._ctx.store.committed()[0])
     assert manifest.identity["job"]["world_size"] == 1
     assert {"hostname", "boot_id", "gpu_uuids", "pid"} <= set(manifest.identity)
     with caplog.at_level(logging.WARNING, "localckpt"):

@@ -75,17 +75,6 @@ def test_old_and_negative_iterations_raise_on_every_rank(tmp_path: Path, root: P
     assert all(r.ok and r.value["latest"] == 10 for r in results)
 
 
-def test_world_size_change_raises_on_every_rank(tmp_path: Path, root: Path) -> None:
-    assert all(r.ok for r in run_ranks(scenarios.save_only, 2, tmp_path, str(root), [1]))
-    # 4 ranks, two per simulated node: node0 and node1 hold the 2-rank checkpoint.
-    results = run_ranks(scenarios.save_only, 4, tmp_path, str(root), [2], 1, 2)
-    for r in results:
-        assert r.raised("WorldSizeMismatchError"), r.message
-        assert "world size [2]" in r.message and "world size 4" in r.message
-    results = run_ranks(scenarios.find_and_load, 2, tmp_path, str(root))
-    assert all(r.ok and r.value["latest"] == 1 for r in results)
-
-
 def test_unsupported_leaf_on_one_rank_raises_type_error_on_every_rank(tmp_path: Path,
                                                                       root: Path) -> None:
     results = run_ranks(scenarios.save_with_bad_leaf_on, 2, tmp_path, str(root), 1)

@@ -154,3 +154,17 @@ def test_planning_for_16k_ranks_is_fast(name: str) -> None:
     plan = save_plan(placement, topo, 1)
     assert len(plan.transfers) == 16384
     assert time.perf_counter() - started < 10  # a regression guard; scripts/bench.py measures
+
+
+def test_owners_without_a_copy_on_another_node_are_counted() -> None:
+    from replication import owners_without_remote_copy
+
+    topo = Topology.uniform(2, 2)
+    clique = make_strategy("clique")  # jump 1: pairs of node mates
+    assert owners_without_remote_copy(clique.place(topo), topo) == [0, 1, 2, 3]
+    spread = make_strategy("node_spread")
+    assert owners_without_remote_copy(spread.place(topo), topo) == []
+    jumped = make_strategy("clique", replication_jump=2)
+    assert owners_without_remote_copy(jumped.place(topo), topo) == []
+    one_node = Topology(("h", "h"))
+    assert owners_without_remote_copy(clique.place(one_node), one_node) == [0, 1]

@@ -239,3 +239,132 @@ def test_enospc_mid_write_leaves_nothing_behind(store: ShardStore, root: Path,
 def test_unsafe_session_ids_are_rejected(root: Path, bad: str) -> None:
     with pytest.raises(ConfigurationError, match="session_id"):
         ShardStore(root, bad, writer_rank=0)
+
+
+# ------------------------------------------------------------------ airtight core
+
+
+def test_shards_are_private_to_their_owner(root: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        store = ShardStore(root, "priv", writer_rank=0, chunk_nbytes=4096)
+        _, path = _write(store, 1)
+        store.close()
+    finally:
+        os.umask(old)
+    for p in [root / "priv", path.parent, *path.rglob("*"), path]:
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+
+
+def test_background_leftover_removal_never_touches_a_later_write(
+        store: ShardStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finalize schedules the removal of this writer's leftovers; a load's write-back in the same
+    process (rollback, in-process restart) starts before the reaper gets to it."""
+    import threading
+
+    import localckpt.storage.store as store_module
+
+    _write(store, 1)
+    _write(store, 2)
+    release = threading.Event()
+    real_rmtree = store_module.shutil.rmtree
+
+    def slow_rmtree(path: Path, ignore_errors: bool = False) -> None:
+        release.wait(10)  # the reaper is busy freeing a large shard
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(store_module.shutil, "rmtree", slow_rmtree)
+    store.delete(next(r for r in store.committed() if r.iteration == 1), background=True)
+    store.remove_leftovers(background=True)
+    # a write-back of a fetched shard begins meanwhile
+    nbytes = 5000
+    chunk_nbytes, count = chunking(nbytes, store.chunk_nbytes)
+    payload = torch.arange(chunk_nbytes * count, dtype=torch.int64).to(torch.uint8)
+    manifest = ShardManifest("sess", 2, 1, 2, (), {"dict": []}, "plain", nbytes, chunk_nbytes,
+                             count, ())
+    writer = store.begin_write(manifest)
+    view = byte_view(payload)
+    for i in range(count):
+        writer.submit_chunk(i, view[i * chunk_nbytes : (i + 1) * chunk_nbytes])
+    release.set()
+    store.wait_for_deletions()
+    store.commit(writer)
+    ref = next(r for r in store.committed() if r.owner_rank == 1)
+    assert torch.equal(store.read(ref)[1], payload)
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 2, 3])
+def test_overwriting_a_shard_leaves_one_committed_whichever_step_fails(
+        store: ShardStore, monkeypatch: pytest.MonkeyPatch, fail_after: int) -> None:
+    """Re-saving a shard id that is already committed replaces it; a crash at any rename step of
+    the replacement leaves the old or the new shard committed, never none."""
+    old, _ = _write(store, 3, seed=1)
+    calls = {"n": 0}
+
+    def crash_after(fn):  # type: ignore[no-untyped-def]
+        def step(*args: object) -> object:
+            if calls["n"] >= fail_after:
+                raise OSError(errno.EIO, "the process died here (injected)")
+            calls["n"] += 1
+            return fn(*args)
+        return step
+
+    monkeypatch.setattr(os, "rename", crash_after(os.rename))
+    try:
+        from localckpt.storage import fsutil
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(fsutil, "rename_exchange", crash_after(fsutil.rename_exchange))
+    try:
+        new, _ = _write(store, 3, seed=2)
+    except OSError as exc:
+        assert "injected" in str(exc)
+    monkeypatch.undo()
+    refs = store.committed()
+    assert [(r.iteration, r.owner_rank) for r in refs] == [(3, 0)]
+    data = store.read(refs[0])[1]
+    new = torch.zeros_like(old)
+    new[:10_000] = torch.randint(0, 256, (10_000,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(2))
+    assert torch.equal(data, old) or torch.equal(data, new)
+
+
+def _rewrite_manifest(ref_path: Path, edit: object) -> None:
+    import json
+
+    from localckpt.storage.manifest import _crc_of
+
+    meta = ref_path / "zarr.json"
+    doc = json.loads(meta.read_text())
+    body = doc["attributes"]["localckpt"]["manifest"]
+    edit(body)  # type: ignore[operator]
+    doc["attributes"]["localckpt"]["crc32c"] = _crc_of(body)  # a consistent, valid checksum
+    meta.write_text(json.dumps(doc))
+
+
+def test_manifest_claiming_more_bytes_than_its_files_is_refused_before_allocating(
+        store: ShardStore) -> None:
+    _write(store, 1)
+    ref = store.committed()[0]
+    huge = 1 << 45  # 32 TiB
+
+    def claim(body: dict) -> None:  # type: ignore[type-arg]
+        body.update(chunk_nbytes=huge, data_nbytes=huge * body["chunk_count"])
+        body["tensors"] = [{"key_path": "w", "dtype": "uint8", "shape": [huge], "offset": 0,
+                            "nbytes": huge, "device": "cpu"}]
+        body["hollow"] = {"dict": [["w", {"T": 0}]]}
+    _rewrite_manifest(ref.path, claim)
+    with pytest.raises(CorruptShardError, match="chunk") as info:
+        store.read(ref)
+    assert str(ref.path) in str(info.value)
+
+
+def test_shard_names_out_of_the_listed_width_are_refused(root: Path) -> None:
+    from localckpt.storage.store import shard_path
+
+    with pytest.raises(ValueError, match="iteration"):
+        shard_path(root, "s", 10**10, 0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        shard_path(root, "s", 1, 10**5, 10**5 + 1)

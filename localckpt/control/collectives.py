@@ -5,6 +5,10 @@ training group), with a timeout, and exchanges JSON (never pickle: a peer's byte
 code). :meth:`CheckpointGroup.exchange` is the exception-robust collective every global decision
 goes through: each rank runs a local step, all ranks gather (value or error), and either every rank
 gets every value or every rank raises the same exception listing each failing rank's cause.
+
+Every exchange carries its step name: ranks that reach different steps (one in ``find_latest``,
+another in ``save``) would otherwise pair silently; they raise CollectiveError naming both steps,
+and the group is unusable from then on, as after any failed collective.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,14 +40,17 @@ class CheckpointGroup:
     """A gloo group spanning the default group's ranks, or a world of one without distributed.
 
     Construction is collective: every rank of the default group must create it, in the same order
-    as any other ``new_group`` call. Once a collective failed (peer lost, timeout) the group is
-    marked broken and every later call raises CollectiveError at once: a gloo group cannot be
-    trusted to realign after a partial collective, so the job must restart.
+    as any other ``new_group`` call. Once a collective failed (peer lost, timeout, ranks in
+    different steps) the group is marked broken and every later call raises CollectiveError at
+    once: a gloo group cannot be trusted to realign after a partial collective, so the job must
+    restart. After :meth:`close` every call raises CollectiveError too (never a world of one).
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, owner: str = "LocalCheckpointManager") -> None:
         self.timeout = timeout
+        self.owner = owner  # named in errors after close()
         self._broken: CollectiveError | None = None
+        self._closed = False
         self.group: dist.ProcessGroup | None = None
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
@@ -52,6 +60,8 @@ class CheckpointGroup:
             self.rank, self.world_size = 0, 1
 
     def close(self) -> None:
+        """Release the group; every later collective raises CollectiveError. Not collective."""
+        self._closed = True
         if self.group is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group(self.group)
@@ -59,12 +69,27 @@ class CheckpointGroup:
                 logger.debug("destroying localckpt group: %s", exc)
         self.group = None
 
-    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
-        """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the
-        timeout passed (CollectiveTimeoutError); a lost peer raises CollectiveError."""
+    def check_usable(self, what: str) -> None:
+        """Raise CollectiveError if the group was closed or broke earlier."""
+        if self._closed:
+            raise CollectiveError(
+                f"{what}: the {self.owner} was closed, so localckpt's process group is gone; "
+                "nothing was exchanged and nothing was deleted. Close the AsyncCallsQueue (which "
+                "finalizes pending saves) before the LocalCheckpointManager; a save left "
+                "unfinalized is found by the next find_latest if every rank committed it")
         if self._broken is not None:
             raise CollectiveError(f"{what}: localckpt's process group is unusable after an "
                                   f"earlier failure ({self._broken}); restart the job")
+
+    def mark_broken(self, error: CollectiveError) -> None:
+        """Make every later collective raise (the first cause is kept)."""
+        if self._broken is None:
+            self._broken = error
+
+    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the
+        timeout passed (CollectiveTimeoutError); a lost peer raises CollectiveError."""
+        self.check_usable(what)
         if self.group is None:
             return [payload]
         started = time.monotonic()
@@ -89,8 +114,9 @@ class CheckpointGroup:
             out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(out, mine, group=self.group)
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
-            self._broken = _collective_error(what, exc, time.monotonic() - started, self.timeout)
-            raise self._broken from exc
+            err = collective_error(what, exc, time.monotonic() - started, self.timeout)
+            self.mark_broken(err)
+            raise err from exc
         return [bytes(o[:n].numpy()) for o, n in zip(out, sizes, strict=True)]
 
     def exchange(self, step: str, local: Callable[[], T]) -> list[T]:
@@ -98,26 +124,66 @@ class CheckpointGroup:
 
         Returns all results in rank order, or raises on every rank the same exception built from
         each failing rank's error (see :func:`localckpt.errors.error_from_failures`); on the rank
-        whose ``local()`` failed it is chained to the original exception.
+        whose ``local()`` failed it is chained to the original exception. Raises CollectiveError
+        when the collective itself fails (see :meth:`gather_outcomes`).
         """
+        outcome = self.gather_outcomes(step, local)
+        if outcome.failures:
+            raise error_from_failures(step, outcome.failures) from outcome.local_error
+        return outcome.values  # type: ignore[return-value]
+
+    def gather_outcomes(self, step: str, local: Callable[[], T]) -> Outcome[T]:
+        """Like :meth:`exchange`, but a failing ``local()`` is returned, not raised: every rank
+        gets the same :class:`Outcome`. Raises only when no agreement was reached: the collective
+        failed or timed out, or the ranks are in different steps (CollectiveError, and the group
+        is unusable from then on). Callers that must tell "every rank agreed this failed" from
+        "we could not agree" (finalize deletes data only in the first case) use this."""
         local_exc: BaseException | None = None
         try:
-            doc: dict[str, Any] = {"ok": local()}
+            doc: dict[str, Any] = {"step": step, "ok": local()}
         except Exception as exc:
             local_exc = exc
-            doc = {"error": describe_failure(exc)}
-        gathered = [json.loads(b) for b in self.all_gather_bytes(
-            json.dumps(doc, allow_nan=False).encode(), step)]
+            doc = {"step": step, "error": describe_failure(exc)}
+        try:
+            gathered = [json.loads(b) for b in self.all_gather_bytes(
+                json.dumps(doc, allow_nan=False).encode(), step)]
+        except CollectiveError as exc:
+            raise exc from local_exc
+        steps = [str(d.get("step")) for d in gathered]
+        if len(set(steps)) > 1:
+            by_step: dict[str, list[int]] = {}
+            for r, s in enumerate(steps):
+                by_step.setdefault(s, []).append(r)
+            err = CollectiveError(
+                "localckpt's ranks called different steps: " + "; ".join(
+                    f"{_ranks(ranks)} in {s!r}" for s, ranks in by_step.items())
+                + ". Every rank must call save, find_latest, load and the queue's methods in the "
+                "same order; the group is out of step, restart the job")
+            self.mark_broken(err)
+            raise err from local_exc
         failures = {r: (str(d["error"][0]), str(d["error"][1]))
                     for r, d in enumerate(gathered) if "error" in d}
-        if failures:
-            err = error_from_failures(step, failures)
-            raise err from local_exc
-        return [d["ok"] for d in gathered]
+        return Outcome([d.get("ok") for d in gathered], failures, local_exc)
 
 
-def _collective_error(what: str, exc: BaseException, elapsed: float,
-                      timeout: float) -> CollectiveError:
+@dataclass
+class Outcome(Generic[T]):
+    """Every rank's result of one step: ``values`` in rank order (None where the rank failed),
+    ``failures`` rank -> (exception class name, message), and this rank's own exception."""
+
+    values: list[T | None]
+    failures: dict[int, tuple[str, str]]
+    local_error: BaseException | None = None
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks [{shown}]"
+
+
+def collective_error(what: str, exc: BaseException, elapsed: float,
+                     timeout: float) -> CollectiveError:
+    """The CollectiveError (or CollectiveTimeoutError) for a failed collective or transfer."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     timed_out = "timeout" in text.lower() or "timed out" in text.lower() or elapsed >= timeout
     cls = CollectiveTimeoutError if timed_out else CollectiveError

@@ -11,12 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import (
-    ConfigurationError,
-    InsufficientSpaceError,
-    InvalidIterationError,
-    WorldSizeMismatchError,
-)
+from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
+from ..storage.store import MAX_ITERATION
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
 
@@ -78,44 +74,54 @@ def check_sessions(inventories: Sequence[Inventory]) -> None:
         raise ConfigurationError(f"every rank must use the same session_id, got {by}")
 
 
-def complete_iterations(inventories: Sequence[Inventory], world_size: int,
-                        fetchable: bool) -> list[int]:
-    """Iterations, newest first, that every rank of a ``world_size`` job can load.
-
-    Without ``fetchable`` (no replication) rank r must hold shard (it, r) itself; with it, every
-    owner's shard only has to be held by some rank. Shards of other world sizes never count.
-    """
-    if len(inventories) != world_size:
-        raise ValueError(f"expected {world_size} inventories, got {len(inventories)}")
+def complete_from_listings(listings: Iterable[frozenset[ShardKey]], world_size: int) -> list[int]:
+    """Iterations, newest first, for which the ``listings`` (shard sets of node roots, or of
+    ranks) together hold the shard of every owner rank of a ``world_size`` job. Shards of other
+    world sizes never count."""
     owners: dict[int, set[int]] = defaultdict(set)
-    if fetchable:  # who lists a shard does not matter: each distinct listing counts once
-        for shards, _ in _distinct_listings(inventories):
-            for it, owner, world in shards:
-                if world == world_size and 0 <= owner < world_size:
-                    owners[it].add(owner)
-    else:
-        for inv in inventories:
-            for it, owner, world in inv.shards:
-                if world == world_size and owner == inv.rank:
-                    owners[it].add(owner)
+    for shards in listings:
+        for it, owner, world in shards:
+            if world == world_size and 0 <= owner < world_size:
+                owners[it].add(owner)
     return sorted((it for it, o in owners.items() if len(o) == world_size), reverse=True)
 
 
-def choose_latest(inventories: Sequence[Inventory], world_size: int,
-                  fetchable: bool = False) -> int:
+def complete_iterations(inventories: Sequence[Inventory], world_size: int) -> list[int]:
+    """Iterations, newest first, that every rank of a ``world_size`` job can load: every owner's
+    shard is held by some rank (a rank reads its own from its node's root or receives it from a
+    holder; with no replication that holder is normally the owner's node, or wherever the owner
+    ran before the ranks moved between nodes)."""
+    if len(inventories) != world_size:
+        raise ValueError(f"expected {world_size} inventories, got {len(inventories)}")
+    return complete_from_listings((s for s, _ in _distinct_listings(inventories)), world_size)
+
+
+def choose_latest(inventories: Sequence[Inventory], world_size: int) -> int:
     """The newest iteration every rank can load, or -1 when there is none."""
     check_sessions(inventories)
-    complete = complete_iterations(inventories, world_size, fetchable)
+    complete = complete_iterations(inventories, world_size)
     return complete[0] if complete else -1
 
 
-def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], world_size: int,
-                  fetchable: bool = False) -> int:
+def other_world_shards(inventories: Sequence[Inventory], world_size: int) -> dict[int, list[int]]:
+    """World size -> iterations of shards on disk written by jobs of another world size: they
+    cannot be loaded by this job (find_latest reports them) and are never deleted by its
+    retention; ``localckpt gc --world-size`` removes them."""
+    found: dict[int, set[int]] = defaultdict(set)
+    for shards, _ in _distinct_listings(inventories):
+        for it, _, world in shards:
+            if world != world_size:
+                found[world].add(it)
+    return {w: sorted(its) for w, its in sorted(found.items())}
+
+
+def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
+                  world_size: int) -> int:
     """Check a save request gathered from every rank; return the iteration to save.
 
-    Raises InvalidIterationError (not an int, negative, different across ranks, not newer than the
-    latest committed checkpoint), WorldSizeMismatchError (shards of another world size on disk), or
-    ConfigurationError (different session ids).
+    Raises InvalidIterationError (not an int, negative, too wide for the directory name,
+    different across ranks, not newer than the latest complete checkpoint of this world size),
+    or ConfigurationError (different session ids). Shards of other world sizes never block it.
     """
     check_sessions(inventories)
     distinct = sorted({repr(i) for i in iterations})
@@ -128,17 +134,11 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], w
             f"iteration: expected a non-negative int, got {type(iteration).__name__} {iteration!r}")
     if iteration < 0:
         raise InvalidIterationError(f"iteration: expected a non-negative int, got {iteration}")
-    foreign = sorted({(w, r) for shards, ranks in _distinct_listings(inventories)
-                      for w in {w for _, _, w in shards if w != world_size} for r in ranks})
-    if foreign:
-        sizes = sorted({w for w, _ in foreign})
-        ranks = sorted({r for _, r in foreign})
-        raise WorldSizeMismatchError(
-            f"checkpoints on disk were written by a job of world size {sizes}, this job has world "
-            f"size {world_size} (seen by ranks {ranks}). localckpt does not reshard: remove those "
-            "checkpoints (delete the session directory) or use another session_id"
-        )
-    latest = choose_latest(inventories, world_size, fetchable)
+    if iteration > MAX_ITERATION:
+        raise InvalidIterationError(
+            f"iteration: expected at most {MAX_ITERATION} (10 digits in the directory name), "
+            f"got {iteration}; nothing was written")
+    latest = choose_latest(inventories, world_size)
     if iteration <= latest:
         raise InvalidIterationError(
             f"iteration: expected a value newer than the latest committed checkpoint {latest}, got "
@@ -147,19 +147,21 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory], w
     return iteration
 
 
-def retained_iterations(inventories: Sequence[Inventory], world_size: int, keep_last: int,
-                        fetchable: bool = False) -> set[int]:
-    """The ``keep_last`` newest complete iterations: everything else may be deleted."""
-    return set(complete_iterations(inventories, world_size, fetchable)[:keep_last])
+def retained_iterations(inventories: Sequence[Inventory], world_size: int,
+                        keep_last: int) -> set[int]:
+    """The ``keep_last`` newest complete iterations: every other shard of this world size in
+    a root may be deleted."""
+    return set(complete_iterations(inventories, world_size)[:keep_last])
 
 
-def shards_to_delete(mine: Inventory, keep: Iterable[int]) -> list[ShardKey]:
-    """Every shard in this rank's root outside ``keep``: incomplete or beyond retention.
+def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int) -> list[ShardKey]:
+    """Every shard of ``world_size`` in this rank's root outside ``keep``: incomplete or beyond
+    retention. Shards of other world sizes are left alone (see :func:`other_world_shards`).
 
     Ranks of a node share the root and may delete the same shard; deletion is a rename that only
     one of them wins, so that race is harmless and no rank needs to own the cleanup."""
     keep = set(keep)
-    return sorted(k for k in mine.shards if k[0] not in keep)
+    return sorted(k for k in mine.shards if k[2] == world_size and k[0] not in keep)
 
 
 def check_capacity(needed: Sequence[int], free: Sequence[int], node_of: Sequence[int]) -> None:

@@ -1,5 +1,20 @@
-"""The load path: bring every rank its shard of an iteration, from its own disk or from a peer,
-and every node the replicas its placement puts on it (written back).
+"""The load path, top to bottom. One path whatever the replication: no replication is a
+placement with no holders, and a rank whose shard is on another node (the ranks moved) receives
+it like a replica.
+
+1. **find_latest**: gather every rank's inventory; the newest iteration whose every owner's shard
+   is held by some rank (pure, :func:`localckpt.control.coverage.choose_latest`);
+2. **restore**, in rounds, each one agreed step after another:
+
+   a. gather the inventories again and choose the newest complete iteration not newer than
+      asked (a fallback lands here);
+   b. plan who reads which copy and who receives what (pure, ``replication.retrieval_plan``):
+      every rank its own shard, every node the replicas its placement puts on it;
+   c. every rank reads and verifies the copies it serves. A copy that fails is quarantined
+      (moved aside, named in a warning) and the round starts again: another copy serves it, or
+      the iteration is no longer complete and an older one is chosen, on every rank alike;
+   d. transfers: received shards are verified and written back, so the job is again one node
+      loss away from trouble, not zero.
 """
 
 from __future__ import annotations
@@ -9,62 +24,84 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
-from replication import (
-    Placement,
-    RetrievalPlan,
-    Topology,
-    Transfer,
-    retrieval_plan,
-    wanted_shards,
-)
+from replication import RetrievalPlan, Transfer, retrieval_plan, wanted_shards
 
-from ..control.collectives import CheckpointGroup
-from ..control.coverage import Inventory
+from ..control.context import Context
+from ..control.coverage import (
+    Inventory,
+    choose_latest,
+    complete_iterations,
+    decode_inventories,
+    other_world_shards,
+)
 from ..errors import CorruptShardError, NoCheckpointError
+from ..ops.faults import fault_point
 from ..storage.manifest import ShardManifest
-from ..storage.peer_io import PieceRing, StoreReceiver, exchange_shards, tensors_from_buffer
-from ..storage.store import ShardRef, ShardStore
+from ..storage.peer_io import StoreReceiver, exchange_shards, tensors_from_buffer
+from ..storage.store import ShardRef
 
 logger = logging.getLogger(__name__)
+
+Loaded = tuple[ShardManifest, list[torch.Tensor]]
+
+
+def find_latest(ctx: Context) -> int:
+    """The newest iteration every rank can load, or -1. Collective. Shards written by a job of
+    another world size are reported (once, by rank 0) and otherwise ignored."""
+    def listing() -> dict[str, Any]:
+        fault_point("find_latest", ctx.rank)
+        return ctx.inventory().to_json()
+
+    inventories = decode_inventories(ctx.group.exchange("find_latest", listing))
+    latest = choose_latest(inventories, ctx.world_size)
+    others = other_world_shards(inventories, ctx.world_size)
+    if others and ctx.rank == 0:
+        logger.warning(
+            "find_latest: shards of another world size are on disk and are ignored: %s. This "
+            "job has world size %d and localckpt cannot reshard them yet; they are kept (no "
+            "retention touches them): remove them with `localckpt gc --world-size %d ROOT`",
+            "; ".join(f"world size {w}: iterations {its}" for w, its in others.items()),
+            ctx.world_size, ctx.world_size)
+    return latest
 
 
 @dataclass
 class _Round:
-    """One attempt of :func:`restore`: the plan, what this rank read to serve, and its own shard."""
+    """One attempt: the plan, what this rank read to serve, and its own shard."""
 
+    iteration: int
     plan: RetrievalPlan
     served: dict[tuple[int, int], tuple[ShardManifest, torch.Tensor]] = field(default_factory=dict)
-    own: tuple[ShardManifest, list[torch.Tensor]] | None = None
+    own: Loaded | None = None
     received: dict[tuple[int, int], StoreReceiver] = field(default_factory=dict)
 
     def source(self, t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
         return self.served[t.shard]
 
 
-def _plan_round(iteration: int, world: int, inventories: list[Inventory], topology: Topology,
-                placement: Placement) -> _Round:
+def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _Round:
+    """Who reads which copy of ``iteration`` and who receives what (pure: the same on every
+    rank). ``iteration`` must be complete in ``inventories``."""
+    world = ctx.world_size
     present = [frozenset((it, o) for it, o, w in inv.shards if it == iteration and w == world)
                for inv in inventories]
     holders: dict[tuple[int, int], list[int]] = {}
     for r, shards in enumerate(present):
         for s in shards:
             holders.setdefault(s, []).append(r)
-    plan = retrieval_plan(wanted_shards(placement, topology, iteration, present), holders)
-    if plan.missing:
-        raise NoCheckpointError(
-            f"load of iteration {iteration}: no verified copy of the shards of owner ranks "
-            f"{[o for _, o in plan.missing]} exists on any node (corrupt copies were removed); "
-            "restart to fall back to an older kept iteration, if any")
-    return _Round(plan)
+    wants = wanted_shards(ctx.placement, ctx.topology, iteration, present)
+    return _Round(iteration, retrieval_plan(wants, holders))
 
 
-def _verify_sources(rnd: _Round, rank: int, world: int, store: ShardStore,
-                    read_own: Callable[[ShardRef], tuple[ShardManifest, list[torch.Tensor]]]
-                    ) -> list[int]:
-    """Read and verify every copy this rank serves; delete corrupt ones. Returns their owners."""
+def _verify_sources(ctx: Context, rnd: _Round) -> list[list[str]]:
+    """Read and verify every copy this rank serves (its own shard straight into its tensors).
+    A copy that fails is quarantined; returns [file, error, where it went] for each."""
+    fault_point("load_retrieval", ctx.rank, rnd.iteration)
+    store, world, rank = ctx.store, ctx.world_size, ctx.rank
     bad = []
     for shard in rnd.plan.sources_of(rank):
         it, owner = shard
@@ -73,55 +110,85 @@ def _verify_sources(rnd: _Round, rank: int, world: int, store: ShardStore,
                           if t.src == rank and t.shard == shard)
         try:
             if only_for_me and owner == rank:
-                rnd.own = read_own(ref)  # the common case: straight into the tensors
+                rnd.own = store.read_tensors(ref)  # the common case
             else:
                 manifest, buf = store.read(ref)
                 rnd.served[shard] = (manifest, buf)
                 if owner == rank:
                     rnd.own = (manifest, tensors_from_buffer(manifest, buf))
         except CorruptShardError as exc:
-            logger.warning("rank %d: %s; removing this copy and using a replica", rank, exc)
-            store.delete(ref)
-            bad.append(owner)
+            moved = store.quarantine(ref)
+            logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed "
+                           "when the next save starts)", rank, exc, moved)
+            bad.append([str(ref.path), str(exc), str(moved)])
     return bad
 
 
-def restore(iteration: int, group: CheckpointGroup, store: ShardStore, topology: Topology,
-            placement: Placement,
-            read_own: Callable[[ShardRef], tuple[ShardManifest, list[torch.Tensor]]],
-            gather: Callable[[str], list[Inventory]],
-            ring: PieceRing, fetched: Callable[[float, int], None] | None = None
-            ) -> tuple[ShardManifest, list[torch.Tensor]]:
-    """Bring every rank its shard of ``iteration`` and every node the replicas ``placement`` puts
-    on it (written back to its root). Collective. Copies whose checksum fails are deleted and
-    replaced from verified ones; raises NoCheckpointError on every rank when some shard has no
-    verified copy anywhere. ``fetched(seconds, nbytes)`` is told what this rank received."""
-    rank, world = group.rank, group.world_size
-    step = f"load of iteration {iteration}"
-    max_rounds = 1 + sum(1 + len(h) for h in placement.holders)  # each retry removes a copy
-    for _ in range(max_rounds):
+def restore(ctx: Context, iteration: int,
+            fetched: Callable[[float, int], None] | None = None) -> Loaded:
+    """This rank's shard of the newest complete iteration not newer than ``iteration``, every
+    rank's and every node's replicas restored on the way. Collective.
+
+    Raises on every rank alike: CorruptShardError when corrupt copies were quarantined and no
+    complete iteration is left (it names them), NoCheckpointError when none was there,
+    CollectiveError. ``fetched(seconds, nbytes)`` is told what this rank received from peers.
+    """
+    if iteration < 0:
+        raise NoCheckpointError(
+            f"no complete checkpoint of session {ctx.session_id!r} under {ctx.root} for a world "
+            f"of {ctx.world_size} ranks")
+    rank = ctx.rank
+    quarantined: list[list[str]] = []
+    rounds = 0
+    while True:
+        rounds += 1
         started = time.monotonic()
-        rnd = _plan_round(iteration, world, gather(f"{step}: inventory"), topology, placement)
+        inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
+        candidates = [it for it in complete_iterations(inventories, ctx.world_size)
+                      if it <= iteration]
+        if not candidates or rounds > 1 + sum(len(i.shards) for i in inventories):
+            raise _nothing_left(ctx, iteration, quarantined)
+        if candidates[0] != iteration:
+            if rank == 0:
+                logger.warning("load: iteration %d can no longer be loaded (corrupt copies were "
+                               "quarantined: %s); falling back to iteration %d on every rank",
+                               iteration, "; ".join(b[0] for b in quarantined), candidates[0])
+            iteration = candidates[0]
+        step = f"load of iteration {iteration}"
+        rnd = plan_round(ctx, iteration, inventories)
         planned = time.monotonic()
-        bad = group.exchange(f"{step}: verify sources",
-                             partial(_verify_sources, rnd, rank, world, store, read_own))
+        bad = ctx.group.exchange(f"{step}: verify sources", partial(_verify_sources, ctx, rnd))
         verified = time.monotonic()
         if any(bad):
-            continue
-        group.exchange(f"{step}: fetch from peers", partial(
-            exchange_shards, rnd.plan.exchange, group, store, world, rnd.source, ring,
-            rnd.received))
+            quarantined += [b for per_rank in bad for b in per_rank]
+            continue  # re-plan: another copy, or an older iteration
+        if rnd.plan.exchange.rounds:  # the same plan on every rank: all skip it alike
+            ctx.group.exchange(f"{step}: fetch from peers", partial(
+                exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
+                rnd.source, ctx.ring, rnd.received))
         if fetched is not None and rnd.received:
             fetched(time.monotonic() - verified,
                     sum(r.manifest.data_nbytes for r in rnd.received.values()))
         logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
         if rnd.own is None:  # fetched and written back: read it like any local shard
-            rnd.own = read_own(ShardRef(iteration, rank, world,
-                                        store.path_of(iteration, rank, world)))
+            rnd.own = ctx.store.read_tensors(ShardRef(
+                iteration, rank, ctx.world_size, ctx.store.path_of(iteration, rank,
+                                                                   ctx.world_size)))
         if rnd.received:
             logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
                         rank, sorted(o for _, o in rnd.received))
         return rnd.own
-    raise CorruptShardError(f"{step}: gave up after {max_rounds} rounds of replacing corrupt "
-                            "copies")
+
+
+def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:
+    if not quarantined:
+        return NoCheckpointError(
+            f"load: no complete checkpoint of session {ctx.session_id!r} at or before iteration "
+            f"{iteration} for a world of {ctx.world_size} ranks")
+    shown = "; ".join(f"{path}: {error}" for path, error, _ in quarantined[:4])
+    more = f" (and {len(quarantined) - 4} more)" if len(quarantined) > 4 else ""
+    return CorruptShardError(
+        f"load: no complete iteration at or before {iteration} is left: {len(quarantined)} "
+        f"corrupt copies were quarantined: {shown}{more}. The job can start afresh (the next "
+        "find_latest does not choose them again)")

@@ -3,17 +3,20 @@
     localckpt ls ROOT...            iterations, owners, copies, bytes; coverage across the roots
     localckpt inspect SHARD         manifest, tensor table, writer identity
     localckpt verify ROOT...        every committed shard's checksums (exit 1 on corruption)
-    localckpt gc ROOT [--dry-run]   leftovers, iterations beyond --keep-last, other world sizes
+    localckpt gc ROOT... [--dry-run] leftovers, quarantined copies, iterations older than the
+                                    --keep-last newest complete ones across the roots
     localckpt doctor [--root R]     file system, free space, /dev/shm, GPUs, library versions
 
 ``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
-corruption found by ``verify`` is exit status 1. Run ``ls`` with the roots of several nodes (or
-copies of them) to see which iterations are complete across the job.
+corruption found by ``verify`` is exit status 1. Run ``ls`` and ``gc`` with the roots of every
+node (or copies of them): completeness is judged across the roots given, with the library's own
+function. ``gc`` refuses a session that a live job holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -24,17 +27,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..control.coverage import complete_from_listings
 from ..errors import CheckpointingError
-from ..ops import health
 from ..storage.manifest import ShardManifest
+from ..storage.session_lock import SessionLock
 from ..storage.store import (
     ShardRef,
     ShardStore,
     find_leftovers,
+    find_quarantined,
     list_sessions,
     list_shards,
     session_dir,
 )
+from . import health
 
 
 class UsageError(Exception):
@@ -79,12 +85,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         key = (session, ref.iteration, ref.world_size)
         groups[key][ref.owner_rank].append(str(root))
         sizes[key] += _size(ref.path)
+    listings: dict[tuple[str, Path], set[tuple[int, int, int]]] = defaultdict(set)
+    for root, session, ref in shards:
+        listings[(session, root)].add((ref.iteration, ref.owner_rank, ref.world_size))
+    complete = {(session, world): set(complete_from_listings(
+                    [frozenset(s) for (sess, _), s in listings.items() if sess == session], world))
+                for session, _, world in groups}
     rows: list[dict[str, Any]] = []
     for (session, it, world), owners in sorted(groups.items()):
         missing = sorted(set(range(world)) - set(owners))
         copies = [len(owners.get(o, [])) for o in range(world)]
         rows.append({"session": session, "iteration": it, "world_size": world,
-                     "complete": not missing, "missing_owners": missing,
+                     "complete": it in complete[(session, world)], "missing_owners": missing,
                      "copies_min": min(copies), "copies_max": max(copies),
                      "bytes": sizes[(session, it, world)],
                      "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())}})
@@ -159,22 +171,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    removed = []
-    for session in _sessions(root):
-        removed += find_leftovers(session_dir(root, session))
-        shards = list_shards(root, session)
-        if args.world_size is not None:
-            removed += [s.path for s in shards if s.world_size != args.world_size]
-            shards = [s for s in shards if s.world_size == args.world_size]
-        keep = sorted({s.iteration for s in shards}, reverse=True)[: args.keep_last]
-        removed += [s.path for s in shards if s.iteration not in keep]
-    for path in removed:
-        if not args.dry_run:
-            shutil.rmtree(path, ignore_errors=True)
-    for it_dir in root.glob("*/iter_*"):
-        if not args.dry_run and it_dir.is_dir() and not any(it_dir.iterdir()):
-            it_dir.rmdir()
+    """Remove leftovers, quarantined copies, and iterations retention would remove: for each
+    session and world size, the ``--keep-last`` newest iterations complete across the given
+    roots are kept, and so is everything newer (it may be complete with roots not given, or a
+    save in progress); only older shards go. With no complete iteration in view nothing goes.
+    Deletes in a session only while no live job holds it (its lock), each shard hidden by a
+    rename before it is freed."""
+    roots = [Path(r) for r in args.roots]
+    for root in roots:
+        _sessions(root)  # a root that is not a directory is a usage error
+    removed: list[Path] = []
+    sessions = sorted({s for root in roots for s in list_sessions(root)})
+    for session in sessions:
+        with contextlib.ExitStack() as locks:
+            if not args.dry_run:
+                for root in roots:
+                    if session_dir(root, session).is_dir():
+                        locks.enter_context(SessionLock(session_dir(root, session),
+                                                        exclusive=True))
+            removed += _collect(roots, session, args.keep_last, args.world_size, args.dry_run)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "removed": [str(p) for p in removed]}))
     else:
@@ -183,6 +198,38 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{verb} {p}")
         print(f"{len(removed)} entries {verb}")
     return 0
+
+
+def _collect(roots: list[Path], session: str, keep_last: int, world_size: int | None,
+             dry_run: bool) -> list[Path]:
+    """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``)."""
+    shards = {root: list_shards(root, session) for root in roots}
+    doomed: list[tuple[Path, ShardRef]] = []
+    for world in sorted({s.world_size for refs in shards.values() for s in refs}):
+        if world_size is not None and world != world_size:
+            doomed += [(root, s) for root, refs in shards.items() for s in refs
+                       if s.world_size == world]
+            continue
+        listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
+                    for refs in shards.values()]
+        keep = complete_from_listings(listings, world)[:keep_last]
+        if keep:
+            doomed += [(root, s) for root, refs in shards.items() for s in refs
+                       if s.world_size == world and s.iteration < min(keep)]
+    leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
+                                               + find_quarantined(session_dir(root, session)))]
+    if not dry_run:
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        for root in roots:
+            store = ShardStore(root, session, writer_rank=0, io_threads=1)
+            try:
+                for r, ref in doomed:
+                    if r == root:
+                        store.delete(ref)  # renamed out of sight first, then freed
+            finally:
+                store.close()
+    return leftovers + [ref.path for _, ref in doomed]
 
 
 def _fs_type(path: Path) -> str:
@@ -258,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check every shard's checksums")
     ver.add_argument("roots", nargs="+")
     gc = sub.add_parser("gc", help="remove leftovers and old iterations")
-    gc.add_argument("root")
+    gc.add_argument("roots", nargs="+", help="the roots of every node (or some of them)")
     gc.add_argument("--keep-last", type=int, default=1)
     gc.add_argument("--world-size", type=int, default=None,
                     help="also remove shards written by a job of another world size")

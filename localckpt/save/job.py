@@ -11,16 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from replication import ExchangePlan, Transfer
 
-from ..control.collectives import CheckpointGroup
 from ..ops.metrics import Metrics
 from ..storage.manifest import ShardManifest
-from ..storage.peer_io import PieceRing, StoreReceiver, exchange_shards
-from ..storage.store import ShardStore
+from ..storage.peer_io import StoreReceiver, exchange_shards
+
+if TYPE_CHECKING:
+    from ..control.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +44,11 @@ class SaveJob:
     def mark_scheduled(self) -> None:
         self.scheduled = True
 
-    def run(self, store: ShardStore, data_group: CheckpointGroup, ring: PieceRing,
-            world_size: int) -> None:
-        """Write, then replicate (this rank's part of the plan). Never raises; sets ``done``."""
-        metrics = self.metrics
-        rank, session = data_group.rank, self.manifest.session_id
+    def run(self, ctx: Context) -> None:
+        """Write, then replicate (this rank's part of the plan) on ``ctx.data_group``. Never
+        raises; sets ``done``."""
+        metrics, store = self.metrics, ctx.store
+        rank, session = ctx.rank, self.manifest.session_id
         try:
             committed: ShardManifest | None = None
             try:
@@ -66,8 +68,8 @@ class SaveJob:
                 sent = sum(1 for t in self.plan.transfers if t.src == rank)
                 try:
                     with metrics.timed("replicate", rank, self.iteration, session) as box:
-                        exchange_shards(self.plan, data_group, store, world_size, source, ring,
-                                        received)
+                        exchange_shards(self.plan, ctx.data_group, store, ctx.world_size,
+                                        source, ctx.ring, received)
                         box["nbytes"] = sent * self.manifest.data_nbytes + sum(
                             r.manifest.data_nbytes for r in received.values())
                 except Exception as exc:

@@ -12,6 +12,7 @@ each other, so that they are gathered on the GPU and cross to the host in one co
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -214,13 +215,14 @@ def unpack(buffer: torch.Tensor,
     base = buffer.data_ptr()
     out = []
     for offset, nbytes, dtype, shape in entries:
-        t = torch.empty(tuple(shape), dtype=dtype)
-        # Raw copies below: a manifest that disagrees with itself must not address other memory.
-        if not (offset >= 0 and offset + nbytes <= buffer.numel()
-                and t.numel() * t.element_size() == nbytes):
+        # Raw copies below: a manifest that disagrees with itself must not address other memory
+        # (checked before allocating what it claims).
+        if not (offset >= 0 and offset + nbytes <= buffer.numel() and min(shape, default=0) >= 0
+                and math.prod(shape) * dtype.itemsize == nbytes):
             raise CorruptShardError(
                 f"manifest entry ({offset=}, {nbytes=}, {dtype}, shape {tuple(shape)}) does not "
                 f"fit its {buffer.numel()}-byte data")
+        t = torch.empty(tuple(shape), dtype=dtype)
         if nbytes <= _MEMMOVE_MAX_NBYTES:
             if nbytes:
                 ctypes.memmove(t.data_ptr(), base + offset, nbytes)

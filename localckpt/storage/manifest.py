@@ -9,6 +9,7 @@ Format history: version 1 (this one). A reader rejects any other version with
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import time
@@ -36,6 +37,7 @@ _DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -48,12 +50,12 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str, where: str = "manifest") -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
         raise UnsupportedFormatError(
-            f"manifest names dtype {name!r}, which this torch ({torch.__version__}) does not have"
+            f"{where}: names dtype {name!r}, which this torch ({torch.__version__}) does not have"
         ) from None
 
 
@@ -155,7 +157,7 @@ class ShardManifest:
                 )
                 for t in body["tensors"]
             )
-            return cls(
+            manifest = cls(
                 session_id=str(body["session_id"]),
                 iteration=int(body["iteration"]),
                 owner_rank=int(body["owner_rank"]),
@@ -173,6 +175,71 @@ class ShardManifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
+        check_consistent(manifest, where)
+        return manifest
+
+
+def check_consistent(m: ShardManifest, where: str) -> None:
+    """Raise CorruptShardError (naming ``where``) unless the manifest describes a shard that can
+    be read safely: ids in range, the chunks hold the data, every tensor's shape matches its
+    bytes and lies inside the data without overlapping another, every tensor the hollow
+    structure names exists. Readers allocate what entries say only after this; a checksum over
+    the manifest only shows it was not damaged, not that its writer was right.
+    UnsupportedFormatError for a dtype this torch does not have."""
+    def bad(what: str) -> CorruptShardError:
+        return CorruptShardError(f"{where}: inconsistent manifest: {what}")
+
+    if not (m.iteration >= 0 and m.world_size >= 1 and 0 <= m.owner_rank < m.world_size):
+        raise bad(f"iteration {m.iteration}, owner rank {m.owner_rank} of world size "
+                  f"{m.world_size}")
+    if m.chunk_nbytes < 1 or m.chunk_count < 0 or \
+            not 0 <= m.data_nbytes <= m.chunk_nbytes * m.chunk_count:
+        raise bad(f"{m.data_nbytes} data bytes do not fit {m.chunk_count} chunks of "
+                  f"{m.chunk_nbytes} bytes")
+    if len(m.chunk_crc32c) != m.chunk_count:
+        raise bad(f"{len(m.chunk_crc32c)} chunk checksums for {m.chunk_count} chunks")
+    spans = []
+    for i, e in enumerate(m.tensors):
+        itemsize = _ITEMSIZE.get(e.dtype)
+        if itemsize is None:
+            dtype_from_name(e.dtype, where)  # raises UnsupportedFormatError
+        numel = 1
+        for d in e.shape:
+            if d < 0:
+                raise bad(f"tensor {i} ({e.key_path}) has shape {list(e.shape)}")
+            numel *= d
+        if numel * itemsize != e.nbytes:  # type: ignore[operator]
+            raise bad(f"tensor {i} ({e.key_path}): shape {list(e.shape)} of {e.dtype} is "
+                      f"{numel * itemsize} bytes, entry says nbytes={e.nbytes}")  # type: ignore[operator]
+        if e.offset < 0:
+            raise bad(f"tensor {i} ({e.key_path}) at offset {e.offset}")
+        if e.offset + e.nbytes > m.data_nbytes:
+            raise bad(f"tensor {i} ({e.key_path}) at [{e.offset}, {e.offset + e.nbytes}) lies "
+                      f"beyond the {m.data_nbytes} data bytes")
+        if e.nbytes:
+            spans.append((e.offset, e.offset + e.nbytes, i))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise bad(f"tensors {a} and {b} overlap at byte {start}")
+    _check_tensor_refs(m.hollow, len(m.tensors), where)
+
+
+def _check_tensor_refs(hollow: Any, count: int, where: str) -> None:
+    """Every ``{"T": i}`` in the hollow structure names one of the ``count`` tensors."""
+    stack = [hollow]
+    while stack:
+        node = stack.pop()
+        if type(node) is list:
+            stack.extend(node)
+        elif type(node) is dict:
+            ref = node.get("T")
+            if ref is not None and len(node) == 1:
+                if type(ref) is not int or not 0 <= ref < count:
+                    raise CorruptShardError(f"{where}: inconsistent manifest: the structure "
+                                            f"refers to tensor {ref!r} of {count}")
+            else:
+                stack.extend(node.values())
 
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",

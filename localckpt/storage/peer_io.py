@@ -7,17 +7,15 @@ Used by the save path (replicas) and the load path (fetching after node loss).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
-from replication import (
-    ExchangePlan,
-    Transfer,
-)
+from replication import ExchangePlan, Transfer
 from replication.executor import run_exchange
 
-from ..control.collectives import CheckpointGroup
+from ..control.collectives import CheckpointGroup, collective_error
 from ..errors import CorruptShardError
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
@@ -108,7 +106,9 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
                     ring: PieceRing,
                     received: dict[tuple[int, int], StoreReceiver] | None = None) -> None:
     """Run this rank's part of ``plan``; raise the first local failure (the caller agrees).
-    Received shards are committed to ``store`` (and listed in ``received``)."""
+    Received shards are committed to ``store`` (and listed in ``received``). A failure of the
+    group itself (a peer died, a timeout, a misrouted stream) leaves it unusable: that raises
+    CollectiveError, now and for every later transfer on it."""
     def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
         fault_point("replica_send", group.rank, t.iteration)
         manifest, payload = source(t)
@@ -120,12 +120,21 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
             received[t.shard] = receiver
         return receiver
 
-    failures = run_exchange(plan, group.rank, send, sink, group.group)
+    what = f"shard transfers of iteration {plan.transfers[0].iteration}" if plan.transfers \
+        else "shard transfers"
+    group.check_usable(what)
+    started = time.monotonic()
+    try:
+        failures = run_exchange(plan, group.rank, send, sink, group.group)
+    except Exception as exc:  # the streams cannot be realigned after this
+        err = collective_error(what, exc, time.monotonic() - started, group.timeout)
+        group.mark_broken(err)
+        raise err from exc
     if failures:
-        t, exc = failures[0]
+        t, first = failures[0]
         logger.error("transfer of shard %s from rank %d to rank %d failed: %s", t.shard, t.src,
-                     t.dst, exc)
-        raise exc
+                     t.dst, first)
+        raise first
 
 
 def tensors_from_buffer(manifest: ShardManifest, buffer: torch.Tensor) -> list[torch.Tensor]:

@@ -34,7 +34,7 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
         path = chunk_dir / str(i)
         pieces = _pieces(targets, starts, i * size, (i + 1) * size)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
             raise CorruptShardError(f"{path}: chunk file missing") from exc
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -21,7 +22,11 @@ import crc32c
 
 from ..errors import CorruptShardError, InsufficientSpaceError
 from ..ops.faults import fault_point
+from . import fsutil
+from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
 from .manifest import ShardManifest
+
+logger = logging.getLogger(__name__)
 
 _WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
 
@@ -53,16 +58,8 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[written:]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         _write_all(fd, memoryview(data))
         if trailer:
@@ -96,13 +93,26 @@ class ShardWriter:
         self._writer_rank = writer_rank
         self._pool = pool
         self._futures: dict[int, Future[int]] = {}
-        iter_dir = final.parent
-        self._created_dirs = not iter_dir.exists()
-        self.tmp = iter_dir / f".tmp-{final.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+        self.tmp = final.parent / f".tmp-{final.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
         try:
-            (self.tmp / "data" / "c").mkdir(parents=True)
+            self._make_dirs()
         except OSError as exc:
             raise self._translate(exc) from exc
+
+    def _make_dirs(self) -> None:
+        """The iteration directory (durable, 0700) and the temporary shard directory in it. A
+        node mate's cleanup may remove a new iteration directory while it is still empty: then
+        it is created again."""
+        for attempt in range(5):
+            make_private_dirs(self.final.parent)
+            try:
+                os.mkdir(self.tmp, DIR_MODE)
+                break
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
+        os.mkdir(self.tmp / "data", DIR_MODE)
+        os.mkdir(self.tmp / "data" / "c", DIR_MODE)
 
     def submit_chunk(self, index: int, chunk: memoryview) -> None:
         if not 0 <= index < self.manifest.chunk_count or len(chunk) != self.manifest.chunk_nbytes:
@@ -163,8 +173,6 @@ class ShardWriter:
                 fault_point("before_commit", self._writer_rank, manifest.iteration)
             self._rename_into_place()
             fsync_dir(self.final.parent)
-            if self._created_dirs:
-                fsync_dir(self.final.parent.parent)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, CorruptShardError):
@@ -181,15 +189,24 @@ class ShardWriter:
     def _rename_into_place(self) -> None:
         try:
             os.rename(self.tmp, self.final)
+            return
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            # Same id already committed (a save of this iteration that failed elsewhere):
-            # move it aside atomically first so listing never sees a half-deleted shard.
-            trash = trash_name(self.final, self._writer_rank)
-            os.rename(self.final, trash)
-            os.rename(self.tmp, self.final)
-            shutil.rmtree(trash, ignore_errors=True)
+        # The same id is already committed (a save of this iteration that failed elsewhere):
+        # swap the two in one step, so a crash leaves the old or the new shard, never neither.
+        if fsutil.rename_exchange(self.tmp, self.final):
+            fsync_dir(self.final.parent)
+            shutil.rmtree(self.tmp, ignore_errors=True)  # the old shard, now under tmp's name
+            return
+        # No RENAME_EXCHANGE here (an old kernel, NFS): old aside first, then the new one in.
+        # Listing never sees a half-deleted shard, but a crash between the renames leaves none.
+        logger.debug("%s: no atomic exchange on this file system; replacing in two renames",
+                     self.final)
+        trash = trash_name(self.final, self._writer_rank)
+        os.rename(self.final, trash)
+        os.rename(self.tmp, self.final)
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _translate(self, exc: OSError) -> OSError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

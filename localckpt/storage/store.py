@@ -17,6 +17,11 @@ later save and is removed by :func:`remove_leftovers`.
 Several ranks of one node share a root. A rank only ever writes, replaces or deletes shard
 directories it was asked to (its own shards, later the replicas it keeps) and only removes its own
 leftovers (their names carry the writer's rank).
+
+A shard that fails verification on load is *quarantined*: renamed to
+``<session>/.quarantine-<iteration>-<shard>-w<writer>-<id>`` (listing no longer sees it, an
+operator still can) and removed when the next save of the session starts. Directories are 0700,
+files 0600; listing never follows a symbolic link.
 """
 
 from __future__ import annotations
@@ -27,16 +32,19 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
-from .manifest import ShardManifest
+from .manifest import ShardManifest, dtype_from_name
 from .shard_reader import parse_manifest_file, read_chunks_into
 from .shard_writer import ShardWriter, trash_name
 
@@ -46,6 +54,10 @@ DEFAULT_CHUNK_NBYTES = 16 << 20
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ITER_RE = re.compile(r"iter_(\d{10})")
 _SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
+#: The directory names have fixed widths (listing matches them exactly): 10 digits of iteration,
+#: 5 of rank and world size.
+MAX_ITERATION = 10**10 - 1
+MAX_WORLD_SIZE = 10**5 - 1
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
 _MANIFESTS_KEPT = 8
 
@@ -73,6 +85,14 @@ def session_dir(root: Path, session_id: str) -> Path:
 
 
 def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
+    """Where shard (iteration, owner, world_size) lives; raises ValueError for numbers that do
+    not fit the fixed-width names (a directory nothing would list, or ever remove)."""
+    if not 0 <= iteration <= MAX_ITERATION:
+        raise ValueError(f"iteration: expected 0 <= iteration <= {MAX_ITERATION} (10 digits in "
+                         f"the directory name), got {iteration}")
+    if not (1 <= world_size <= MAX_WORLD_SIZE and 0 <= owner < world_size):
+        raise ValueError(f"rank {owner} of world size {world_size}: expected a world size of at "
+                         f"most {MAX_WORLD_SIZE} (5 digits in the directory name)")
     return (session_dir(root, session_id) / f"iter_{iteration:010d}"
             / f"rank_{owner:05d}_of_{world_size:05d}")
 
@@ -94,11 +114,11 @@ def list_shards(root: Path, session_id: str) -> list[ShardRef]:
     base = session_dir(root, session_id)
     for it_entry in _scandir(base):
         m = _ITER_RE.fullmatch(it_entry.name)
-        if not m or not it_entry.is_dir():
+        if not m or not it_entry.is_dir(follow_symlinks=False):
             continue
         for entry in _scandir(Path(it_entry.path)):
             s = _SHARD_RE.fullmatch(entry.name)
-            if s and entry.is_dir():
+            if s and entry.is_dir(follow_symlinks=False):
                 out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
     return sorted(out)
 
@@ -252,7 +272,7 @@ class ShardStore:
         """Parse and verify the manifest of ``ref``; CorruptShardError names the file."""
         path = ref.path / "zarr.json"
         try:
-            with open(path, "rb") as f:
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 key = _content_key(path, os.fstat(f.fileno()))
                 manifest = self._manifests.get(key)
                 if manifest is None:
@@ -268,9 +288,7 @@ class ShardStore:
                 f"{path}: manifest says (session, iteration, owner, world size) = {ids}, "
                 f"expected {(self.session_id, ref.iteration, ref.owner_rank, ref.world_size)}"
             )
-        if len(manifest.chunk_crc32c) != manifest.chunk_count:
-            raise CorruptShardError(f"{path}: {len(manifest.chunk_crc32c)} chunk checksums for "
-                                    f"{manifest.chunk_count} chunks")
+        _check_chunk_files(ref.path / "data" / "c", manifest)
         return manifest
 
     def read(self, ref: ShardRef,
@@ -283,6 +301,18 @@ class ShardStore:
         buf = allocate(total) if allocate else torch.empty(total, dtype=torch.uint8)
         self.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
         return manifest, buf
+
+    def read_tensors(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
+        """Read ``ref`` straight into a fresh CPU tensor per entry (a scatter read, verified as
+        in :meth:`read_into`). The manifest is checked first (:meth:`read_manifest`), so nothing
+        is allocated from an inconsistent one."""
+        manifest = self.read_manifest(ref)
+        tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+                   for e in manifest.tensors]
+        self.read_into(ref, manifest, [
+            (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
+            if e.nbytes])
+        return manifest, tensors
 
     def read_into(self, ref: ShardRef, manifest: ShardManifest,
                   targets: Sequence[tuple[int, memoryview]]) -> None:
@@ -297,6 +327,26 @@ class ShardStore:
         read_chunks_into(ref.path / "data" / "c", manifest, targets, self._pool)
 
     # ---------------------------------------------------------------- delete
+
+    def quarantine(self, ref: ShardRef) -> Path | None:
+        """Move a shard that failed verification out of sight, atomically (listing no longer
+        sees it; an operator still can). Returns where it went, None if it was gone already.
+        Quarantined shards are removed when the next save starts (:meth:`remove_quarantined`)."""
+        target = self.session_path / (f".quarantine-{ref.path.parent.name}-{ref.path.name}-"
+                                      f"w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(ref.path, target)
+        except FileNotFoundError:
+            return None
+        _remove_if_empty(ref.path.parent)
+        return target
+
+    def remove_quarantined(self) -> list[Path]:
+        """Delete every quarantined shard of the session (any writer's); returns them."""
+        found = find_quarantined(self.session_path)
+        for path in found:
+            shutil.rmtree(path, ignore_errors=True)
+        return found
 
     def delete(self, ref: ShardRef, background: bool = False) -> None:
         """Remove a committed shard: hidden atomically by a rename (from then on no listing
@@ -319,16 +369,15 @@ class ShardStore:
 
     def remove_leftovers(self, background: bool = False) -> list[Path]:
         """Delete this writer's temporary and trash directories (crash leftovers) and empty
-        iteration directories. Returns what was removed; ``background``: nothing, the reaper
-        thread does it after earlier deletions."""
+        iteration directories; returns the leftovers. They are listed now, whatever
+        ``background`` says: a write this process starts later (a load's write-back) is never
+        taken for a leftover by the reaper thread."""
+        found = find_leftovers(self.session_path, self.writer_rank)
         if not background:
-            return remove_leftovers(self.session_path, self.writer_rank)
-
-        def remove() -> None:
-            remove_leftovers(self.session_path, self.writer_rank)
-
-        self._in_background(remove)
-        return []
+            _remove_paths(self.session_path, found)
+        else:
+            self._in_background(partial(_remove_paths, self.session_path, found))
+        return found
 
 
 def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[Path]:
@@ -343,23 +392,60 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[P
                          if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
 
 
+def find_quarantined(session_path: Path) -> list[Path]:
+    """Quarantined shards (see :meth:`ShardStore.quarantine`) under ``session_path``."""
+    return sorted(Path(e.path) for e in _scandir(session_path)
+                  if e.name.startswith(".quarantine-"))
+
+
 def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
     """Delete :func:`find_leftovers` and then empty iteration directories. Every writer's are
     only safe to remove while no rank of the job can be writing (before the manager's first
     collective completes). Tolerates ranks of one node doing this at the same time."""
     removed = find_leftovers(session_path, writer_rank)
-    for path in removed:
+    _remove_paths(session_path, removed)
+    return removed
+
+
+def _remove_paths(session_path: Path, paths: list[Path]) -> None:
+    """Delete ``paths``, then the session's empty iteration directories (a writer that loses
+    its new, still empty iteration directory to this retries: see ShardWriter)."""
+    for path in paths:
         shutil.rmtree(path, ignore_errors=True)
     for it_entry in _scandir(session_path):
         if _ITER_RE.fullmatch(it_entry.name):
             _remove_if_empty(Path(it_entry.path))
-    return removed
 
 
 def list_sessions(root: Path) -> list[str]:
-    """Session ids with a directory under ``root`` ("" for the default session)."""
-    return sorted("" if e.name == _DEFAULT_SESSION_DIR else e.name for e in _scandir(root)
-                  if e.is_dir() and not e.name.startswith("."))
+    """Session ids with a directory under ``root`` ("" for the default session). Other entries
+    (``lost+found`` on a file system's root, stray files, symbolic links) are skipped."""
+    out = []
+    for e in _scandir(root):
+        if not e.is_dir(follow_symlinks=False):
+            continue
+        if e.name == _DEFAULT_SESSION_DIR:
+            out.append("")
+        elif _SESSION_RE.fullmatch(e.name):
+            out.append(e.name)
+    return sorted(out)
+
+
+def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
+    """Every chunk file must be a regular file of ``chunk_nbytes`` + 4 bytes: checked before a
+    reader allocates what the manifest claims (a forged manifest could claim terabytes)."""
+    want = manifest.chunk_nbytes + 4
+    for i in range(manifest.chunk_count):
+        path = chunk_dir / str(i)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise CorruptShardError(f"{path}: chunk file missing") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+            raise CorruptShardError(
+                f"{path}: expected a {want}-byte chunk file as the manifest says, found "
+                f"{st.st_size if stat.S_ISREG(st.st_mode) else 'no regular file'} "
+                "(truncated, overwritten or forged)")
 
 
 

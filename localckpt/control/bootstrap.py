@@ -1,0 +1,114 @@
+"""What a manager does once at construction: prepare this node's root (a local step every rank
+runs inside one agreed exchange), and check that the replication strategy protects against a
+node loss on the topology the exchange revealed (pure).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from replication import (
+    CliqueReplicationStrategy,
+    NoReplication,
+    Placement,
+    ReplicationStrategy,
+    Topology,
+    TopologyError,
+    local_node_name,
+    owners_without_remote_copy,
+)
+
+from ..errors import ConfigurationError
+from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
+from ..storage.session_lock import SessionLock
+from ..storage.store import remove_leftovers, session_dir
+
+logger = logging.getLogger(__name__)
+
+
+def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsafe: bool,
+                   lock_wait: float) -> tuple[dict[str, Any], SessionLock]:
+    """This rank's part of the start exchange: create the root and the session directory (0700,
+    durable), refuse them if unsafe (see :func:`localckpt.storage.fsutil.check_safe_dir`), take
+    the session's shared lock, and remove every writer's crash leftovers. Returns what the other
+    ranks need to know (node name, identity of the root) and the lock.
+
+    Removing any writer's leftovers is safe only here: no rank of this job writes before this
+    exchange completes, and ranks move between nodes when a node is replaced, so a leftover's
+    writer may now live elsewhere.
+    """
+    try:
+        make_private_dirs(root)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise ConfigurationError(
+            f"root_local_ckpt_dir: expected a directory, got {root} ({exc.strerror})") from exc
+    check_safe_dir(root, "root_local_ckpt_dir", allow_unsafe)
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigurationError(f"root_local_ckpt_dir: {root} is not writable by this process")
+    session = session_dir(root, session_id)
+    make_private_dir(session)
+    check_safe_dir(session, "session directory", allow_unsafe)
+    lock = SessionLock(session, exclusive=False, wait=lock_wait)
+    try:
+        remove_leftovers(session, None)
+        st = os.stat(root)
+    except BaseException:
+        lock.release()
+        raise
+    return {"node": local_node_name(node_id), "root": [st.st_dev, st.st_ino]}, lock
+
+
+def shared_roots_hint(topology: Topology, roots: list[tuple[int, int]]) -> str:
+    """A hint when ranks the topology puts on one node use different roots: localckpt assumes
+    node mates share their root (it plans replicas per node), so they would get none."""
+    by_node: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for rank, r in enumerate(roots):
+        by_node[topology.node_of[rank]].add(r)
+    split = [n for n, rs in by_node.items() if len(rs) > 1]
+    if not split:
+        return ""
+    node = split[0]
+    members = topology.nodes[node]
+    return (f"ranks {list(members)} report node {topology.node_names[members[0]]!r} "
+            f"but use {len(by_node[node])} different roots; localckpt treats ranks of one node "
+            "as sharing one root. Set LOCALCKPT_NODE_ID (or node_id=) per node so that nodes are "
+            "told apart, or give node mates one root")
+
+
+def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
+                   roots: list[tuple[int, int]], strict: bool, rank: int) -> Placement:
+    """The placement of ``strategy`` (no holders without one). Pure: every rank reaches the same
+    result. A strategy that leaves shards without a copy on another node is reported loudly
+    (rank 0 logs a warning) or, with ``strict``, raises ConfigurationError on every rank."""
+    hint = shared_roots_hint(topology, roots)
+    if strategy is None or isinstance(strategy, NoReplication):
+        return NoReplication().place(topology)
+    try:
+        placement = strategy.place(topology)
+    except TopologyError as exc:
+        raise TopologyError(f"{exc}; {hint}" if hint else str(exc)) from None
+    uncovered = owners_without_remote_copy(placement, topology)
+    if not uncovered:
+        return placement
+    if not hint:
+        per_node = {len(members) for members in topology.nodes}
+        if topology.num_nodes == 1:
+            hint = ("every rank is on one node (by hostname or LOCALCKPT_NODE_ID): a copy on "
+                    "another node needs at least 2 nodes")
+        elif isinstance(strategy, CliqueReplicationStrategy) and len(per_node) == 1:
+            hint = (f"clique groups ranks m, m+J, m+2J, ... with replication_jump J="
+                    f"{strategy.replication_jump}; set replication_jump={per_node.pop()} (the "
+                    "ranks per node) or use repl_strategy='node_spread'")
+        else:
+            hint = "use repl_strategy='node_spread', which places replicas on other nodes"
+    message = (f"replication {strategy!r}: {len(uncovered)} of {topology.world_size} shards have "
+               f"no copy on another node, so losing a node loses them: {hint}")
+    if strict:
+        raise ConfigurationError(message)
+    if rank == 0:
+        logger.warning(message)
+    return placement

@@ -1,0 +1,57 @@
+"""What every stage of a manager shares once it is bootstrapped: who this rank is, where its
+shards live, how the ranks agree, and where metrics go. Built once by LocalCheckpointManager;
+the save path and the load path read it and never change it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replication import Placement, Topology
+
+from ..ops.metrics import Metrics
+from ..storage.peer_io import PieceRing
+from ..storage.store import ShardStore
+from .collectives import CheckpointGroup
+from .coverage import Inventory, decode_inventories
+
+
+@dataclass(frozen=True, eq=False)
+class Context:
+    """One rank's view of the job. ``placement`` names no holders when replication is off (no
+    replication is a placement like any other for planning). ``group`` is for agreement (the
+    training thread only), ``data_group`` for shard transfers of a save (maybe on a background
+    thread); neither is the training group."""
+
+    rank: int
+    world_size: int
+    session_id: str
+    root: Path
+    timeout: float
+    group: CheckpointGroup
+    data_group: CheckpointGroup
+    topology: Topology
+    placement: Placement
+    store: ShardStore
+    metrics: Metrics
+    job_identity: dict[str, Any]
+    ring: PieceRing = field(default_factory=PieceRing)  # replica receive buffers, reused
+
+    def inventory(self) -> Inventory:
+        """The committed shards of this session in this rank's root (no data is read)."""
+        shards = frozenset((s.iteration, s.owner_rank, s.world_size)
+                           for s in self.store.committed())
+        return Inventory(self.rank, self.session_id, shards)
+
+    def gather_inventories(self, step: str) -> list[Inventory]:
+        """Every rank's :meth:`inventory`. Collective (on ``group``)."""
+        return decode_inventories(self.group.exchange(step, lambda: self.inventory().to_json()))
+
+    def timed(self, phase: str, iteration: Any, nbytes: int = 0
+              ) -> AbstractContextManager[dict[str, int]]:
+        """Time a phase into :attr:`metrics` (see :class:`localckpt.ops.metrics.Metrics`)."""
+        it = iteration if type(iteration) is int else -1
+        return self.metrics.timed(phase, self.rank, it, self.session_id, nbytes)

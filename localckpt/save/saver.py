@@ -1,0 +1,233 @@
+"""The save path of one manager, top to bottom:
+
+1. **settle** the async save still in flight (back-pressure: its arena is about to be reused);
+2. **prepare**, one agreed step: flatten the state dict, copy its tensors into the staging arena,
+   build the manifest, and gather every rank's request (iteration, inventory, bytes needed, free
+   space). Whatever fails on one rank, in staging too, fails the save on every rank alike; then
+   the pure checks (iteration, capacity) run on the same gathered input everywhere;
+3. **run** the :class:`~localckpt.save.job.SaveJob`: write the shard and replicate it, now or on
+   the AsyncCallsQueue's thread;
+4. **finalize**, one agreed step: every rank reports its write and its inventory. The iteration is
+   removed only when every rank *agreed* it failed; when the ranks could not agree (a peer died,
+   the group was closed) nothing is deleted, and a complete iteration is found by the next
+   ``find_latest``. Then retention, which never fails a finalized save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from replication import save_plan
+
+from ..control.context import Context
+from ..control.coverage import (
+    check_capacity,
+    choose_latest,
+    decode_inventories,
+    retained_iterations,
+    shards_to_delete,
+    validate_save,
+)
+from ..errors import (
+    CollectiveTimeoutError,
+    ConfigurationError,
+    IncompleteCheckpointError,
+    error_from_failures,
+)
+from ..gc_pause import gc_paused
+from ..ops.faults import fault_point
+from ..state_dict import as_tensor_aware
+from ..storage.manifest import ShardManifest, TensorEntry, dtype_name, writer_identity
+from ..storage.store import ShardRef, bytes_needed, chunking
+from .async_calls import AsyncRequest
+from .job import SaveJob
+from .staging import StagingArena, plan_layout
+
+logger = logging.getLogger(__name__)
+
+
+class SavePath:
+    """Saves of one manager. Called from the training thread only; ``on_finalized(iteration)``
+    is told each iteration that became the newest complete one.
+
+    The save in flight (``busy`` decides what a new save does meanwhile: "wait" or "skip") and
+    the staging arena belong to this object alone.
+    """
+
+    def __init__(self, ctx: Context, keep_last: int, busy: str,
+                 on_finalized: Callable[[int], None]) -> None:
+        self.ctx = ctx
+        self.keep_last = keep_last
+        self.busy = busy
+        self._on_finalized = on_finalized
+        self._arena = StagingArena()
+        self._inflight: SaveJob | None = None
+
+    def save(self, state_dict: Any, iteration: Any, is_async: bool) -> AsyncRequest | None:
+        """See :meth:`LocalCheckpointManager.save`. Collective."""
+        ctx = self.ctx
+        with ctx.timed("stall", iteration) as box, gc_paused():
+            if not self.settle(skip=is_async and self.busy == "skip"):
+                logger.info("rank %d: skipping save of iteration %s: the previous one is still "
+                            "in flight", ctx.rank, iteration)
+                return None
+            job = self._prepare(state_dict, iteration)
+            box["nbytes"] = job.manifest.data_nbytes
+            if not is_async:
+                job.run(ctx)
+                self._finalize_job(job)
+                return None
+        self._inflight = job
+        return AsyncRequest(job.run, (ctx,), finalize_fns=(partial(self._finalize_job, job),),
+                            preload_fn=job.mark_scheduled)
+
+    def close(self) -> None:
+        """Wait (up to the timeout) for the local work of a save in flight: its shard is then
+        committed, to be finalized through the AsyncCallsQueue or found by the next job."""
+        job = self._inflight
+        if job is not None and job.scheduled and not job.done.wait(self.ctx.timeout):
+            logger.error("rank %d: async save of iteration %d still running at close",
+                         self.ctx.rank, job.iteration)
+
+    # ------------------------------------------------------------------ 1. settle
+
+    def settle(self, skip: bool = False) -> bool:
+        """Back-pressure before anything that needs the arena or a settled disk: wait for the
+        async save in flight (bounded by the timeout) and finalize it (collective). With
+        ``skip``, return False on every rank instead of waiting if it is not done on some rank.
+        """
+        job = self._inflight
+        if job is None or job.finalized:
+            self._inflight = None
+            return True
+        if not job.scheduled:
+            raise ConfigurationError(
+                f"the AsyncRequest of the async save of iteration {job.iteration} was never "
+                "scheduled: pass it to AsyncCallsQueue.schedule_async_request (or call its "
+                "execute_sync) before the next save, find_latest or load")
+        group = self.ctx.group
+        if skip and not all(group.exchange("save: previous done?", job.done.is_set)):
+            return False
+        if not job.done.wait(self.ctx.timeout):
+            err = CollectiveTimeoutError(
+                f"the async save of iteration {job.iteration} did not finish within "
+                f"{self.ctx.timeout:g}s (was its AsyncRequest scheduled on an AsyncCallsQueue?)")
+            group.mark_broken(err)  # the other ranks time out in finalize: so do we, for good
+            raise err
+        self._finalize_job(job)
+        return True
+
+    # ------------------------------------------------------------------ 2. prepare
+
+    def _prepare(self, state_dict: Any, iteration: Any) -> SaveJob:
+        """Stage locally and gather every rank's request in one exchange, then decide."""
+        ctx = self.ctx
+        staged: dict[str, Any] = {}
+
+        def stage() -> dict[str, Any]:
+            tasd = as_tensor_aware(state_dict)
+            layout = plan_layout(tasd.tensors)
+            chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
+            ctx.store.wait_for_deletions()  # the previous save's retention frees space
+            ctx.store.remove_quarantined()  # corrupt copies a load set aside
+            st = os.statvfs(ctx.root)
+            fault_point("staging", ctx.rank, iteration)
+            payload = self._arena.stage(tasd.tensors, layout, chunk_nbytes * chunk_count)
+            names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
+            entries = tuple(
+                TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
+                                t.dtype, dtype_name(t.dtype)),
+                            shape=tuple(t.shape), offset=off, nbytes=size,
+                            device=names.get(t.device) or names.setdefault(t.device,
+                                                                           str(t.device)))
+                for t, path, off, size in zip(tasd.tensors, tasd.key_paths, layout.offsets,
+                                              layout.sizes, strict=True))
+            staged["manifest"] = ShardManifest(
+                session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
+                world_size=ctx.world_size, tensors=entries, hollow=tasd.hollow_structure(),
+                container="basic" if tasd is state_dict else "plain",
+                data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
+                chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})
+            staged["payload"] = payload
+            return {"iteration": iteration if type(iteration) is int else repr(iteration),
+                    "inventory": ctx.inventory().to_json(),
+                    "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
+                                           chunk_count),
+                    "free": st.f_bavail * st.f_frsize}
+
+        gathered = ctx.group.exchange("save: stage and validate", stage)
+        # Every rank reaches the same verdicts from the same gathered input.
+        inventories = decode_inventories([g["inventory"] for g in gathered])
+        validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size)
+        plan = save_plan(ctx.placement, ctx.topology, iteration)
+        needed = [int(g["nbytes"]) for g in gathered]
+        writes = list(needed)
+        for t in plan.transfers:
+            writes[t.dst] += needed[t.src]
+        check_capacity(writes, [int(g["free"]) for g in gathered], ctx.topology.node_of)
+        return SaveJob(iteration, staged["manifest"], staged["payload"],
+                       plan if plan.transfers else None, metrics=ctx.metrics)
+
+    # ------------------------------------------------------------------ 4. finalize
+
+    def _finalize_job(self, job: SaveJob) -> None:
+        """Finalize ``job`` once (the queue may call this after back-pressure already did)."""
+        if job.finalized:
+            return
+        job.finalized = True
+        if self._inflight is job:
+            self._inflight = None
+        with self.ctx.timed("finalize", job.iteration):
+            self._finalize(job)
+
+    def _finalize(self, job: SaveJob) -> None:
+        """Agree whether the iteration is complete; then retention, or its removal."""
+        ctx, iteration = self.ctx, job.iteration
+
+        def report() -> dict[str, Any]:
+            fault_point("after_commit", ctx.rank, iteration)
+            if job.error is not None:
+                raise job.error
+            return ctx.inventory().to_json()
+
+        # Raises CollectiveError when no agreement was reached: then nothing is deleted.
+        outcome = ctx.group.gather_outcomes("save: finalize", report)
+        if outcome.failures:
+            error: Exception = error_from_failures("save: finalize", outcome.failures)
+        else:
+            inventories = decode_inventories(outcome.values)  # type: ignore[arg-type]
+            latest = choose_latest(inventories, ctx.world_size)
+            if latest == iteration:
+                self._on_finalized(iteration)
+                self._retain(iteration, inventories)
+                return
+            missing = [inv.rank for inv in inventories
+                       if (iteration, inv.rank, ctx.world_size) not in inv.shards]
+            error = IncompleteCheckpointError(
+                f"save of iteration {iteration}: expected a shard from every rank, ranks "
+                f"{missing} have none; the latest complete iteration is {latest}")
+        # Every rank agreed the save failed: its shards here, replicas included, can go.
+        for ref in ctx.store.committed():
+            if ref.iteration == iteration and ref.world_size == ctx.world_size:
+                ctx.store.delete(ref)
+        raise error from outcome.local_error
+
+    def _retain(self, iteration: int, inventories: list[Any]) -> None:
+        """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
+        is finalized on every rank, and what is left is retried after the next save."""
+        ctx = self.ctx
+        try:
+            fault_point("finalize", ctx.rank, iteration)
+            keep = retained_iterations(inventories, ctx.world_size, self.keep_last)
+            for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
+                                                     ctx.world_size):
+                ctx.store.delete(ShardRef(it, owner, world, ctx.store.path_of(it, owner, world)),
+                                 background=True)
+            ctx.store.remove_leftovers(background=True)
+        except Exception:
+            logger.exception("rank %d: retention after a finalized save failed; it is retried "
+                             "after the next save", ctx.rank)

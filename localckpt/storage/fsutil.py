@@ -1,0 +1,117 @@
+"""File-system steps the shard store relies on for durability and privacy.
+
+- Directories are created 0700 and files 0600: a checkpoint holds a model's weights and the
+  data-loader position, and /dev/shm is shared by every user of the machine.
+- A new directory entry survives a power loss on NVMe only once its parent is fsynced;
+  :func:`make_private_dir` does that for every directory it creates.
+- Replacing a committed directory is one atomic step, ``renameat2(RENAME_EXCHANGE)``: two
+  renames (old aside, new in) leave nothing committed if the process dies between them.
+- A root reached through a symbolic link, or owned by another user, is refused: on a shared tmpfs
+  another user could have planted it to read or replace our checkpoints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+
+from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (created, renamed, removed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(path: Path) -> bool:
+    """Create directory ``path`` with mode 0700 (its parent must exist) and make its entry
+    durable. Returns False if it existed already. Raises OSError as ``os.mkdir`` does."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return False
+    fsync_dir(path.parent)
+    return True
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parents, the new ones 0700 and durable."""
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        make_private_dir(d)
+
+
+def _libc_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    return getattr(libc, "renameat2", None)
+
+
+_renameat2 = _libc_renameat2()
+
+
+def rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the names ``a`` and ``b`` (both must exist). Returns False where the
+    kernel, libc or file system cannot (the caller falls back); raises OSError otherwise."""
+    a_b, b_b = os.fsencode(a), os.fsencode(b)
+    if _renameat2 is not None:
+        rc = _renameat2(_AT_FDCWD, a_b, _AT_FDCWD, b_b, _RENAME_EXCHANGE)
+    else:
+        number = _SYS_RENAMEAT2.get(os.uname().machine)
+        if number is None:
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(number, _AT_FDCWD, a_b, _AT_FDCWD, b_b, _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def check_safe_dir(path: Path, what: str, allow_unsafe: bool) -> None:
+    """Refuse a directory that is a symbolic link or belongs to another user (ConfigurationError
+    naming both owners), unless ``allow_unsafe``. Raises ConfigurationError for a non-directory."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ConfigurationError(f"{what}: {path} does not exist") from None
+    if allow_unsafe:
+        if not path.is_dir():
+            raise ConfigurationError(f"{what}: expected a directory, got {path}")
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigurationError(
+            f"{what}: {path} is a symbolic link (to {os.readlink(path)}); localckpt refuses it "
+            "because on a shared file system such as /dev/shm another user could have planted "
+            "it. Pass the real directory, or allow_unsafe_root=True if you trust the link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigurationError(f"{what}: expected a directory, got {path}")
+    if st.st_uid != os.geteuid():
+        raise ConfigurationError(
+            f"{what}: {path} is owned by uid {st.st_uid}, this process runs as uid "
+            f"{os.geteuid()}; another user could read or replace the checkpoints in it. Use a "
+            "directory of your own, or allow_unsafe_root=True for a directory shared on purpose")

@@ -1,0 +1,58 @@
+"""A lock on one session directory of one node: shared by every live manager of the session,
+exclusive for an operator command that deletes (``localckpt gc``).
+
+It is an ``flock`` on ``<session>/.lock``: the kernel drops it when its holder dies, so a killed
+job never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from ..errors import SessionInUseError
+from .fsutil import FILE_MODE
+
+LOCK_NAME = ".lock"
+
+
+class SessionLock:
+    """Holds the lock of ``session_path`` (an existing directory) until :meth:`release`.
+
+    Shared: waits up to ``wait`` seconds for an operator command to finish. Exclusive: does not
+    wait. Raises SessionInUseError naming the session and who holds it.
+    """
+
+    def __init__(self, session_path: Path, exclusive: bool, wait: float = 0.0) -> None:
+        self.path = session_path / LOCK_NAME
+        self._fd: int | None = os.open(
+            self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self._fd, mode | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    self.release()
+                    holder = ("a running job (a LocalCheckpointManager of this session is live "
+                              "on this node)" if exclusive else
+                              "an operator command (localckpt gc) that is deleting in it")
+                    raise SessionInUseError(
+                        f"session directory {session_path} is in use by {holder}; try again "
+                        "when it has finished") from None
+                time.sleep(0.05)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> SessionLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

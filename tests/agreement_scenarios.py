@@ -1,0 +1,190 @@
+"""Rank programs for tests/test_agreement.py: call orders, faults and layouts that must never lose
+a finalized checkpoint or leave ranks out of step (run by dist_harness.run_ranks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from scenarios import digest, make_state
+
+from localckpt import AsyncCallsQueue, LocalCheckpointManager
+from localckpt.ops import faults
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    return {"name": type(exc).__name__, "bases": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc)}
+
+
+class Captured(logging.Handler):
+    """Every localckpt warning this rank logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        logging.getLogger("localckpt").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def load_any(rank: int, base: str, per_node: int = 1, **kwargs: Any) -> dict[str, Any]:
+    """find_latest + load on a fresh manager; the digest is checked against the iteration that
+    was actually loaded (a fallback may load an older one)."""
+    root = Path(base) / f"node{rank // per_node}"
+    with LocalCheckpointManager(root, "job", timeout=20, **kwargs) as mgr:
+        latest = mgr.find_latest()
+        if latest < 0:
+            return {"latest": latest, "loaded": -1}
+        state, ckpt_id = mgr.load()
+        after = mgr.find_latest()
+    return {"latest": latest, "loaded": ckpt_id[0], "after": after, "digest": digest(state),
+            "expected": digest(make_state(rank, ckpt_id[0]))}
+
+
+def close_manager_before_queue(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The natural ``with`` block, then the queue closed after it: the last async save must
+    survive (its finalize cannot run on a closed manager, and must not delete anything)."""
+    root = Path(base) / f"node{rank}"
+    queue = AsyncCallsQueue(timeout=20)
+    with LocalCheckpointManager(root, "job", timeout=20) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        queue.schedule_async_request(mgr.save(make_state(rank, 2), 2, is_async=True))
+    error = None
+    try:
+        queue.close()
+    except Exception as exc:
+        error = describe(exc)
+    return {"error": error, **load_any(rank, base)}
+
+
+def killed_before_finalize(rank: int, world: int, base: str, victim: int) -> dict[str, Any]:
+    """``victim`` is SIGKILLed after its async save of iteration 2 committed, before finalize:
+    the survivors' finalize collective fails, and must delete nothing."""
+    root = Path(base) / f"node{rank}"
+    if rank == victim:
+        faults.arm(faults.Fault("after_commit", "kill", iteration=2))
+    queue = AsyncCallsQueue(timeout=20)
+    mgr = LocalCheckpointManager(root, "job", timeout=20)
+    mgr.save(make_state(rank, 1), 1)
+    queue.schedule_async_request(mgr.save(make_state(rank, 2), 2, is_async=True))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = None
+    except Exception as exc:
+        error = describe(exc)
+    queue.close(abort=True)
+    mgr.close()
+    return {"error": error, "dirs": sorted(p.name for p in (root / "job").iterdir()
+                                           if p.name.startswith("iter_"))}
+
+
+def staging_fails_on(rank: int, world: int, base: str, bad_rank: int,
+                     what: str) -> dict[str, Any]:
+    """Iteration 2 fails on ``bad_rank`` after the inputs were checked (copying into the arena,
+    growing it, building the manifest): every rank must raise alike and iteration 3 must work."""
+    from localckpt.ops import health
+    from localckpt.save.staging import StagingArena
+    from localckpt.storage import manifest
+
+    root = Path(base) / f"node{rank}"
+    real_buffer, real_identity = StagingArena.buffer, health.node_identity
+    with LocalCheckpointManager(root, "job", timeout=20) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        if rank == bad_rank and what == "stage":
+            faults.arm(faults.Fault("staging", "raise", iteration=2))
+        elif rank == bad_rank and what == "grow":
+            def no_memory(self: Any, nbytes: int) -> Any:
+                raise RuntimeError("cannot allocate pinned host memory (injected)")
+            StagingArena.buffer = no_memory  # type: ignore[method-assign]
+        elif rank == bad_rank and what == "manifest":
+            def no_identity(nvml: Any = None) -> dict[str, Any]:
+                raise OSError(5, "cannot read the boot id (injected)")
+            manifest._node_identity.cache_clear()
+            health.node_identity = no_identity
+        error = None
+        try:
+            mgr.save(make_state(rank, 2), 2)
+        except Exception as exc:
+            error = describe(exc)
+        StagingArena.buffer, health.node_identity = real_buffer, real_identity  # type: ignore[method-assign]
+        manifest._node_identity.cache_clear()
+        mgr.save(make_state(rank, 3), 3)
+    return {"error": error, **load_any(rank, base)}
+
+
+def different_steps(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 0 calls find_latest while rank 1 saves: both must raise, naming both steps."""
+    root = Path(base) / f"node{rank}"
+    with LocalCheckpointManager(root, "job", timeout=20) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        first = next_call = None
+        try:
+            if rank == 0:
+                mgr.find_latest()
+            else:
+                mgr.save(make_state(rank, 2), 2)
+        except Exception as exc:
+            first = describe(exc)
+        try:
+            mgr.find_latest()
+        except Exception as exc:
+            next_call = describe(exc)
+    return {"first": first, "next_call": next_call, **load_any(rank, base)}
+
+
+def save_iterations(rank: int, world: int, base: str, iterations: list[int], keep_last: int,
+                    strategy: str | None = None, per_node: int = 1) -> None:
+    root = Path(base) / f"node{rank // per_node}"
+    with LocalCheckpointManager(root, "job", strategy, keep_last=keep_last, timeout=20,
+                                node_id=f"node{rank // per_node}") as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it), it)
+
+
+def load_with_warnings(rank: int, world: int, base: str, strategy: str | None = None,
+                       per_node: int = 1) -> dict[str, Any]:
+    captured = Captured()
+    try:
+        out = load_any(rank, base, per_node, node_id=f"node{rank // per_node}",
+                       repl_strategy=strategy)
+    except Exception as exc:
+        out = {"error": describe(exc)}
+    return {**out, "warnings": captured.lines}
+
+
+def world_change(rank: int, world: int, base: str, per_node: int) -> dict[str, Any]:
+    """A job of another world size on the same roots: find_latest reports the old shards, new
+    saves work, and the old shards are left alone."""
+    captured = Captured()
+    root = Path(base) / f"node{rank // per_node}"
+    with LocalCheckpointManager(root, "job", timeout=20, node_id=f"node{rank // per_node}") as mgr:
+        latest = mgr.find_latest()
+        warnings = list(captured.lines)
+        mgr.save(make_state(rank, 2), 2)
+        mgr.save(make_state(rank, 3), 3)
+        again = mgr.find_latest()
+    return {"latest": latest, "warnings": warnings, "again": again}
+
+
+def construct(rank: int, world: int, base: str, per_node: int, strategy: str,
+              kwargs: dict[str, Any], node_ids: bool = True, strict: bool = False
+              ) -> dict[str, Any]:
+    """Build a manager and report the warnings its construction logged."""
+    from replication import make_strategy
+
+    captured = Captured()
+    if not node_ids:
+        os.environ.pop("LOCALCKPT_NODE_ID", None)
+    root = Path(base) / f"root{rank if not node_ids else rank // per_node}"
+    node = f"node{rank // per_node}" if node_ids else None
+    try:
+        with LocalCheckpointManager(root, "job", make_strategy(strategy, **kwargs), timeout=20,
+                                    node_id=node, strict=strict):
+            pass
+    except Exception as exc:
+        return {"error": describe(exc), "warnings": captured.lines}
+    return {"error": None, "warnings": captured.lines}

@@ -1,0 +1,147 @@
+"""Real gloo ranks: call orders, faults and layouts that must never lose a finalized checkpoint or
+leave ranks out of step (the "airtight core" cases; each failed before its fix)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import agreement_scenarios as sc
+import pytest
+import scenarios
+from dist_harness import run_ranks
+
+
+def test_closing_the_manager_before_the_queue_keeps_the_last_save(tmp_path: Path,
+                                                                  root: Path) -> None:
+    for r in run_ranks(sc.close_manager_before_queue, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        error = r.value["error"]
+        assert error is not None and "CollectiveError" in error["bases"], error
+        assert "closed" in error["message"] and "finalize" in error["message"]
+        # nothing was deleted: the committed iteration 2 is found and loads
+        assert r.value["latest"] == 2 and r.value["loaded"] == 2
+        assert r.value["digest"] == r.value["expected"]
+
+
+def test_a_failed_finalize_collective_deletes_nothing(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(sc.killed_before_finalize, 2, tmp_path, str(root), 1)
+    assert results[1].error == "Exited"  # SIGKILLed at after_commit
+    survivor = results[0]
+    assert survivor.ok, survivor.message
+    assert "CollectiveError" in survivor.value["error"]["bases"], survivor.value
+    assert survivor.value["dirs"] == ["iter_0000000001", "iter_0000000002"]
+    for r in run_ranks(scenarios.find_and_load, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value["latest"] == 2 and r.value["digest"] == r.value["expected"]
+
+
+@pytest.mark.parametrize("what", ["stage", "grow", "manifest"])
+def test_a_failure_after_validation_is_raised_alike_and_ranks_stay_in_step(
+        tmp_path: Path, root: Path, what: str) -> None:
+    results = run_ranks(sc.staging_fails_on, 2, tmp_path, str(root), 1, what)
+    errors = []
+    for r in results:
+        assert r.ok, r.message
+        errors.append(r.value["error"])
+        assert r.value["latest"] == 3 and r.value["digest"] == r.value["expected"]
+    assert errors[0] is not None and errors[0]["name"] == errors[1]["name"]
+    assert "CheckpointingError" in errors[0]["bases"]
+    for e in errors:
+        assert "rank 1" in e["message"] and "injected" in e["message"], e
+
+
+def test_ranks_in_different_steps_raise_a_collective_error_naming_both(tmp_path: Path,
+                                                                        root: Path) -> None:
+    for r in run_ranks(sc.different_steps, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        first, after = r.value["first"], r.value["next_call"]
+        assert first is not None and first["name"] == "CollectiveError", first
+        assert "find_latest" in first["message"] and "save" in first["message"]
+        assert "rank 0" in first["message"] and "rank 1" in first["message"]
+        # out of step once means out of step for good: the next call says so at once
+        assert after is not None and "CollectiveError" in after["bases"], after
+        assert r.value["latest"] == 1 and r.value["digest"] == r.value["expected"]
+
+
+def test_corrupt_newest_without_replication_falls_back_in_the_same_load(tmp_path: Path,
+                                                                         root: Path) -> None:
+    results = run_ranks(sc.save_iterations, 2, tmp_path, str(root), [1, 2], 2)
+    assert all(r.ok for r in results), [r.message for r in results]
+    chunk = root / "node1" / "job" / "iter_0000000002" / "rank_00001_of_00002" / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[40] ^= 0x08
+    chunk.write_bytes(raw)
+    results = run_ranks(sc.load_with_warnings, 2, tmp_path, str(root))
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["latest"] == 2 and r.value["loaded"] == 1, r.value
+        assert r.value["digest"] == r.value["expected"]
+        assert r.value["after"] == 1  # the corrupt copy is out of the way: no restart loop
+    assert any(str(chunk) in w for w in results[1].value["warnings"]), results[1].value
+    # quarantined, not deleted: still there for a look, under a name nothing lists
+    assert not chunk.exists()
+    assert list((root / "node1" / "job").glob(".quarantine-*"))
+
+
+def test_world_size_change_reports_old_shards_and_never_blocks_new_saves(tmp_path: Path,
+                                                                         root: Path) -> None:
+    assert all(r.ok for r in run_ranks(scenarios.save_only, 2, tmp_path, str(root), [1]))
+    # 4 ranks, two per simulated node, on the roots the 2-rank job used
+    results = run_ranks(sc.world_change, 4, tmp_path, str(root), 2)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["latest"] == -1 and r.value["again"] == 3
+    text = "\n".join(results[0].value["warnings"])
+    assert "world size 2" in text and "[1]" in text, text
+    # the old world's shards are left alone: a 2-rank job still finds and loads them
+    for r in run_ranks(scenarios.find_and_load, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value["latest"] == 1 and r.value["digest"] == r.value["expected"]
+
+
+def test_a_strategy_that_places_no_replica_elsewhere_is_loud(tmp_path: Path, root: Path) -> None:
+    # clique with the default jump 1 on torchrun's layout: each pair sits on one node
+    results = run_ranks(sc.construct, 4, tmp_path, str(root), 2, "clique", {})
+    assert all(r.ok and r.value["error"] is None for r in results), [r.value for r in results]
+    text = "\n".join(results[0].value["warnings"])
+    assert "4 of 4 shards have no copy on another node" in text, text
+    assert "replication_jump=2" in text
+    results = run_ranks(sc.construct, 4, tmp_path, str(root), 2, "clique", {}, True, True)
+    for r in results:
+        assert r.ok and r.value["error"]["name"] == "ConfigurationError", r.value
+        assert "no copy on another node" in r.value["error"]["message"]
+
+
+def test_distinct_roots_on_one_host_without_node_ids_are_named(tmp_path: Path,
+                                                               root: Path) -> None:
+    results = run_ranks(sc.construct, 2, tmp_path, str(root), 1, "clique", {}, False)
+    assert all(r.ok and r.value["error"] is None for r in results), [r.value for r in results]
+    text = "\n".join(results[0].value["warnings"])
+    assert "2 of 2 shards have no copy on another node" in text, text
+    assert "LOCALCKPT_NODE_ID" in text and "different roots" in text
+
+
+def test_node_spread_with_replicas_everywhere_is_quiet(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(sc.construct, 4, tmp_path, str(root), 2, "node_spread", {})
+    assert all(r.ok and r.value["error"] is None for r in results), [r.value for r in results]
+    assert not [w for r in results for w in r.value["warnings"] if "no copy" in w]
+
+
+def test_quarantined_replica_is_replaced_and_loads(tmp_path: Path, root: Path) -> None:
+    """With replication a corrupt copy is quarantined too, and the load is served by a replica
+    (no fallback needed)."""
+    results = run_ranks(sc.save_iterations, 2, tmp_path, str(root), [1, 2], 1, "node_spread")
+    assert all(r.ok for r in results), [r.message for r in results]
+    chunk = root / "node0" / "job" / "iter_0000000002" / "rank_00000_of_00002" / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[3] ^= 0x01
+    chunk.write_bytes(raw)
+    results = run_ranks(sc.load_with_warnings, 2, tmp_path, str(root), "node_spread")
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
+    assert any(str(chunk) in w for w in results[0].value["warnings"])
+    shutil.rmtree(root / "node1")  # and the rewritten copy is good: node 1 lost, still loads
+    for r in run_ranks(sc.load_with_warnings, 2, tmp_path, str(root), "node_spread"):
+        assert r.ok and r.value["loaded"] == 2, r.value
