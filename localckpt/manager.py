@@ -20,8 +20,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
 
 from .control.bootstrap import open_node_root, place_replicas
@@ -33,7 +31,6 @@ from .load.restore import find_latest, restore
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
-from .state_dict import rebuild_state_dict
 from .storage.manifest import ShardManifest
 from .storage.session_lock import SessionLock
 from .storage.store import (
@@ -121,8 +118,10 @@ class LocalCheckpointManager:
             if self.world_size > MAX_WORLD_SIZE:
                 raise ConfigurationError(f"world size: expected at most {MAX_WORLD_SIZE} ranks "
                                          f"(5 digits in shard names), got {self.world_size}")
+            # Well under the timeout: the other ranks wait that long for this exchange, and
+            # should get SessionInUseError from here, not a timeout of their own.
             doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
-                                       min(self.timeout, 30.0))
+                                       min(self.timeout / 3, 30.0))
             locks.append(lock)
             return doc
 
@@ -249,11 +248,11 @@ class LocalCheckpointManager:
                                           seconds, nbytes, self.session_id, time.time()))
 
         with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-            manifest, tensors = restore(self._ctx, self.latest_iteration, fetched)
+            manifest, state = restore(self._ctx, self.latest_iteration, fetched)
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
-        return _as_loaded(manifest, tensors), (manifest.iteration, self.rank, self.session_id)
+        return state, (manifest.iteration, self.rank, self.session_id)
 
     def _warn_if_foreign(self, manifest: ShardManifest) -> None:
         """Warn (once per iteration) when a shard was written by another session or by a job
@@ -273,8 +272,3 @@ class LocalCheckpointManager:
                            "job: %s", self.rank, manifest.iteration, manifest.owner_rank,
                            "; ".join(problems))
 
-
-def _as_loaded(manifest: ShardManifest, tensors: list[torch.Tensor]) -> Any:
-    """The state dict in the form it was saved, tensors on their recorded devices."""
-    return rebuild_state_dict(manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
-                              [e.device for e in manifest.tensors], manifest.container == "plain")

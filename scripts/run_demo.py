@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos import NODES, SAVE_EVERY, STEPS, Job
+from chaos_job import NODES, SAVE_EVERY, STEPS, Job
 
 from localckpt.storage.store import list_shards
 

@@ -13,7 +13,10 @@ goes on: losing one checkpoint is not a reason to stop a job.
 
 ``--root`` may contain ``{node}`` (the torchrun node rank): each simulated node its own root.
 ``--crash-at-step S --crash-rank R`` hard-exits rank R at step S of the first attempt. Faults
-inside localckpt are armed with ``LOCALCKPT_FAULTS`` (see localckpt/faults.py).
+inside localckpt are armed with ``LOCALCKPT_FAULTS`` (see localckpt/ops/faults.py). Call orders
+that users get wrong, for the chaos harness: ``--desync-at-step S --desync-rank R`` makes rank R
+call ``find_latest`` where the others save (first attempt only); ``--close-order manager-first``
+closes the manager before the queue that still holds the last save.
 
 Each rank appends JSON events to ``<out>/events-rank<r>.jsonl`` (start, resumed, finalized,
 save_failed, done) and writes ``<out>/rank<r>.json`` with the final weights' digest at the end.
@@ -98,6 +101,10 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="blocking saves instead of async")
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="extra time per step (gives faults time to land mid-save)")
+    parser.add_argument("--desync-at-step", type=int, default=-1)
+    parser.add_argument("--desync-rank", type=int, default=1)
+    parser.add_argument("--close-order", choices=("queue-first", "manager-first"),
+                        default="queue-first")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("LOCALCKPT_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
@@ -131,7 +138,7 @@ def main() -> None:
     resumed_from = mgr.find_latest()
     start_step = 0
     if resumed_from >= 0:
-        state, _ = mgr.load()
+        state, (resumed_from, _, _) = mgr.load()  # an older one if the newest was corrupt
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -169,14 +176,25 @@ def main() -> None:
         events("step", step=step)
         finalize()
         if (step + 1) % args.save_every == 0:
+            if attempt == 0 and step == args.desync_at_step and rank == args.desync_rank:
+                mgr.find_latest()  # where the other ranks save: both must raise CollectiveError
+            while pending:  # so that an error raised by save() is this save's own
+                finalize(blocking=True)
             save(mgr, queue, events, pending, finalize, step, args.sync, {
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "step": step})
 
-    while pending:
-        finalize(blocking=True)
-    queue.close()
+    if args.close_order == "manager-first":
+        mgr.close()  # the last async save is committed but not finalized
+        try:
+            queue.close()
+        except CheckpointingError as exc:
+            events("close_failed", error=type(exc).__name__, message=str(exc))
+    else:
+        while pending:
+            finalize(blocking=True)
+        queue.close()
     out = Path(args.out)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "node": node, "attempt": attempt, "resumed_from": resumed_from,
@@ -184,7 +202,8 @@ def main() -> None:
         "digest": weights_digest(model),
     }))
     events("done", digest=weights_digest(model))
-    mgr.close()
+    if args.close_order == "queue-first":
+        mgr.close()
     dist.destroy_process_group()
 
 
@@ -198,12 +217,8 @@ def save(mgr: LocalCheckpointManager, queue: AsyncCallsQueue, events: Events,
         request = mgr.save(state, iteration=step, is_async=True)
     except CollectiveError:
         raise
-    except CheckpointingError as exc:
-        # The previous async save, finalized by this save's back-pressure, failed everywhere;
-        # or this one failed validation. Either way training goes on.
-        failed = min(pending) if pending else None
-        iteration = pending.pop(failed) if failed is not None else step
-        events("save_failed", iteration=iteration, error=type(exc).__name__, message=str(exc))
+    except CheckpointingError as exc:  # this save failed on every rank: training goes on
+        events("save_failed", iteration=step, error=type(exc).__name__, message=str(exc))
         return
     if request is not None:
         pending[queue.schedule_async_request(request)] = step

@@ -188,3 +188,89 @@ def construct(rank: int, world: int, base: str, per_node: int, strategy: str,
     except Exception as exc:
         return {"error": describe(exc), "warnings": captured.lines}
     return {"error": None, "warnings": captured.lines}
+
+
+def device_restore_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]:
+    """Moving the loaded tensors to their devices fails on one rank (a CUDA allocation, say):
+    every rank must raise alike."""
+    from localckpt import state_dict
+
+    root = Path(base) / f"node{rank}"
+    with LocalCheckpointManager(root, "job", timeout=20) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+    if rank == bad_rank:
+        def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("CUDA out of memory (injected)")
+        state_dict.restore_devices = out_of_memory  # type: ignore[assignment]
+    with LocalCheckpointManager(root, "job", timeout=20) as mgr:
+        try:
+            mgr.load()
+            return {"error": None}
+        except Exception as exc:
+            return {"error": describe(exc)}
+
+
+def slow_restore(rank: int, world: int, base: str, timeout: float, delay: float
+                 ) -> dict[str, Any]:
+    """Node 0 is replaced; each replica it receives takes ``delay`` (< timeout) to write, and
+    the rounds together take longer than one timeout: the restore must still succeed."""
+    import shutil
+
+    import torch.distributed as dist
+
+    root = Path(base) / f"node{rank}"
+    kwargs: dict[str, Any] = {"timeout": timeout, "node_id": f"n{rank}",
+                              "repl_strategy": "node_spread"}
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "job")
+        faults.arm(faults.Fault("replica_receive", "sleep", seconds=delay, times=10),
+                   faults.Fault("local_write", "sleep", seconds=delay, times=10))
+    dist.barrier()
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        try:
+            state, ckpt_id = mgr.load()
+        except Exception as exc:
+            return {"error": describe(exc)}
+    return {"error": None, "loaded": ckpt_id[0], "digest": digest(state),
+            "expected": digest(make_state(rank, 1))}
+
+
+def start_while_gc_holds(rank: int, world: int, base: str) -> dict[str, Any]:
+    """An operator's ``localckpt gc`` holds node 0's session while the job starts."""
+    import torch.distributed as dist
+
+    from localckpt.storage.fsutil import make_private_dirs
+    from localckpt.storage.session_lock import SessionLock
+
+    root = Path(base) / f"node{rank}"
+    lock = None
+    if rank == 0:
+        make_private_dirs(root / "job")
+        lock = SessionLock(root / "job", exclusive=True)
+    dist.barrier()
+    try:
+        LocalCheckpointManager(root, "job", timeout=6).close()
+        return {"error": None}
+    except Exception as exc:
+        return {"error": describe(exc)}
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def slow_write_sync_save(rank: int, world: int, base: str, timeout: float,
+                         delay: float) -> dict[str, Any]:
+    """Rank 1's write takes ``delay`` > timeout; rank 0 waits for it in finalize."""
+    root = Path(base) / f"node{rank}"
+    if rank == 1:
+        faults.arm(faults.Fault("local_write", "sleep", seconds=delay, iteration=2))
+    with LocalCheckpointManager(root, "job", timeout=timeout) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        try:
+            mgr.save(make_state(rank, 2), 2)
+        except Exception as exc:
+            return {"error": describe(exc)}
+        return {"error": None, "latest": mgr.find_latest()}

@@ -118,7 +118,7 @@ def write_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str,
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
         else:
             error = None
-        leftover = sorted(p.name for p in (root / "job").iterdir() if p.name != ".lock")
+        leftover = sorted(p.name for p in (root / "job").iterdir())
     return {"error": error, "dirs": leftover, **find_and_load(rank, world, base)}
 
 
@@ -188,8 +188,7 @@ def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) ->
         except Exception as exc:
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
     return {"error": error,
-            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()
-                           if p.name != ".lock"),
+            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()),
             **replicated_load(rank, world, base, "node_spread", {}, 2)}
 
 
@@ -231,8 +230,7 @@ def async_saves(rank: int, world: int, base: str, per_node: int, iterations: lis
         errors.append((type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc)))
     queue.close()
     mgr.close()
-    dirs = sorted(p.name for p in (Path(base) / f"node{rank // per_node}" / "job").iterdir()
-                  if p.name != ".lock")
+    dirs = sorted(p.name for p in (Path(base) / f"node{rank // per_node}" / "job").iterdir())
     loaded = (replicated_load(rank, world, base, "node_spread", {}, per_node) if replicated
               else find_and_load_n4(rank, base))
     return {"errors": errors, "all_reduce_ok": set(sums) == {world * (world + 1) / 2},

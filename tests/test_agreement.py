@@ -145,3 +145,40 @@ def test_quarantined_replica_is_replaced_and_loads(tmp_path: Path, root: Path) -
     shutil.rmtree(root / "node1")  # and the rewritten copy is good: node 1 lost, still loads
     for r in run_ranks(sc.load_with_warnings, 2, tmp_path, str(root), "node_spread"):
         assert r.ok and r.value["loaded"] == 2, r.value
+
+
+def test_a_failure_while_building_the_loaded_state_is_raised_alike(tmp_path: Path,
+                                                                   root: Path) -> None:
+    results = run_ranks(sc.device_restore_fails_on, 2, tmp_path, str(root), 1)
+    for r in results:
+        assert r.ok, r.message
+        error = r.value["error"]
+        assert error is not None and "rank 1" in error["message"], error
+        assert "CUDA out of memory (injected)" in error["message"]
+
+
+def test_a_restore_longer_than_one_timeout_succeeds_when_each_transfer_is_within_it(
+        tmp_path: Path, root: Path) -> None:
+    # 4 ranks on 4 nodes, node 0 replaced: it receives its own shard and its replicas in
+    # several rounds of 1.5 s each; the timeout is 2.5 s.
+    results = run_ranks(sc.slow_restore, 4, tmp_path, str(root), 2.5, 1.5)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["error"] is None, r.value
+        assert r.value["digest"] == r.value["expected"]
+
+
+def test_a_session_held_by_gc_is_reported_as_such_on_every_rank(tmp_path: Path,
+                                                                root: Path) -> None:
+    for r in run_ranks(sc.start_while_gc_holds, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        error = r.value["error"]
+        assert error is not None and error["name"] == "SessionInUseError", error
+        assert "rank 0" in error["message"] and "localckpt gc" in error["message"]
+
+
+def test_a_sync_save_waits_for_a_write_longer_than_one_timeout(tmp_path: Path,
+                                                               root: Path) -> None:
+    for r in run_ranks(sc.slow_write_sync_save, 2, tmp_path, str(root), 2.0, 3.0):
+        assert r.ok, r.message
+        assert r.value == {"error": None, "latest": 2}, r.value

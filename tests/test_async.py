@@ -170,3 +170,25 @@ def test_pending_async_save_is_drained_at_interpreter_exit(tmp_path: Path, root:
     with LocalCheckpointManager(root, "exit", timeout=30) as mgr:
         assert mgr.find_latest() == 7
         assert torch.equal(mgr.load()[0]["w"], torch.arange(10.0))
+
+
+def test_the_queue_never_reports_success_for_a_save_back_pressure_found_failed(
+        root: Path) -> None:
+    """The next save finalizes the one in flight first (back-pressure) and raises its failure;
+    the queue, finalizing the same call later, must say it failed too, not return its index."""
+    q = AsyncCallsQueue(timeout=30)
+    with LocalCheckpointManager(root, timeout=30) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        real = mgr._ctx.store.write
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            mgr._ctx.store.write = real  # type: ignore[method-assign]
+            raise OSError(5, "Input/output error (injected)")
+        mgr._ctx.store.write = broken  # type: ignore[method-assign]
+        q.schedule_async_request(mgr.save(make_state(0, 2), 2, is_async=True))
+        with pytest.raises(OSError, match="injected"):
+            mgr.save(make_state(0, 3), 3)  # back-pressure finalizes iteration 2 first
+        with pytest.raises(OSError, match="injected"):
+            q.maybe_finalize_async_calls(blocking=True)
+        assert mgr.find_latest() == 1
+    q.close()

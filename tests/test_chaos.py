@@ -1,8 +1,9 @@
 """End to end: the chaos harness's CI set on a real 2-node torchrun job (scripts/chaos.py).
 
-Every fault point and every fault kind at least once; every scenario must end with bit-identical
-weights, the right resume iteration, no leftovers and redundancy restored. The soak mode
-(``--soak N``) is not run here.
+A kill and a raise at every fault point, and every other fault kind (call orders, damage at rest,
+operator commands) at least once; every scenario must end with bit-identical weights, the right
+resume iteration, no leftovers and redundancy restored. The soak mode (``--soak N``) is not run
+here.
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ from pathlib import Path
 from localckpt.ops.faults import POINTS
 
 REPO = Path(__file__).resolve().parent.parent
-KINDS = {"kill_rank", "kill_node", "wipe_node", "flip_byte", "truncate", "enospc", "slow_rank",
-         "leftovers"}
+KINDS = {"kill_rank", "kill_node", "wipe_node", "raise", "reorder", "flip_byte", "truncate",
+         "forge_manifest", "no_replica", "enospc", "slow_rank", "leftovers", "operator"}
 
 
 def test_ci_chaos_set_has_no_violations(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--jobs", "3",
-                           "--json", str(report)], capture_output=True, text=True, timeout=600)
+                           "--json", str(report)], capture_output=True, text=True, timeout=900)
     result = json.loads(report.read_text())
     rows = result["scenarios"]
     assert proc.returncode == 0 and result["violations"] == 0, proc.stdout + proc.stderr
-    assert len(rows) >= 20
-    assert {r["point"] for r in rows} >= set(POINTS)
+    assert len(rows) >= 35
+    fired = {f for r in rows for f in r["fired"]}
+    for point in POINTS:  # each fault really fired (its once-per-job marker was written)
+        assert {f"{point}:kill", f"{point}:kill_node"} & fired, point
+        assert f"{point}:raise" in fired, point
     assert {r["kind"] for r in rows} == KINDS
     assert all(r["bit_identical"] for r in rows)

@@ -108,7 +108,7 @@ def test_gc_removes_other_world_sizes_when_asked(capsys: pytest.CaptureFixture[s
                                                  root: Path) -> None:
     with LocalCheckpointManager(root) as mgr:
         mgr.save(make_state(0, 1), 1)
-    assert cli_json(capsys, "gc", str(root), "--world-size", "4")["removed"] == [
+    assert cli_json(capsys, "gc", str(root), "--session", "", "--world-size", "4")["removed"] == [
         str(root / "_default" / "iter_0000000001" / "rank_00000_of_00001")]
     assert main(["ls", str(root)]) == 2  # nothing left: a clear error, not an empty table
 
@@ -235,3 +235,56 @@ def test_gc_refuses_a_session_a_live_job_holds(capsys: pytest.CaptureFixture[str
         assert cli_json(capsys, "gc", str(root), "--dry-run")["dry_run"]  # looking is fine
     assert cli_json(capsys, "gc", str(root))["removed"] == []
     assert _present(root) == [(2, 0)]
+
+
+def test_gc_world_size_is_scoped_to_one_session(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    """Two jobs share a root: removing one job's old world size must not touch the other's."""
+    root = tmp_path / "node0"
+    _shard(root, 1, 0, 2, session="old")
+    _shard(root, 5, 0, 1, session="other")
+    code, _, err = run_cli(capsys, "gc", str(root), "--world-size", "1")
+    assert code == 2 and "--session" in err
+    assert cli_json(capsys, "gc", str(root), "--session", "old", "--world-size", "1")[
+        "removed"] == [str(root / "old" / "iter_0000000001" / "rank_00000_of_00002")]
+    assert [(r["session"], r["iteration"]) for r in cli_json(capsys, "ls", str(root))] == [
+        ("other", 5)]
+
+
+@pytest.mark.parametrize("argv", [["--keep-last", "0"], ["--keep-last", "-1"]])
+def test_gc_keep_last_below_one_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                           argv: list[str]) -> None:
+    root = tmp_path / "node0"
+    for it in (1, 2):
+        _shard(root, it, 0, 1)
+    code, _, err = run_cli(capsys, "gc", str(root), *argv)
+    assert code == 2 and "--keep-last" in err
+    assert _present(root) == [(1, 0), (2, 0)]
+
+
+def test_gc_given_one_root_twice_does_not_lock_itself_out(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    root = tmp_path / "node0"
+    for it in (1, 2):
+        _shard(root, it, 0, 1)
+    done = cli_json(capsys, "gc", str(root), str(root) + "/")
+    assert _present(root) == [(2, 0)] and len(done["removed"]) == 1
+
+
+def test_deleting_the_lock_by_hand_does_not_let_gc_in(capsys: pytest.CaptureFixture[str],
+                                                      root: Path) -> None:
+    with LocalCheckpointManager(root, "job") as mgr:
+        mgr.save(make_state(0, 1), 1)
+        for stray in (root / "job").glob(".lock*"):  # an operator "cleaning a stale lock"
+            stray.unlink()
+        code, _, err = run_cli(capsys, "gc", str(root))
+        assert code == 2 and "in use" in err
+
+
+def test_verify_tells_a_damaged_version_from_another_format(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    root = tmp_path / "node0"
+    meta = _shard(root, 1, 0, 1) / "zarr.json"
+    meta.write_text(meta.read_text().replace('"format_version": 1', '"format_version": 3'))
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 1 and "CORRUPT" in out and "checksum mismatch" in out

@@ -270,6 +270,17 @@ def test_a_root_owned_by_another_user_is_refused_unless_allowed(
         mgr.save({"w": torch.ones(3)}, 1)
 
 
+def test_a_root_everyone_can_rename_in_is_refused(root: Path) -> None:
+    import os
+
+    os.chmod(root, 0o777)
+    with pytest.raises(ConfigurationError, match="writable by every user"):
+        LocalCheckpointManager(root)
+    os.chmod(root, 0o1777)  # sticky, as /dev/shm and /tmp are: only owners rename their entries
+    with LocalCheckpointManager(root) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+
+
 def test_created_directories_are_made_durable(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """On NVMe a new directory entry is durable only once its parent is fsynced."""

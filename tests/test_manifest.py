@@ -29,8 +29,11 @@ def test_json_round_trip_is_exact() -> None:
 
 
 def test_unknown_format_version_is_rejected_with_both_versions() -> None:
+    from localckpt.storage.manifest import _crc_of
+
     doc = _manifest().to_json_dict()
     doc["manifest"]["format_version"] = FORMAT_VERSION + 1
+    doc["crc32c"] = _crc_of(doc["manifest"])  # intact, written by another version
     with pytest.raises(UnsupportedFormatError) as info:
         ShardManifest.from_json_dict(doc, "shard-x")
     assert "shard-x" in str(info.value) and str(FORMAT_VERSION + 1) in str(info.value)
@@ -96,3 +99,19 @@ def test_inconsistent_entries_are_corrupt_before_anything_is_allocated(edit: obj
 def test_an_unknown_dtype_is_an_unsupported_format() -> None:
     with pytest.raises(UnsupportedFormatError, match="float3_e1m1"):
         ShardManifest.from_json_dict(_edited(_set(0, dtype="float3_e1m1")), "shard-x")
+
+
+def test_a_damaged_version_or_number_is_corruption_not_another_format() -> None:
+    doc = _manifest().to_json_dict()
+    doc["manifest"]["format_version"] = FORMAT_VERSION + 2  # a flipped digit: checksum fails
+    with pytest.raises(CorruptShardError, match="checksum mismatch"):
+        ShardManifest.from_json_dict(doc, "shard-x")
+    doc = _manifest().to_json_dict()
+    doc["manifest"]["created_unix"] = float("inf")  # "1.7e9" damaged into "1.7e999"
+    with pytest.raises(CorruptShardError, match="shard-x"):
+        ShardManifest.from_json_dict(doc, "shard-x")
+
+
+def test_an_unknown_device_string_is_inconsistent() -> None:
+    with pytest.raises(CorruptShardError, match="bogus:0"):
+        ShardManifest.from_json_dict(_edited(_set(0, device="bogus:0")), "shard-x")

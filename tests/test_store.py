@@ -368,3 +368,43 @@ def test_shard_names_out_of_the_listed_width_are_refused(root: Path) -> None:
         shard_path(root, "s", 10**10, 0, 1)
     with pytest.raises(ValueError, match="rank"):
         shard_path(root, "s", 1, 10**5, 10**5 + 1)
+
+
+def test_names_with_other_scripts_digits_are_not_listed(store: ShardStore, root: Path) -> None:
+    _write(store, 5)
+    phantom = root / "sess" / ("iter_" + "\u0660" * 9 + "\u0669") / "rank_00000_of_00001"
+    phantom.mkdir(parents=True)
+    assert [r.iteration for r in store.committed()] == [5]
+
+
+def test_a_shard_copied_under_another_session_name_is_not_corrupt(store: ShardStore,
+                                                                  root: Path) -> None:
+    import shutil
+
+    payload, _ = _write(store, 3)
+    shutil.copytree(root / "sess", root / "copy")
+    copy = ShardStore(root, "copy", writer_rank=0, chunk_nbytes=4096)
+    try:
+        manifest, data = copy.read(copy.committed()[0])
+    finally:
+        copy.close()
+    assert manifest.session_id == "sess" and torch.equal(data, payload)
+
+
+def test_a_process_level_error_is_not_taken_for_corruption(store: ShardStore,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE, EACCES... say nothing about the copy: never a CorruptShardError (which would
+    quarantine a healthy shard)."""
+    _write(store, 1)
+    ref = store.committed()[0]
+    real_open = os.open
+
+    def no_descriptors(path: object, flags: int, *args: object) -> int:
+        if str(path).endswith("zarr.json") or "/c/" in str(path):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_descriptors)
+    with pytest.raises(OSError) as info:
+        store.read(ref)
+    assert not isinstance(info.value, CorruptShardError)

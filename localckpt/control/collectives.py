@@ -34,6 +34,7 @@ from ..errors import (
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _SLOT = 4096  # bytes per rank in the first all_gather round
+_WAIT_TAG = 0x4C43  # point-to-point tag of _wait_for_all's messages (shard transfers use 0)
 
 
 class CheckpointGroup:
@@ -86,6 +87,40 @@ class CheckpointGroup:
         if self._broken is None:
             self._broken = error
 
+    def _wait_for_all(self, what: str, seconds: float) -> None:
+        """A barrier whose every wait is bounded by ``seconds`` rather than the group's timeout:
+        each rank reports to rank 0, which releases them all (2(N-1) one-byte messages on a tag
+        of their own). gloo's monitored barrier bounds only rank 0's waits this way."""
+        self.check_usable(what)
+        started = time.monotonic()
+
+        def left() -> timedelta:
+            return timedelta(seconds=max(0.001, seconds - (time.monotonic() - started)))
+
+        def done(work: dist.Work | None) -> None:
+            if work is not None:  # None only for a rank outside the group: never here
+                work.wait(timeout=left())
+
+        token = torch.zeros(1, dtype=torch.uint8)
+        try:
+            if self.rank == 0:
+                peers = range(1, self.world_size)
+                inbox = [torch.empty(1, dtype=torch.uint8) for _ in peers]
+                for work in [dist.irecv(b, r, group=self.group, tag=_WAIT_TAG)
+                             for b, r in zip(inbox, peers, strict=True)]:
+                    done(work)
+                for work in [dist.isend(token, r, group=self.group, tag=_WAIT_TAG)
+                             for r in peers]:
+                    done(work)
+            else:
+                done(dist.isend(token, 0, group=self.group, tag=_WAIT_TAG))
+                done(dist.irecv(torch.empty(1, dtype=torch.uint8), 0, group=self.group,
+                                tag=_WAIT_TAG))
+        except RuntimeError as exc:
+            err = collective_error(what, exc, time.monotonic() - started, seconds)
+            self.mark_broken(err)
+            raise err from exc
+
     def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
         """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the
         timeout passed (CollectiveTimeoutError); a lost peer raises CollectiveError."""
@@ -119,31 +154,40 @@ class CheckpointGroup:
             raise err from exc
         return [bytes(o[:n].numpy()) for o, n in zip(out, sizes, strict=True)]
 
-    def exchange(self, step: str, local: Callable[[], T]) -> list[T]:
+    def exchange(self, step: str, local: Callable[[], T], wait: float | None = None) -> list[T]:
         """Run ``local()`` on this rank, then gather every rank's JSON-able result.
 
         Returns all results in rank order, or raises on every rank the same exception built from
         each failing rank's error (see :func:`localckpt.errors.error_from_failures`); on the rank
         whose ``local()`` failed it is chained to the original exception. Raises CollectiveError
-        when the collective itself fails (see :meth:`gather_outcomes`).
+        when the collective itself fails (see :meth:`gather_outcomes`). ``wait``: see there.
         """
-        outcome = self.gather_outcomes(step, local)
+        outcome = self.gather_outcomes(step, local, wait)
         if outcome.failures:
             raise error_from_failures(step, outcome.failures) from outcome.local_error
         return outcome.values  # type: ignore[return-value]
 
-    def gather_outcomes(self, step: str, local: Callable[[], T]) -> Outcome[T]:
+    def gather_outcomes(self, step: str, local: Callable[[], T],
+                        wait: float | None = None) -> Outcome[T]:
         """Like :meth:`exchange`, but a failing ``local()`` is returned, not raised: every rank
         gets the same :class:`Outcome`. Raises only when no agreement was reached: the collective
         failed or timed out, or the ranks are in different steps (CollectiveError, and the group
         is unusable from then on). Callers that must tell "every rank agreed this failed" from
-        "we could not agree" (finalize deletes data only in the first case) use this."""
+        "we could not agree" (finalize deletes data only in the first case) use this.
+
+        ``wait``: seconds a rank may wait here for the slowest rank's ``local()`` (default: the
+        group's timeout). A step whose local part moves data (transfers in rounds, a write)
+        passes a bound that grows with the work, so that a rank with little to do does not time
+        out while its peers legitimately still work; a dead peer is still noticed at once.
+        """
         local_exc: BaseException | None = None
         try:
             doc: dict[str, Any] = {"step": step, "ok": local()}
         except Exception as exc:
             local_exc = exc
             doc = {"step": step, "error": describe_failure(exc)}
+        if wait is not None and wait > self.timeout and self.group is not None:
+            self._wait_for_all(step, wait)
         try:
             gathered = [json.loads(b) for b in self.all_gather_bytes(
                 json.dumps(doc, allow_nan=False).encode(), step)]

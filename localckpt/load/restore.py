@@ -14,7 +14,10 @@ it like a replica.
       (moved aside, named in a warning) and the round starts again: another copy serves it, or
       the iteration is no longer complete and an older one is chosen, on every rank alike;
    d. transfers: received shards are verified and written back, so the job is again one node
-      loss away from trouble, not zero.
+      loss away from trouble, not zero;
+   e. the state dict is built (a written-back own shard read, tensors moved to their devices) in
+      one last agreed step: a failure there, say a CUDA allocation on one rank, is the same
+      error on every rank.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ..control.coverage import (
 )
 from ..errors import CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
+from ..state_dict import rebuild_state_dict
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import StoreReceiver, exchange_shards, tensors_from_buffer
 from ..storage.store import ShardRef
@@ -63,9 +67,10 @@ def find_latest(ctx: Context) -> int:
         logger.warning(
             "find_latest: shards of another world size are on disk and are ignored: %s. This "
             "job has world size %d and localckpt cannot reshard them yet; they are kept (no "
-            "retention touches them): remove them with `localckpt gc --world-size %d ROOT`",
+            "retention touches them): remove them with `localckpt gc --session %s "
+            "--world-size %d ROOT...`",
             "; ".join(f"world size {w}: iterations {its}" for w, its in others.items()),
-            ctx.world_size, ctx.world_size)
+            ctx.world_size, repr(ctx.session_id) if ctx.session_id else "''", ctx.world_size)
     return latest
 
 
@@ -125,12 +130,13 @@ def _verify_sources(ctx: Context, rnd: _Round) -> list[list[str]]:
 
 
 def restore(ctx: Context, iteration: int,
-            fetched: Callable[[float, int], None] | None = None) -> Loaded:
-    """This rank's shard of the newest complete iteration not newer than ``iteration``, every
-    rank's and every node's replicas restored on the way. Collective.
+            fetched: Callable[[float, int], None] | None = None) -> tuple[ShardManifest, Any]:
+    """This rank's state dict from the newest complete iteration not newer than ``iteration``
+    (and its manifest), every rank's and every node's replicas restored on the way. Collective.
 
     Raises on every rank alike: CorruptShardError when corrupt copies were quarantined and no
     complete iteration is left (it names them), NoCheckpointError when none was there,
+    UnsupportedFormatError, the failing rank's error while building the state dict,
     CollectiveError. ``fetched(seconds, nbytes)`` is told what this rank received from peers.
     """
     if iteration < 0:
@@ -162,23 +168,38 @@ def restore(ctx: Context, iteration: int,
         if any(bad):
             quarantined += [b for per_rank in bad for b in per_rank]
             continue  # re-plan: another copy, or an older iteration
-        if rnd.plan.exchange.rounds:  # the same plan on every rank: all skip it alike
+        rounds_ = len(rnd.plan.exchange.rounds)
+        if rounds_:  # the same plan on every rank: all skip it alike
+            # Each transfer is bounded by the timeout; a rank with few transfers waits for the
+            # others' rounds, so its wait grows with them.
             ctx.group.exchange(f"{step}: fetch from peers", partial(
                 exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
-                rnd.source, ctx.ring, rnd.received))
+                rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + rounds_))
         if fetched is not None and rnd.received:
             fetched(time.monotonic() - verified,
                     sum(r.manifest.data_nbytes for r in rnd.received.values()))
         logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
-        if rnd.own is None:  # fetched and written back: read it like any local shard
-            rnd.own = ctx.store.read_tensors(ShardRef(
-                iteration, rank, ctx.world_size, ctx.store.path_of(iteration, rank,
-                                                                   ctx.world_size)))
         if rnd.received:
             logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
                         rank, sorted(o for _, o in rnd.received))
-        return rnd.own
+        built: list[tuple[ShardManifest, Any]] = []
+        ctx.group.exchange(f"{step}: build the state dict",
+                           partial(_build, ctx, rnd, built))
+        return built[0]
+
+
+def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> None:
+    """This rank's state dict from its shard of the round: read back from its root if it was
+    fetched, rebuilt in the form it was saved, tensors on their recorded devices."""
+    if rnd.own is None:  # fetched and written back: read it like any local shard
+        it, rank, world = rnd.iteration, ctx.rank, ctx.world_size
+        rnd.own = ctx.store.read_tensors(ShardRef(it, rank, world,
+                                                  ctx.store.path_of(it, rank, world)))
+    manifest, tensors = rnd.own
+    out.append((manifest, rebuild_state_dict(
+        manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
+        [e.device for e in manifest.tensors], manifest.container == "plain")))
 
 
 def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:

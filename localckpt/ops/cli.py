@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..control.coverage import complete_from_listings
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, UnsupportedFormatError
 from ..storage.manifest import ShardManifest
 from ..storage.session_lock import SessionLock
 from ..storage.store import (
@@ -153,6 +153,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             store.read(ref)
             status = "ok"
+        except UnsupportedFormatError as exc:  # intact, written by another localckpt version
+            status = f"UNSUPPORTED: {exc}"
+            bad.append({"shard": str(ref.path), "error": str(exc), "unsupported": True})
         except CheckpointingError as exc:
             status = f"CORRUPT: {exc}"
             bad.append({"shard": str(ref.path), "error": str(exc)})
@@ -166,7 +169,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(f"{len(shards)} shards verified, {len(bad)} corrupt")
         for b in bad:
-            print(f"CORRUPT {b['shard']}: {b['error']}")
+            print(f"{'UNSUPPORTED' if b.get('unsupported') else 'CORRUPT'} {b['shard']}: "
+                  f"{b['error']}")
     return 1 if bad else 0
 
 
@@ -177,11 +181,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     save in progress); only older shards go. With no complete iteration in view nothing goes.
     Deletes in a session only while no live job holds it (its lock), each shard hidden by a
     rename before it is freed."""
-    roots = [Path(r) for r in args.roots]
-    for root in roots:
+    if args.keep_last < 1:
+        raise UsageError(f"--keep-last: expected an int >= 1, got {args.keep_last}")
+    if args.world_size is not None and args.session is None:
+        raise UsageError("--world-size removes every shard of other world sizes: name the "
+                         "session it applies to with --session (another job's session may "
+                         "share the root)")
+    roots: list[Path] = []
+    for root in map(Path, args.roots):
         _sessions(root)  # a root that is not a directory is a usage error
+        if all(not os.path.samefile(root, r) for r in roots):  # one root named twice: once
+            roots.append(root)
     removed: list[Path] = []
     sessions = sorted({s for root in roots for s in list_sessions(root)})
+    if args.session is not None:
+        sessions = [s for s in sessions if s == args.session]
+        session_dir(roots[0], args.session)  # an invalid id is a usage error
     for session in sessions:
         with contextlib.ExitStack() as locks:
             if not args.dry_run:
@@ -307,8 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="remove leftovers and old iterations")
     gc.add_argument("roots", nargs="+", help="the roots of every node (or some of them)")
     gc.add_argument("--keep-last", type=int, default=1)
+    gc.add_argument("--session", default=None,
+                    help="only this session ('' is the default session); required with "
+                         "--world-size")
     gc.add_argument("--world-size", type=int, default=None,
-                    help="also remove shards written by a job of another world size")
+                    help="also remove shards of the session written by a job of another world "
+                         "size")
     gc.add_argument("--dry-run", action="store_true")
     doc = sub.add_parser("doctor", help="check the node: storage, GPUs, versions")
     doc.add_argument("--root", default="/dev/shm")

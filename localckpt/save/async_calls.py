@@ -25,7 +25,12 @@ from functools import partial
 from typing import Any
 
 from ..control.collectives import CheckpointGroup
-from ..errors import ConfigurationError, describe_failure, error_from_failures
+from ..errors import (
+    CollectiveTimeoutError,
+    ConfigurationError,
+    describe_failure,
+    error_from_failures,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ class AsyncCallsQueue:
     def __init__(self, persistent: bool = True, timeout: float = 300.0) -> None:
         if not persistent:
             logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
-        self._group = CheckpointGroup(timeout)
+        self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")
         self._timeout = timeout
         self._calls: list[_Call] = []
         self._next = 0
@@ -142,14 +147,19 @@ class AsyncCallsQueue:
         while self._calls:
             call = self._calls[0]
             if blocking and not call.done.wait(self._timeout):
-                raise TimeoutError(f"async call {call.index} did not finish within "
-                                   f"{self._timeout:g}s")
+                err = CollectiveTimeoutError(f"async call {call.index} did not finish within "
+                                             f"{self._timeout:g}s on rank {self._group.rank}")
+                self._group.mark_broken(err)  # the other ranks time out waiting for us
+                raise err
             if no_dist:
                 everywhere = call.done.is_set()
                 failures = {0: describe_failure(call.error)} if call.error else {}
             else:
+                # Blocking: a rank whose call ended early waits for the others' (each bounded
+                # by the timeout above), not only for one collective timeout.
                 states = self._group.exchange(f"async call {call.index}: done?",
-                                              partial(_state_of, call))
+                                              partial(_state_of, call),
+                                              wait=2 * self._timeout if blocking else None)
                 everywhere = all(done for done, _ in states)
                 failures = {r: (str(e[0]), str(e[1])) for r, (_, e) in enumerate(states) if e}
             if not everywhere:

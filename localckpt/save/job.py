@@ -39,6 +39,7 @@ class SaveJob:
     done: threading.Event = field(default_factory=threading.Event)
     scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
     finalized: bool = False
+    finalize_error: BaseException | None = None  # what finalizing it raised, on every rank
     metrics: Metrics = field(default_factory=Metrics)
 
     def mark_scheduled(self) -> None:

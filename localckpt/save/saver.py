@@ -82,7 +82,9 @@ class SavePath:
                 self._finalize_job(job)
                 return None
         self._inflight = job
-        return AsyncRequest(job.run, (ctx,), finalize_fns=(partial(self._finalize_job, job),),
+        # The queue finalizes a call only once it is done on every rank.
+        return AsyncRequest(job.run, (ctx,),
+                            finalize_fns=(partial(self._finalize_job, job, True),),
                             preload_fn=job.mark_scheduled)
 
     def close(self) -> None:
@@ -174,28 +176,43 @@ class SavePath:
 
     # ------------------------------------------------------------------ 4. finalize
 
-    def _finalize_job(self, job: SaveJob) -> None:
-        """Finalize ``job`` once (the queue may call this after back-pressure already did)."""
+    def _finalize_job(self, job: SaveJob, done_everywhere: bool = False) -> None:
+        """Finalize ``job`` once. The queue may call this after back-pressure already did: it
+        then gets the same outcome (the same error on every rank if it failed), never a
+        success for a save that failed. Unless ``done_everywhere``, other ranks may still be
+        writing: the agreement then waits for them as long as their work may take."""
         if job.finalized:
+            if job.finalize_error is not None:
+                raise job.finalize_error
             return
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
-        with self.ctx.timed("finalize", job.iteration):
-            self._finalize(job)
+        try:
+            with self.ctx.timed("finalize", job.iteration):
+                self._finalize(job, done_everywhere)
+        except BaseException as exc:
+            job.finalize_error = exc
+            raise
 
-    def _finalize(self, job: SaveJob) -> None:
+    def _finalize(self, job: SaveJob, done_everywhere: bool) -> None:
         """Agree whether the iteration is complete; then retention, or its removal."""
         ctx, iteration = self.ctx, job.iteration
 
         def report() -> dict[str, Any]:
             fault_point("after_commit", ctx.rank, iteration)
-            if job.error is not None:
+            if isinstance(job.error, Exception):
                 raise job.error
+            if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
+                raise RuntimeError(f"the save's background work stopped: {job.error!r}")
             return ctx.inventory().to_json()
 
-        # Raises CollectiveError when no agreement was reached: then nothing is deleted.
-        outcome = ctx.group.gather_outcomes("save: finalize", report)
+        # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
+        # whose write and transfers ended early waits for the others' (each bounded by the
+        # timeout): the wait grows with the rounds of the replica exchange.
+        rounds = len(job.plan.rounds) if job.plan is not None else 0
+        wait = None if done_everywhere else ctx.timeout * (2 + rounds)
+        outcome = ctx.group.gather_outcomes("save: finalize", report, wait=wait)
         if outcome.failures:
             error: Exception = error_from_failures("save: finalize", outcome.failures)
         else:
@@ -210,10 +227,15 @@ class SavePath:
             error = IncompleteCheckpointError(
                 f"save of iteration {iteration}: expected a shard from every rank, ranks "
                 f"{missing} have none; the latest complete iteration is {latest}")
-        # Every rank agreed the save failed: its shards here, replicas included, can go.
+        # Every rank agreed the save failed: its shards here, replicas included, can go. A
+        # deletion that fails is left to the next save's retention: the agreed error is raised.
         for ref in ctx.store.committed():
             if ref.iteration == iteration and ref.world_size == ctx.world_size:
-                ctx.store.delete(ref)
+                try:
+                    ctx.store.delete(ref)
+                except OSError as exc:
+                    logger.error("rank %d: removing %s of the failed save: %s", ctx.rank,
+                                 ref.path, exc)
         raise error from outcome.local_error
 
     def _retain(self, iteration: int, inventories: list[Any]) -> None:

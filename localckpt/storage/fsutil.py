@@ -6,8 +6,9 @@
   :func:`make_private_dir` does that for every directory it creates.
 - Replacing a committed directory is one atomic step, ``renameat2(RENAME_EXCHANGE)``: two
   renames (old aside, new in) leave nothing committed if the process dies between them.
-- A root reached through a symbolic link, or owned by another user, is refused: on a shared tmpfs
-  another user could have planted it to read or replace our checkpoints.
+- A root that is a symbolic link, is reached through another user's symbolic link, is owned by
+  another user, or is writable by everyone without the sticky bit, is refused: on a shared tmpfs
+  another user could have planted it, or could later swap it, to read or replace our checkpoints.
 """
 
 from __future__ import annotations
@@ -115,3 +116,15 @@ def check_safe_dir(path: Path, what: str, allow_unsafe: bool) -> None:
             f"{what}: {path} is owned by uid {st.st_uid}, this process runs as uid "
             f"{os.geteuid()}; another user could read or replace the checkpoints in it. Use a "
             "directory of your own, or allow_unsafe_root=True for a directory shared on purpose")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigurationError(
+            f"{what}: {path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}, no "
+            "sticky bit): anyone could rename its entries. chmod o-w it, or pass "
+            "allow_unsafe_root=True")
+    for parent in Path(os.path.abspath(path)).parents:
+        pst = os.lstat(parent)
+        if stat.S_ISLNK(pst.st_mode) and pst.st_uid not in (0, os.geteuid()):
+            raise ConfigurationError(
+                f"{what}: {path} is reached through the symbolic link {parent} (to "
+                f"{os.readlink(parent)}) of uid {pst.st_uid}, another user who could point it "
+                "elsewhere. Pass the real path, or allow_unsafe_root=True")

@@ -131,20 +131,29 @@ class ShardManifest:
 
     @classmethod
     def from_json_dict(cls, doc: Any, where: str) -> ShardManifest:
-        """Parse and verify a manifest read from ``where`` (named in every error)."""
+        """Parse and verify a manifest read from ``where`` (named in every error).
+
+        The checksum comes first: the envelope ``{"manifest": ..., "crc32c": ...}`` is the same
+        in every format version, so a damaged manifest (a flipped version digit included) is a
+        CorruptShardError and only an intact one of another version an UnsupportedFormatError.
+        """
         if not isinstance(doc, dict) or "manifest" not in doc or "crc32c" not in doc:
             raise CorruptShardError(f"{where}: expected a localckpt manifest, found none")
         body = doc["manifest"]
         if not isinstance(body, dict):
             raise CorruptShardError(f"{where}: manifest is {type(body).__name__}, expected object")
+        try:
+            crc = _crc_of(body)
+        except (TypeError, ValueError) as exc:  # e.g. a number damaged into inf
+            raise CorruptShardError(f"{where}: manifest cannot be checked ({exc})") from exc
+        if crc != doc["crc32c"]:
+            raise CorruptShardError(f"{where}: manifest checksum mismatch")
         version = body.get("format_version")
         if version != FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{where}: manifest format version {version!r}; this localckpt reads version "
                 f"{FORMAT_VERSION}"
             )
-        if _crc_of(body) != doc["crc32c"]:
-            raise CorruptShardError(f"{where}: manifest checksum mismatch")
         try:
             tensors = tuple(
                 TensorEntry(
@@ -199,7 +208,14 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     if len(m.chunk_crc32c) != m.chunk_count:
         raise bad(f"{len(m.chunk_crc32c)} chunk checksums for {m.chunk_count} chunks")
     spans = []
+    devices: set[str] = set()
     for i, e in enumerate(m.tensors):
+        if e.device not in devices:
+            try:
+                torch.device(e.device)
+            except (RuntimeError, ValueError):
+                raise bad(f"tensor {i} ({e.key_path}) names device {e.device!r}") from None
+            devices.add(e.device)
         itemsize = _ITEMSIZE.get(e.dtype)
         if itemsize is None:
             dtype_from_name(e.dtype, where)  # raises UnsupportedFormatError

@@ -1,8 +1,9 @@
 """A lock on one session directory of one node: shared by every live manager of the session,
 exclusive for an operator command that deletes (``localckpt gc``).
 
-It is an ``flock`` on ``<session>/.lock``: the kernel drops it when its holder dies, so a killed
-job never leaves a stale lock behind.
+It is an ``flock`` on the session directory itself: the kernel drops it when its holder dies, so
+a killed job never leaves a stale lock behind, and there is no lock file that someone could
+delete (a new file would let a second holder in beside the first).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import time
 from pathlib import Path
 
 from ..errors import SessionInUseError
-from .fsutil import FILE_MODE
-
-LOCK_NAME = ".lock"
 
 
 class SessionLock:
@@ -26,9 +24,9 @@ class SessionLock:
     """
 
     def __init__(self, session_path: Path, exclusive: bool, wait: float = 0.0) -> None:
-        self.path = session_path / LOCK_NAME
+        self.path = session_path
         self._fd: int | None = os.open(
-            self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            session_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
         deadline = time.monotonic() + wait
         while True:

@@ -7,6 +7,7 @@ The counterpart of :mod:`localckpt.storage.shard_writer`;
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import os
 from collections.abc import Sequence
@@ -35,11 +36,13 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
         pieces = _pieces(targets, starts, i * size, (i + 1) * size)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError as exc:
-            raise CorruptShardError(f"{path}: chunk file missing") from exc
+        except OSError as exc:
+            raise unreadable(path, exc, "chunk file") from exc
         try:
             got = _preadv_all(fd, list(pieces), 0)
             trailer = os.pread(fd, 5, size)
+        except OSError as exc:
+            raise unreadable(path, exc, "chunk file") from exc
         finally:
             os.close(fd)
         if got != size or len(trailer) != 4:
@@ -57,6 +60,20 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
             )
 
     list(pool.map(one, range(manifest.chunk_count)))
+
+
+# A copy that cannot be read for these reasons is damaged (or was tampered with): another copy
+# may serve. Anything else (EACCES, EMFILE, ENOMEM...) is this process's trouble, not the
+# copy's, and is raised as it is: a healthy shard must never be quarantined for it.
+_DAMAGED = (errno.ENOENT, errno.ELOOP, errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EUCLEAN)
+
+
+def unreadable(path: Path, exc: OSError, what: str) -> OSError:
+    """The error for an OSError reading ``path``: CorruptShardError if the copy is damaged."""
+    if exc.errno in _DAMAGED:
+        reason = "missing" if exc.errno == errno.ENOENT else f"unreadable ({exc.strerror})"
+        return CorruptShardError(f"{path}: {what} {reason}")
+    return exc
 
 
 def parse_manifest_file(data: bytes, where: str) -> ShardManifest:

@@ -45,15 +45,17 @@ import torch
 
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from .manifest import ShardManifest, dtype_from_name
-from .shard_reader import parse_manifest_file, read_chunks_into
+from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_NBYTES = 16 << 20
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_ITER_RE = re.compile(r"iter_(\d{10})")
-_SHARD_RE = re.compile(r"rank_(\d{5})_of_(\d{5})")
+# ASCII digits only: \d and int() also take other scripts' digits, which would list a directory
+# under a number whose own path (path_of) is another name.
+_ITER_RE = re.compile(r"iter_([0-9]{10})")
+_SHARD_RE = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
 #: The directory names have fixed widths (listing matches them exactly): 10 digits of iteration,
 #: 5 of rank and world size.
 MAX_ITERATION = 10**10 - 1
@@ -278,16 +280,15 @@ class ShardStore:
                 if manifest is None:
                     manifest = parse_manifest_file(f.read(), str(path))
                     self._remember(key, manifest)
-        except FileNotFoundError as exc:
-            raise CorruptShardError(f"{path}: manifest missing") from exc
         except OSError as exc:
-            raise CorruptShardError(f"{path}: unreadable manifest ({exc})") from exc
-        ids = (manifest.session_id, manifest.iteration, manifest.owner_rank, manifest.world_size)
-        if ids != (self.session_id, ref.iteration, ref.owner_rank, ref.world_size):
+            raise unreadable(path, exc, "manifest") from exc
+        # The session may differ: a session directory copied or renamed on purpose (the load
+        # path warns). The shard's id must match its name.
+        ids = (manifest.iteration, manifest.owner_rank, manifest.world_size)
+        if ids != (ref.iteration, ref.owner_rank, ref.world_size):
             raise CorruptShardError(
-                f"{path}: manifest says (session, iteration, owner, world size) = {ids}, "
-                f"expected {(self.session_id, ref.iteration, ref.owner_rank, ref.world_size)}"
-            )
+                f"{path}: manifest says (iteration, owner, world size) = {ids}, expected "
+                f"{(ref.iteration, ref.owner_rank, ref.world_size)}")
         _check_chunk_files(ref.path / "data" / "c", manifest)
         return manifest
 
@@ -439,8 +440,8 @@ def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
         path = chunk_dir / str(i)
         try:
             st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            raise CorruptShardError(f"{path}: chunk file missing") from None
+        except OSError as exc:
+            raise unreadable(path, exc, "chunk file") from exc
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:
             raise CorruptShardError(
                 f"{path}: expected a {want}-byte chunk file as the manifest says, found "
