@@ -106,7 +106,6 @@ class LocalCheckpointManager:
         self.repl_strategy = strategy
         self.timeout = float(timeout)
         self.metrics = metrics_
-        self.latest_iteration = -1  # set by find_latest, by load and by a finalized save
 
         # Bootstrap: the groups, then one agreed step in which every rank prepares its root.
         group = CheckpointGroup(self.timeout)  # control: agreement, training thread only
@@ -148,7 +147,7 @@ class LocalCheckpointManager:
         self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
                             data_group, topology, placement, store, metrics_,
                             self._job_identity)
-        self._save = SavePath(self._ctx, keep_last, busy, self._finalized)
+        self._save = SavePath(self._ctx, keep_last, busy)
         self._warned_foreign: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -159,6 +158,7 @@ class LocalCheckpointManager:
         release the I/O threads, the process groups and the session lock. Not collective.
         Every later collective of this manager raises CollectiveError."""
         self._save.close()
+        self._ctx.ring.release()
         self._ctx.store.close()
         self._ctx.data_group.close()
         self._ctx.group.close()
@@ -170,8 +170,15 @@ class LocalCheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _finalized(self, iteration: int) -> None:
-        self.latest_iteration = iteration
+    @property
+    def latest_iteration(self) -> int:
+        """The newest complete iteration as last seen by find_latest, load or a finalized save
+        (-1 when none was seen)."""
+        return self._save.latest_iteration
+
+    @latest_iteration.setter
+    def latest_iteration(self, iteration: int) -> None:
+        self._save.latest_iteration = iteration
 
     # ------------------------------------------------------------------ the verbs
 

@@ -307,3 +307,24 @@ def test_created_directories_are_made_durable(tmp_path: Path,
     assert str(root.parent) in synced  # the root's own entry
     assert str(root) in synced  # the session directory's entry
     assert str(root / "s") in synced  # the iteration directory's entry
+
+
+def test_a_closed_manager_frees_its_memory_without_the_garbage_collector(root: Path) -> None:
+    """No reference cycle holds a closed manager (and its staging arena, as large as a shard)
+    until the cyclic collector runs: loads pause that collector."""
+    import gc
+    import weakref
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        mgr = LocalCheckpointManager(root, "s")
+        mgr.save({"w": torch.ones(1 << 20)}, 1)
+        mgr.close()
+        assert mgr._save._arena.capacity == 0
+        ref = weakref.ref(mgr)
+        del mgr
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()

@@ -175,6 +175,7 @@ def restore(ctx: Context, iteration: int,
             ctx.group.exchange(f"{step}: fetch from peers", partial(
                 exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
                 rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + rounds_))
+        rnd.served.clear()  # sent: the copies read for peers go before the state dict is built
         if fetched is not None and rnd.received:
             fetched(time.monotonic() - verified,
                     sum(r.manifest.data_nbytes for r in rnd.received.values()))

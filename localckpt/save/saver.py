@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -51,19 +50,18 @@ logger = logging.getLogger(__name__)
 
 
 class SavePath:
-    """Saves of one manager. Called from the training thread only; ``on_finalized(iteration)``
-    is told each iteration that became the newest complete one.
+    """Saves of one manager. Called from the training thread only. ``latest_iteration`` is the
+    newest iteration a finalize found complete (-1 before any).
 
     The save in flight (``busy`` decides what a new save does meanwhile: "wait" or "skip") and
     the staging arena belong to this object alone.
     """
 
-    def __init__(self, ctx: Context, keep_last: int, busy: str,
-                 on_finalized: Callable[[int], None]) -> None:
+    def __init__(self, ctx: Context, keep_last: int, busy: str) -> None:
         self.ctx = ctx
         self.keep_last = keep_last
         self.busy = busy
-        self._on_finalized = on_finalized
+        self.latest_iteration = -1
         self._arena = StagingArena()
         self._inflight: SaveJob | None = None
 
@@ -94,6 +92,7 @@ class SavePath:
         if job is not None and job.scheduled and not job.done.wait(self.ctx.timeout):
             logger.error("rank %d: async save of iteration %d still running at close",
                          self.ctx.rank, job.iteration)
+        self._arena = StagingArena()  # the staging memory goes now, not when garbage collected
 
     # ------------------------------------------------------------------ 1. settle
 
@@ -219,7 +218,7 @@ class SavePath:
             inventories = decode_inventories(outcome.values)  # type: ignore[arg-type]
             latest = choose_latest(inventories, ctx.world_size)
             if latest == iteration:
-                self._on_finalized(iteration)
+                self.latest_iteration = iteration
                 self._retain(iteration, inventories)
                 return
             missing = [inv.rank for inv in inventories

@@ -45,6 +45,10 @@ class PieceRing:
         self.slots = slots
         self._buffers: list[torch.Tensor] = []
 
+    def release(self) -> None:
+        """Free the buffers (they are allocated again on use)."""
+        self._buffers = []
+
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         k = index % self.slots
         while len(self._buffers) <= k:
