@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from scenarios import digest, make_state
 
 from localckpt import AsyncCallsQueue, LocalCheckpointManager
@@ -274,3 +276,138 @@ def slow_write_sync_save(rank: int, world: int, base: str, timeout: float,
         except Exception as exc:
             return {"error": describe(exc)}
         return {"error": None, "latest": mgr.find_latest()}
+
+
+def renamed_session_then_fetch(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The session directory is renamed on every node (job -> job2), then node 0 loses its own
+    shard: it must be fetched from the replica although the manifests name the old session."""
+    import shutil
+
+    import torch.distributed as dist
+
+    root = Path(base) / f"node{rank}"
+    kwargs: dict[str, Any] = {"timeout": 20, "node_id": f"n{rank}",
+                              "repl_strategy": "node_spread"}
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+    dist.barrier()
+    (root / "job").rename(root / "job2")
+    if rank == 0:
+        shutil.rmtree(root / "job2" / "iter_0000000001" / "rank_00000_of_00002")
+    dist.barrier()
+    with LocalCheckpointManager(root, "job2", **kwargs) as mgr:
+        try:
+            state, ckpt_id = mgr.load()
+        except Exception as exc:
+            return {"error": describe(exc)}
+    return {"error": None, "loaded": ckpt_id[0], "digest": digest(state),
+            "expected": digest(make_state(rank, 1))}
+
+
+def slow_pieces(rank: int, world: int, base: str, timeout: float, delay: float
+                ) -> dict[str, Any]:
+    """3 nodes; node 0 lost its own shard, which comes back in 4 pieces of ``delay`` each
+    (each within the timeout, all together not); rank 2 has nothing to transfer."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from localckpt.storage import peer_io
+
+    peer_io.PIECE_TARGET_NBYTES = 64 << 10
+    root = Path(base) / f"node{rank}"
+    kwargs: dict[str, Any] = {"timeout": timeout, "node_id": f"n{rank}",
+                              "repl_strategy": "node_spread", "chunk_nbytes": 64 << 10}
+    state = {"w": torch.arange(60_000, dtype=torch.float32) + rank}  # 4 chunks of 64 KiB
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        mgr.save(state, 1)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "job" / "iter_0000000001" / "rank_00000_of_00003")
+        real = peer_io.StoreReceiver.piece_received
+
+        def slow(self: Any, *args: Any) -> None:
+            time.sleep(delay)
+            real(self, *args)
+        peer_io.StoreReceiver.piece_received = slow  # type: ignore[method-assign]
+    dist.barrier()
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        try:
+            loaded, _ = mgr.load()
+        except Exception as exc:
+            return {"error": describe(exc)}
+    return {"error": None, "same": bool(torch.equal(loaded["w"], state["w"]))}
+
+
+def execute_sync_with_a_slow_write(rank: int, world: int, base: str, timeout: float,
+                                   delay: float) -> dict[str, Any]:
+    """The documented AsyncRequest.execute_sync, while rank 1's write takes longer than the
+    timeout: the finalize must wait for it as a synchronous save does."""
+    root = Path(base) / f"node{rank}"
+    with LocalCheckpointManager(root, "job", timeout=timeout) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        if rank == 1:
+            faults.arm(faults.Fault("local_write", "sleep", iteration=2, seconds=delay))
+        try:
+            request = mgr.save(make_state(rank, 2), 2, is_async=True)
+            assert request is not None
+            request.execute_sync()
+        except Exception as exc:
+            return {"error": describe(exc)}
+        return {"error": None, "latest": mgr.latest_iteration}
+
+
+def damaged_by_the_file_system(rank: int, world: int, base: str, err: str) -> dict[str, Any]:
+    """Reading rank 0's own chunks fails with ``err`` (EBADMSG: ext4 / XFS metadata checksum):
+    the copy is unusable, and the replica on node 1 must serve."""
+    import errno
+
+    import torch.distributed as dist
+
+    root = Path(base) / f"node{rank}"
+    kwargs: dict[str, Any] = {"timeout": 20, "node_id": f"n{rank}",
+                              "repl_strategy": "node_spread"}
+    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+    dist.barrier()
+    if rank == 0:
+        real = os.preadv
+        code = getattr(errno, err)
+        damaged = {p.stat().st_ino for p in (root / "job" / "iter_0000000001" /
+                                             "rank_00000_of_00002" / "data" / "c").iterdir()}
+
+        def preadv(fd: int, buffers: Any, offset: int) -> int:
+            if os.fstat(fd).st_ino in damaged:  # these files, not a rewritten copy
+                raise OSError(code, os.strerror(code))
+            return real(fd, buffers, offset)
+        os.preadv = preadv  # type: ignore[assignment]
+    try:
+        out = load_any(rank, base, node_id=f"n{rank}", repl_strategy="node_spread")
+    except Exception as exc:
+        return {"error": describe(exc)}
+    return {"error": None, **out}
+
+
+def peer_dies_before_a_blocking_finalize(rank: int, world: int, base: str,
+                                         timeout: float) -> dict[str, Any]:
+    """Rank 2 dies; the others wait in the queue's blocking finalize, whose agreement may wait
+    longer than the timeout: every survivor must notice at once, not only rank 0."""
+    import signal
+
+    root = Path(base) / f"node{rank}"
+    queue = AsyncCallsQueue(timeout=timeout)
+    mgr = LocalCheckpointManager(root, "job", timeout=timeout)
+    queue.schedule_async_request(mgr.save(make_state(rank, 1), 1, is_async=True))
+    time.sleep(1)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        error = None
+    except Exception as exc:
+        error = describe(exc)
+    took = time.monotonic() - started
+    if rank == 0:
+        time.sleep(2 * timeout)  # rank 0 lingers, as a script logging the error would
+    return {"error": error, "seconds": took}

@@ -182,3 +182,44 @@ def test_a_sync_save_waits_for_a_write_longer_than_one_timeout(tmp_path: Path,
     for r in run_ranks(sc.slow_write_sync_save, 2, tmp_path, str(root), 2.0, 3.0):
         assert r.ok, r.message
         assert r.value == {"error": None, "latest": 2}, r.value
+
+
+def test_a_renamed_session_is_restored_from_peers_too(tmp_path: Path, root: Path) -> None:
+    for r in run_ranks(sc.renamed_session_then_fetch, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value["error"] is None, r.value
+        assert r.value["digest"] == r.value["expected"]
+
+
+def test_an_agreement_waits_for_every_piece_not_every_round(tmp_path: Path, root: Path) -> None:
+    # one transfer of 4 pieces at 1.2 s each, a 2 s timeout: within bounds piece by piece
+    for r in run_ranks(sc.slow_pieces, 3, tmp_path, str(root), 2.0, 1.2):
+        assert r.ok, r.message
+        assert r.value == {"error": None, "same": True}, r.value
+
+
+def test_execute_sync_waits_for_a_slow_write_like_a_sync_save(tmp_path: Path,
+                                                              root: Path) -> None:
+    for r in run_ranks(sc.execute_sync_with_a_slow_write, 2, tmp_path, str(root), 2.0, 3.0):
+        assert r.ok, r.message
+        assert r.value == {"error": None, "latest": 2}, r.value
+
+
+@pytest.mark.parametrize("err", ["EBADMSG", "EIO"])
+def test_a_copy_the_file_system_reports_damaged_is_replaced_from_a_replica(
+        tmp_path: Path, root: Path, err: str) -> None:
+    results = run_ranks(sc.damaged_by_the_file_system, 2, tmp_path, str(root), err)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["error"] is None, r.value
+        assert r.value["loaded"] == 1 and r.value["digest"] == r.value["expected"]
+
+
+def test_every_survivor_notices_a_dead_peer_at_once_in_a_long_wait(tmp_path: Path,
+                                                                  root: Path) -> None:
+    results = run_ranks(sc.peer_dies_before_a_blocking_finalize, 3, tmp_path, str(root), 3.0)
+    assert results[2].error == "Exited"
+    for r in results[:2]:
+        assert r.ok, r.message
+        assert r.value["error"] is not None and "CollectiveError" in r.value["error"]["bases"]
+        assert r.value["seconds"] < 3.0, r.value  # not the 2 x 3 s the wait allows

@@ -288,3 +288,26 @@ def test_verify_tells_a_damaged_version_from_another_format(capsys: pytest.Captu
     meta.write_text(meta.read_text().replace('"format_version": 1', '"format_version": 3'))
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and "CORRUPT" in out and "checksum mismatch" in out
+
+
+def test_verify_reports_an_unreadable_shard_and_goes_on(capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    root = tmp_path / "node0"
+    first = _shard(root, 1, 0, 1)
+    for it in (2, 3):
+        _shard(root, it, 0, 1)
+    real_open = os.open
+
+    def no_permission(path: Any, flags: int, *args: Any) -> int:
+        if str(path).startswith(str(first / "data")):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_permission)
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 1 and "3 shards verified" in out
+    assert f"UNREADABLE {first}" in out and out.count("UNREADABLE") == 1

@@ -262,23 +262,67 @@ def test_a_root_owned_by_another_user_is_refused_unless_allowed(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    me = os.geteuid()
-    monkeypatch.setattr(os, "geteuid", lambda: me + 4242)
-    with pytest.raises(ConfigurationError, match=f"owned by uid {me}"):
+    if os.geteuid() == 0:
+        os.chown(root, 4242, 4242)  # another (non-root) user's directory
+        owner = 4242
+    else:  # the directory is ours: this process pretends to be someone else
+        owner = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 4242)
+    with pytest.raises(ConfigurationError, match=f"owned by uid {owner}"):
         LocalCheckpointManager(root)
     with LocalCheckpointManager(root, allow_unsafe_root=True) as mgr:
         mgr.save({"w": torch.ones(3)}, 1)
 
 
-def test_a_root_everyone_can_rename_in_is_refused(root: Path) -> None:
+def test_a_root_owned_by_root_is_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/shm itself, or a Kubernetes emptyDir (root, 0777): root could read our files anyway.
+    A root everyone may rename entries in is worth a warning, not a refusal."""
+    import os
+    import stat
+
+    from localckpt.storage import fsutil
+
+    shared = tmp_path / "emptydir"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    real_lstat = os.lstat
+
+    def as_root_owned(path: Any) -> os.stat_result:
+        st = real_lstat(path)
+        if Path(str(path)) == shared:
+            fields = list(st)
+            fields[stat.ST_UID] = 0
+            return os.stat_result(fields)
+        return st
+
+    monkeypatch.setattr(fsutil.os, "lstat", as_root_owned)
+    monkeypatch.setattr(fsutil.os, "geteuid", lambda: 1000)
+    fsutil.check_safe_dir(shared, "root_local_ckpt_dir", False)
+    assert "writable by every user" in caplog.text
+
+
+def test_links_are_checked_along_the_path_the_kernel_resolves(tmp_path: Path) -> None:
+    """mine -> theirs -> real: the link of another user is on the way although the path names
+    only mine."""
     import os
 
-    os.chmod(root, 0o777)
-    with pytest.raises(ConfigurationError, match="writable by every user"):
-        LocalCheckpointManager(root)
-    os.chmod(root, 0o1777)  # sticky, as /dev/shm and /tmp are: only owners rename their entries
-    with LocalCheckpointManager(root) as mgr:
-        mgr.save({"w": torch.ones(3)}, 1)
+    from localckpt.storage.fsutil import check_safe_dir, links_followed
+
+    real = tmp_path / "real"
+    (real / "ck").mkdir(parents=True)
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(real)
+    mine = tmp_path / "mine"
+    mine.symlink_to(theirs)
+    assert [link for link, _ in links_followed(mine / "ck")] == [mine, theirs]
+    (tmp_path / "x").mkdir()
+    assert [link for link, _ in links_followed(tmp_path / "x" / ".." / "mine" / "ck")] == [
+        mine, theirs]
+    if os.geteuid() == 0:  # only root can give a link to another user
+        os.lchown(theirs, 4242, 4242)
+        with pytest.raises(ConfigurationError, match=r"symbolic link .*theirs of uid 4242"):
+            check_safe_dir(mine / "ck", "root_local_ckpt_dir", False)
 
 
 def test_created_directories_are_made_durable(tmp_path: Path,

@@ -13,6 +13,7 @@ and the group is unusable from then on, as after any failed collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _SLOT = 4096  # bytes per rank in the first all_gather round
 _WAIT_TAG = 0x4C43  # point-to-point tag of _wait_for_all's messages (shard transfers use 0)
+_RELEASE, _ABORT = 0, 1  # the words of _wait_for_all
 
 
 class CheckpointGroup:
@@ -90,7 +92,9 @@ class CheckpointGroup:
     def _wait_for_all(self, what: str, seconds: float) -> None:
         """A barrier whose every wait is bounded by ``seconds`` rather than the group's timeout:
         each rank reports to rank 0, which releases them all (2(N-1) one-byte messages on a tag
-        of their own). gloo's monitored barrier bounds only rank 0's waits this way."""
+        of their own; gloo's monitored barrier bounds only rank 0's waits this way). When rank 0
+        sees a peer fail, it tells every other rank at once (an abort token) instead of letting
+        them wait out the bound."""
         self.check_usable(what)
         started = time.monotonic()
 
@@ -101,25 +105,44 @@ class CheckpointGroup:
             if work is not None:  # None only for a rank outside the group: never here
                 work.wait(timeout=left())
 
-        token = torch.zeros(1, dtype=torch.uint8)
         try:
             if self.rank == 0:
                 peers = range(1, self.world_size)
                 inbox = [torch.empty(1, dtype=torch.uint8) for _ in peers]
-                for work in [dist.irecv(b, r, group=self.group, tag=_WAIT_TAG)
-                             for b, r in zip(inbox, peers, strict=True)]:
-                    done(work)
-                for work in [dist.isend(token, r, group=self.group, tag=_WAIT_TAG)
-                             for r in peers]:
-                    done(work)
+                try:
+                    for work in [dist.irecv(b, r, group=self.group, tag=_WAIT_TAG)
+                                 for b, r in zip(inbox, peers, strict=True)]:
+                        done(work)
+                except RuntimeError:
+                    self._tell_peers(_ABORT)
+                    raise
+                self._tell_peers(_RELEASE, left)
             else:
-                done(dist.isend(token, 0, group=self.group, tag=_WAIT_TAG))
-                done(dist.irecv(torch.empty(1, dtype=torch.uint8), 0, group=self.group,
-                                tag=_WAIT_TAG))
+                done(dist.isend(torch.tensor([_RELEASE], dtype=torch.uint8), 0,
+                                group=self.group, tag=_WAIT_TAG))
+                word = torch.empty(1, dtype=torch.uint8)
+                done(dist.irecv(word, 0, group=self.group, tag=_WAIT_TAG))
+                if int(word[0]) == _ABORT:
+                    raise RuntimeError("rank 0 saw a peer fail in this step")
         except RuntimeError as exc:
             err = collective_error(what, exc, time.monotonic() - started, seconds)
             self.mark_broken(err)
             raise err from exc
+
+    def _tell_peers(self, word: int, left: Callable[[], timedelta] | None = None) -> None:
+        """Rank 0: send ``word`` to every other rank. An abort is best effort (some peers are
+        gone): a failed or slow send is not waited for beyond a second."""
+        token = torch.tensor([word], dtype=torch.uint8)
+        works = [dist.isend(token, r, group=self.group, tag=_WAIT_TAG)
+                 for r in range(1, self.world_size)]
+        for work in works:
+            if work is None:
+                continue
+            if left is not None:
+                work.wait(timeout=left())
+                continue
+            with contextlib.suppress(RuntimeError):
+                work.wait(timeout=timedelta(seconds=1))
 
     def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
         """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the

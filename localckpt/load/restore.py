@@ -45,7 +45,12 @@ from ..errors import CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.manifest import ShardManifest
-from ..storage.peer_io import StoreReceiver, exchange_shards, tensors_from_buffer
+from ..storage.peer_io import (
+    StoreReceiver,
+    exchange_shards,
+    piece_count,
+    tensors_from_buffer,
+)
 from ..storage.store import ShardRef
 
 logger = logging.getLogger(__name__)
@@ -102,12 +107,14 @@ def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _R
     return _Round(iteration, retrieval_plan(wants, holders))
 
 
-def _verify_sources(ctx: Context, rnd: _Round) -> list[list[str]]:
+def _verify_sources(ctx: Context, rnd: _Round) -> dict[str, Any]:
     """Read and verify every copy this rank serves (its own shard straight into its tensors).
-    A copy that fails is quarantined; returns [file, error, where it went] for each."""
+    A copy that fails is quarantined. Returns ``bad``: [file, error, where it went] for each,
+    and ``pieces``: how many messages each shard served takes on the wire."""
     fault_point("load_retrieval", ctx.rank, rnd.iteration)
     store, world, rank = ctx.store, ctx.world_size, ctx.rank
     bad = []
+    pieces: dict[str, int] = {}
     for shard in rnd.plan.sources_of(rank):
         it, owner = shard
         ref = ShardRef(it, owner, world, store.path_of(it, owner, world))
@@ -119,6 +126,8 @@ def _verify_sources(ctx: Context, rnd: _Round) -> list[list[str]]:
             else:
                 manifest, buf = store.read(ref)
                 rnd.served[shard] = (manifest, buf)
+                pieces[f"{it}:{owner}"] = piece_count(manifest.chunk_nbytes,
+                                                      manifest.chunk_count)
                 if owner == rank:
                     rnd.own = (manifest, tensors_from_buffer(manifest, buf))
         except CorruptShardError as exc:
@@ -126,7 +135,7 @@ def _verify_sources(ctx: Context, rnd: _Round) -> list[list[str]]:
             logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed "
                            "when the next save starts)", rank, exc, moved)
             bad.append([str(ref.path), str(exc), str(moved)])
-    return bad
+    return {"bad": bad, "pieces": pieces}
 
 
 def restore(ctx: Context, iteration: int,
@@ -163,18 +172,21 @@ def restore(ctx: Context, iteration: int,
         step = f"load of iteration {iteration}"
         rnd = plan_round(ctx, iteration, inventories)
         planned = time.monotonic()
-        bad = ctx.group.exchange(f"{step}: verify sources", partial(_verify_sources, ctx, rnd))
+        verify = ctx.group.exchange(f"{step}: verify sources",
+                                    partial(_verify_sources, ctx, rnd))
         verified = time.monotonic()
-        if any(bad):
-            quarantined += [b for per_rank in bad for b in per_rank]
+        if any(v["bad"] for v in verify):
+            quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
-        rounds_ = len(rnd.plan.exchange.rounds)
-        if rounds_:  # the same plan on every rank: all skip it alike
-            # Each transfer is bounded by the timeout; a rank with few transfers waits for the
-            # others' rounds, so its wait grows with them.
+        if rnd.plan.exchange.rounds:  # the same plan on every rank: all skip it alike
+            # Every piece on the wire, and its write on arrival, is bounded by the timeout; a
+            # rank with little to do waits for the others' rounds as long as they may take.
+            pieces = {k: n for v in verify for k, n in v["pieces"].items()}
+            steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
+                        for round_ in rnd.plan.exchange.rounds)
             ctx.group.exchange(f"{step}: fetch from peers", partial(
                 exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
-                rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + rounds_))
+                rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + 2 * steps))
         rnd.served.clear()  # sent: the copies read for peers go before the state dict is built
         if fetched is not None and rnd.received:
             fetched(time.monotonic() - verified,

@@ -159,6 +159,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except CheckpointingError as exc:
             status = f"CORRUPT: {exc}"
             bad.append({"shard": str(ref.path), "error": str(exc)})
+        except OSError as exc:  # this process's trouble (no permission...): the next one
+            status = f"UNREADABLE: {exc}"
+            bad.append({"shard": str(ref.path), "error": str(exc), "unreadable": True})
         finally:
             store.close()
         if not args.json:
@@ -167,10 +170,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"verified": len(shards), "corrupt": bad}, indent=1))
     else:
-        print(f"{len(shards)} shards verified, {len(bad)} corrupt")
+        print(f"{len(shards)} shards verified, {len(bad)} corrupt or unreadable")
         for b in bad:
-            print(f"{'UNSUPPORTED' if b.get('unsupported') else 'CORRUPT'} {b['shard']}: "
-                  f"{b['error']}")
+            label = ("UNSUPPORTED" if b.get("unsupported") else
+                     "UNREADABLE" if b.get("unreadable") else "CORRUPT")
+            print(f"{label} {b['shard']}: {b['error']}")
     return 1 if bad else 0
 
 

@@ -78,6 +78,15 @@ def _state_of(call: _Call) -> list[Any]:
     return [call.done.is_set(), describe_failure(call.error) if call.error else None]
 
 
+_finalizing = threading.local()
+
+
+def finalizing_agreed_calls() -> bool:
+    """True while a queue runs the finalize fns of a call that every rank agreed is done (a
+    finalize fn then needs not wait for slower ranks; ``execute_sync`` gives no such promise)."""
+    return bool(getattr(_finalizing, "agreed", False))
+
+
 def _drain_at_exit(ref: weakref.ReferenceType[AsyncCallsQueue]) -> None:
     q = ref()
     if q is not None:
@@ -165,8 +174,12 @@ class AsyncCallsQueue:
             if not everywhere:
                 break
             self._calls.pop(0)
-            for fn in call.request.finalize_fns:
-                fn()
+            _finalizing.agreed = not no_dist
+            try:
+                for fn in call.request.finalize_fns:
+                    fn()
+            finally:
+                _finalizing.agreed = False
             if failures:
                 raise error_from_failures(f"async call {call.index}", failures) from call.error
             finalized.append(call.index)

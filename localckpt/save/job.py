@@ -40,6 +40,9 @@ class SaveJob:
     scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
     finalized: bool = False
     finalize_error: BaseException | None = None  # what finalizing it raised, on every rank
+    # Units of work (chunks written, pieces on the wire along the replica schedule), each
+    # bounded by the timeout, that the slowest rank may still have ahead when a fast one agrees.
+    wait_steps: int = 2
     metrics: Metrics = field(default_factory=Metrics)
 
     def mark_scheduled(self) -> None:

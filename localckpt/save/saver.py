@@ -41,8 +41,9 @@ from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..state_dict import as_tensor_aware
 from ..storage.manifest import ShardManifest, TensorEntry, dtype_name, writer_identity
+from ..storage.peer_io import piece_count
 from ..storage.store import ShardRef, bytes_needed, chunking
-from .async_calls import AsyncRequest
+from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .job import SaveJob
 from .staging import StagingArena, plan_layout
 
@@ -80,9 +81,7 @@ class SavePath:
                 self._finalize_job(job)
                 return None
         self._inflight = job
-        # The queue finalizes a call only once it is done on every rank.
-        return AsyncRequest(job.run, (ctx,),
-                            finalize_fns=(partial(self._finalize_job, job, True),),
+        return AsyncRequest(job.run, (ctx,), finalize_fns=(partial(self._finalize_job, job),),
                             preload_fn=job.mark_scheduled)
 
     def close(self) -> None:
@@ -158,7 +157,8 @@ class SavePath:
                     "inventory": ctx.inventory().to_json(),
                     "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                            chunk_count),
-                    "free": st.f_bavail * st.f_frsize}
+                    "free": st.f_bavail * st.f_frsize, "chunks": chunk_count,
+                    "pieces": piece_count(chunk_nbytes, chunk_count)}
 
         gathered = ctx.group.exchange("save: stage and validate", stage)
         # Every rank reaches the same verdicts from the same gathered input.
@@ -170,16 +170,23 @@ class SavePath:
         for t in plan.transfers:
             writes[t.dst] += needed[t.src]
         check_capacity(writes, [int(g["free"]) for g in gathered], ctx.topology.node_of)
+        # A rank writes its chunks, then takes part in the replica rounds, each as long as the
+        # longest transfer in it: the bound of what a fast rank may wait for in finalize.
+        pieces = [int(g["pieces"]) for g in gathered]
+        steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
+            max(pieces[t.src] for t in round_) for round_ in plan.rounds)
         return SaveJob(iteration, staged["manifest"], staged["payload"],
-                       plan if plan.transfers else None, metrics=ctx.metrics)
+                       plan if plan.transfers else None, metrics=ctx.metrics,
+                       wait_steps=steps)
 
     # ------------------------------------------------------------------ 4. finalize
 
-    def _finalize_job(self, job: SaveJob, done_everywhere: bool = False) -> None:
+    def _finalize_job(self, job: SaveJob) -> None:
         """Finalize ``job`` once. The queue may call this after back-pressure already did: it
         then gets the same outcome (the same error on every rank if it failed), never a
-        success for a save that failed. Unless ``done_everywhere``, other ranks may still be
-        writing: the agreement then waits for them as long as their work may take."""
+        success for a save that failed. Unless the AsyncCallsQueue calls it after agreeing the
+        call is done everywhere, other ranks may still be writing: the agreement then waits for
+        them as long as their work may take."""
         if job.finalized:
             if job.finalize_error is not None:
                 raise job.finalize_error
@@ -189,7 +196,7 @@ class SavePath:
             self._inflight = None
         try:
             with self.ctx.timed("finalize", job.iteration):
-                self._finalize(job, done_everywhere)
+                self._finalize(job, finalizing_agreed_calls())
         except BaseException as exc:
             job.finalize_error = exc
             raise
@@ -207,10 +214,9 @@ class SavePath:
             return ctx.inventory().to_json()
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
-        # whose write and transfers ended early waits for the others' (each bounded by the
-        # timeout): the wait grows with the rounds of the replica exchange.
-        rounds = len(job.plan.rounds) if job.plan is not None else 0
-        wait = None if done_everywhere else ctx.timeout * (2 + rounds)
+        # whose write and transfers ended early waits for the others' as long as their work
+        # may take (SaveJob.wait_steps), unless the queue already agreed all are done.
+        wait = None if done_everywhere else ctx.timeout * job.wait_steps
         outcome = ctx.group.gather_outcomes("save: finalize", report, wait=wait)
         if outcome.failures:
             error: Exception = error_from_failures("save: finalize", outcome.failures)

@@ -6,9 +6,9 @@
   :func:`make_private_dir` does that for every directory it creates.
 - Replacing a committed directory is one atomic step, ``renameat2(RENAME_EXCHANGE)``: two
   renames (old aside, new in) leave nothing committed if the process dies between them.
-- A root that is a symbolic link, is reached through another user's symbolic link, is owned by
-  another user, or is writable by everyone without the sticky bit, is refused: on a shared tmpfs
-  another user could have planted it, or could later swap it, to read or replace our checkpoints.
+- A root that is a symbolic link, is reached through another user's symbolic link, or is owned
+  by another user (but root) is refused: on a shared tmpfs another user could have planted it,
+  or could later swap it, to read or replace our checkpoints.
 """
 
 from __future__ import annotations
@@ -94,8 +94,11 @@ def rename_exchange(a: Path, b: Path) -> bool:
 
 
 def check_safe_dir(path: Path, what: str, allow_unsafe: bool) -> None:
-    """Refuse a directory that is a symbolic link or belongs to another user (ConfigurationError
-    naming both owners), unless ``allow_unsafe``. Raises ConfigurationError for a non-directory."""
+    """Refuse a directory that is a symbolic link, is reached through a symbolic link of another
+    user, or belongs to another user (root excepted: it could read our files anyway), unless
+    ``allow_unsafe`` (ConfigurationError naming them). Warn when everyone may rename entries in
+    it (world-writable without the sticky bit: a Kubernetes emptyDir is). Raises
+    ConfigurationError for a missing directory or a non-directory."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -111,20 +114,51 @@ def check_safe_dir(path: Path, what: str, allow_unsafe: bool) -> None:
             "it. Pass the real directory, or allow_unsafe_root=True if you trust the link")
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigurationError(f"{what}: expected a directory, got {path}")
-    if st.st_uid != os.geteuid():
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
         raise ConfigurationError(
-            f"{what}: {path} is owned by uid {st.st_uid}, this process runs as uid "
-            f"{os.geteuid()}; another user could read or replace the checkpoints in it. Use a "
-            "directory of your own, or allow_unsafe_root=True for a directory shared on purpose")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise ConfigurationError(
-            f"{what}: {path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o}, no "
-            "sticky bit): anyone could rename its entries. chmod o-w it, or pass "
-            "allow_unsafe_root=True")
-    for parent in Path(os.path.abspath(path)).parents:
-        pst = os.lstat(parent)
-        if stat.S_ISLNK(pst.st_mode) and pst.st_uid not in (0, os.geteuid()):
+            f"{what}: {path} is owned by uid {st.st_uid}, this process runs as uid {me}; "
+            "another user could read or replace the checkpoints in it. Use a directory of your "
+            "own, or allow_unsafe_root=True for a directory shared on purpose")
+    for link, owner in links_followed(path):
+        if owner not in (0, me):
             raise ConfigurationError(
-                f"{what}: {path} is reached through the symbolic link {parent} (to "
-                f"{os.readlink(parent)}) of uid {pst.st_uid}, another user who could point it "
-                "elsewhere. Pass the real path, or allow_unsafe_root=True")
+                f"{what}: {path} is reached through the symbolic link {link} of uid {owner}, "
+                "another user who could point it elsewhere. Pass the real path, or "
+                "allow_unsafe_root=True")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        logger.warning("%s: %s is writable by every user (mode %o, no sticky bit): anyone on "
+                       "this machine could rename the checkpoints in it. `chmod o-w` or `+t` "
+                       "it where other users exist", what, path, stat.S_IMODE(st.st_mode))
+
+
+def links_followed(path: Path) -> list[tuple[Path, int]]:
+    """Every symbolic link the kernel follows to resolve ``path`` (in order, through links to
+    links, ``..`` after a link included), with its owner; up to the first missing component."""
+    full = path if path.is_absolute() else Path(os.getcwd()) / path
+    pending = list(full.parts[1:])
+    current = Path("/")
+    found: list[tuple[Path, int]] = []
+    while pending:
+        name = pending.pop(0)
+        if name == "..":
+            current = current.parent
+            continue
+        candidate = current / name
+        try:
+            st = os.lstat(candidate)
+        except OSError:
+            break  # the rest does not exist yet: nothing more is followed
+        if not stat.S_ISLNK(st.st_mode):
+            current = candidate
+            continue
+        found.append((candidate, st.st_uid))
+        if len(found) > 40:
+            raise ConfigurationError(f"{path}: too many levels of symbolic links")
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current, parts = Path("/"), list(target.parts[1:])
+        else:
+            parts = list(target.parts)
+        pending = parts + pending
+    return found

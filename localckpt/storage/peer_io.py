@@ -36,6 +36,13 @@ def piece_nbytes(manifest: ShardManifest) -> int:
     return manifest.chunk_nbytes * max(1, PIECE_TARGET_NBYTES // manifest.chunk_nbytes)
 
 
+def piece_count(chunk_nbytes: int, chunk_count: int) -> int:
+    """Messages a shard of ``chunk_count`` chunks takes on the wire (each bounded by the
+    timeout: what an agreement after transfers must allow for)."""
+    per_piece = max(1, PIECE_TARGET_NBYTES // chunk_nbytes)
+    return max(1, -(-chunk_count // per_piece))
+
+
 class PieceRing:
     """A few receive buffers reused for every incoming piece, transfer and save: received bytes
     land in memory that is already mapped (a fresh buffer per shard doubled the transfer time
@@ -69,11 +76,13 @@ class StoreReceiver:
         with gc_paused():  # parsing allocates ~10 objects per tensor; see gc_paused
             self.manifest = ShardManifest.from_json_bytes(meta, where)
         m = self.manifest
-        expected = (store.session_id, t.iteration, t.owner, world_size)
-        got = (m.session_id, m.iteration, m.owner_rank, m.world_size)
+        # The session may differ, as on the local read path: a session directory copied or
+        # renamed on purpose (the load path warns about it).
+        expected = (t.iteration, t.owner, world_size)
+        got = (m.iteration, m.owner_rank, m.world_size)
         if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
-            raise CorruptShardError(f"{where}: manifest says (session, iteration, owner, world) = "
-                                    f"{got} and {nbytes} bytes, expected {expected}")
+            raise CorruptShardError(f"{where}: manifest says (iteration, owner, world) = {got} "
+                                    f"and {nbytes} bytes, expected {expected}")
         self._ring = ring
         self._store = store
         self._in_slot: dict[int, range] = {}  # ring slot -> chunks whose bytes it holds

@@ -62,18 +62,21 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
     list(pool.map(one, range(manifest.chunk_count)))
 
 
-# A copy that cannot be read for these reasons is damaged (or was tampered with): another copy
-# may serve. Anything else (EACCES, EMFILE, ENOMEM...) is this process's trouble, not the
-# copy's, and is raised as it is: a healthy shard must never be quarantined for it.
-_DAMAGED = (errno.ENOENT, errno.ELOOP, errno.EIO, errno.ENOTDIR, errno.EISDIR, errno.EUCLEAN)
+# Reading a copy can fail because of this process or machine (no descriptors or memory left,
+# no permission, interrupted): that says nothing about the copy, is raised as it is, and a
+# healthy shard is never quarantined for it. Any other error (ENOENT, EIO, EBADMSG and ENODATA
+# from a file system's own checksums, ESTALE, ELOOP...) means this copy cannot be used.
+_NOT_THE_COPY = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES, errno.EPERM,
+                 errno.EINTR, errno.EAGAIN, errno.ENOBUFS)
 
 
 def unreadable(path: Path, exc: OSError, what: str) -> OSError:
-    """The error for an OSError reading ``path``: CorruptShardError if the copy is damaged."""
-    if exc.errno in _DAMAGED:
-        reason = "missing" if exc.errno == errno.ENOENT else f"unreadable ({exc.strerror})"
-        return CorruptShardError(f"{path}: {what} {reason}")
-    return exc
+    """The error for an OSError reading ``path``: CorruptShardError unless the trouble is this
+    process's rather than the copy's."""
+    if isinstance(exc, CorruptShardError) or exc.errno is None or exc.errno in _NOT_THE_COPY:
+        return exc  # already a verdict, not a system call's error, or not the copy's trouble
+    reason = "missing" if exc.errno == errno.ENOENT else f"unreadable ({exc.strerror})"
+    return CorruptShardError(f"{path}: {what} {reason}")
 
 
 def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
