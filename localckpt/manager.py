@@ -31,15 +31,10 @@ from .load.restore import find_latest, restore
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
+from .storage.layout import MAX_WORLD_SIZE, ShardRef, session_dir
 from .storage.manifest import ShardManifest
 from .storage.session_lock import SessionLock
-from .storage.store import (
-    DEFAULT_CHUNK_NBYTES,
-    MAX_WORLD_SIZE,
-    ShardRef,
-    ShardStore,
-    session_dir,
-)
+from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_job import HERE, NODES, SAVED
+from chaos_job import HERE, NODES, SAVED, events
 
-from localckpt.storage.store import list_shards
+from localckpt.storage.layout import list_shards
 
 SESSION = "demo"
 
@@ -33,13 +33,6 @@ class Outcome:
     violations: list[str] = field(default_factory=list)
     relaunches: int = 0  # whole-job relaunches after torchrun gave up
     fired: list[str] = field(default_factory=list)  # "point:action" of the faults that fired
-
-
-def events(out: Path) -> list[dict[str, Any]]:
-    evs = []
-    for f in sorted(out.glob("events-rank*.jsonl")):
-        evs += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return sorted(evs, key=lambda e: e["t"])
 
 
 def fired_faults(work: Path) -> list[str]:

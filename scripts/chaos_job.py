@@ -109,7 +109,10 @@ class Job:
                                     f"after {self.relaunches} relaunches of the job")
                         self.relaunches += 1  # e.g. the other node had already finished
                         self.stop_all()
-                        self.start_all(with_faults=False)
+                        # A launch that failed before any rank started (a rendezvous timeout on
+                        # a loaded machine) is retried as it was: the faults never had a chance.
+                        started = any(e["event"] == "start" for e in events(self.work / "out"))
+                        self.start_all(with_faults=not started)
                         break
                 if time.monotonic() > end:
                     return f"hang: not finished within {deadline:.0f}s"

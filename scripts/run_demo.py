@@ -19,7 +19,7 @@ from pathlib import Path
 
 from chaos_job import NODES, SAVE_EVERY, STEPS, Job
 
-from localckpt.storage.store import list_shards
+from localckpt.storage.layout import list_shards
 
 KILL_AT = 29  # node 1 dies while staging the checkpoint of this step
 

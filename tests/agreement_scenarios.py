@@ -47,6 +47,18 @@ def load_any(rank: int, base: str, per_node: int = 1, **kwargs: Any) -> dict[str
             "expected": digest(make_state(rank, ckpt_id[0]))}
 
 
+def load_checked(rank: int, root: Path, session: str, **kwargs: Any) -> dict[str, Any]:
+    """load() on a new manager: the error, or the iteration and whether the state is the one
+    saved for it."""
+    with LocalCheckpointManager(root, session, **kwargs) as mgr:
+        try:
+            state, ckpt_id = mgr.load()
+        except Exception as exc:
+            return {"error": describe(exc)}
+    return {"error": None, "loaded": ckpt_id[0], "digest": digest(state),
+            "expected": digest(make_state(rank, ckpt_id[0]))}
+
+
 def close_manager_before_queue(rank: int, world: int, base: str) -> dict[str, Any]:
     """The natural ``with`` block, then the queue closed after it: the last async save must
     survive (its finalize cannot run on a closed manager, and must not delete anything)."""
@@ -231,13 +243,7 @@ def slow_restore(rank: int, world: int, base: str, timeout: float, delay: float
         faults.arm(faults.Fault("replica_receive", "sleep", seconds=delay, times=10),
                    faults.Fault("local_write", "sleep", seconds=delay, times=10))
     dist.barrier()
-    with LocalCheckpointManager(root, "job", **kwargs) as mgr:
-        try:
-            state, ckpt_id = mgr.load()
-        except Exception as exc:
-            return {"error": describe(exc)}
-    return {"error": None, "loaded": ckpt_id[0], "digest": digest(state),
-            "expected": digest(make_state(rank, 1))}
+    return load_checked(rank, root, "job", **kwargs)
 
 
 def start_while_gc_holds(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -295,13 +301,7 @@ def renamed_session_then_fetch(rank: int, world: int, base: str) -> dict[str, An
     if rank == 0:
         shutil.rmtree(root / "job2" / "iter_0000000001" / "rank_00000_of_00002")
     dist.barrier()
-    with LocalCheckpointManager(root, "job2", **kwargs) as mgr:
-        try:
-            state, ckpt_id = mgr.load()
-        except Exception as exc:
-            return {"error": describe(exc)}
-    return {"error": None, "loaded": ckpt_id[0], "digest": digest(state),
-            "expected": digest(make_state(rank, 1))}
+    return load_checked(rank, root, "job2", **kwargs)
 
 
 def slow_pieces(rank: int, world: int, base: str, timeout: float, delay: float

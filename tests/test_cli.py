@@ -169,7 +169,7 @@ def _shard(root: Path, it: int, owner: int, world: int, session: str = "job") ->
 
 
 def _present(*roots: Path) -> list[tuple[int, int]]:
-    from localckpt.storage.store import list_shards
+    from localckpt.storage.layout import list_shards
 
     return sorted((s.iteration, s.owner_rank) for r in roots for s in list_shards(r, "job"))
 

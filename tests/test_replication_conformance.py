@@ -11,7 +11,7 @@ import pytest
 import scenarios
 from dist_harness import run_ranks
 
-from localckpt.storage.store import list_shards
+from localckpt.storage.layout import list_shards
 from replication import Topology, make_strategy
 
 STRATEGIES = ["clique", "lazy_clique", "node_spread"]

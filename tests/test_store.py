@@ -12,15 +12,9 @@ import torch
 import zarr
 
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from localckpt.storage.layout import find_leftovers, list_shards
 from localckpt.storage.manifest import ShardManifest
-from localckpt.storage.store import (
-    ShardStore,
-    byte_view,
-    check_free_space,
-    chunking,
-    find_leftovers,
-    list_shards,
-)
+from localckpt.storage.store import ShardStore, byte_view, check_free_space, chunking
 
 
 def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,
@@ -362,7 +356,7 @@ def test_manifest_claiming_more_bytes_than_its_files_is_refused_before_allocatin
 
 
 def test_shard_names_out_of_the_listed_width_are_refused(root: Path) -> None:
-    from localckpt.storage.store import shard_path
+    from localckpt.storage.layout import shard_path
 
     with pytest.raises(ValueError, match="iteration"):
         shard_path(root, "s", 10**10, 0, 1)

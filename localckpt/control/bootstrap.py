@@ -24,8 +24,8 @@ from replication import (
 
 from ..errors import ConfigurationError
 from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
+from ..storage.layout import remove_leftovers, session_dir
 from ..storage.session_lock import SessionLock
-from ..storage.store import remove_leftovers, session_dir
 
 logger = logging.getLogger(__name__)
 

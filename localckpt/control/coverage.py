@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
-from ..storage.store import MAX_ITERATION
+from ..storage.layout import MAX_ITERATION
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
 

@@ -44,6 +44,7 @@ from ..control.coverage import (
 from ..errors import CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
+from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import (
     StoreReceiver,
@@ -51,7 +52,6 @@ from ..storage.peer_io import (
     piece_count,
     tensors_from_buffer,
 )
-from ..storage.store import ShardRef
 
 logger = logging.getLogger(__name__)
 

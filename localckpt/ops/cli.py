@@ -29,17 +29,17 @@ from typing import Any
 
 from ..control.coverage import complete_from_listings
 from ..errors import CheckpointingError, UnsupportedFormatError
-from ..storage.manifest import ShardManifest
-from ..storage.session_lock import SessionLock
-from ..storage.store import (
+from ..storage.layout import (
     ShardRef,
-    ShardStore,
     find_leftovers,
     find_quarantined,
     list_sessions,
     list_shards,
     session_dir,
 )
+from ..storage.manifest import ShardManifest
+from ..storage.session_lock import SessionLock
+from ..storage.store import ShardStore
 from . import health
 
 

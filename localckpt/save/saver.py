@@ -40,9 +40,10 @@ from ..errors import (
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..state_dict import as_tensor_aware
+from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest, TensorEntry, dtype_name, writer_identity
 from ..storage.peer_io import piece_count
-from ..storage.store import ShardRef, bytes_needed, chunking
+from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .job import SaveJob
 from .staging import StagingArena, plan_layout

@@ -12,7 +12,7 @@ The chunk files are exactly what zarr's ``bytes`` + ``crc32c`` codec pipeline pr
 here directly from the staging buffer: no per-chunk copies, checksum and write overlapped across
 threads. Commit = write into ``.tmp-*`` in the iteration directory, fsync files and directories,
 rename. Listing looks only at committed names; anything else is a leftover that never blocks a
-later save and is removed by :func:`remove_leftovers`.
+later save and is removed by :func:`localckpt.storage.layout.remove_leftovers`.
 
 Several ranks of one node share a root. A rank only ever writes, replaces or deletes shard
 directories it was asked to (its own shards, later the replicas it keeps) and only removes its own
@@ -30,20 +30,28 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from ..errors import CorruptShardError, InsufficientSpaceError
+from .layout import (
+    ShardRef,
+    find_leftovers,
+    find_quarantined,
+    list_shards,
+    remove_if_empty,
+    remove_paths,
+    session_dir,
+    shard_path,
+)
 from .manifest import ShardManifest, dtype_from_name
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
@@ -51,52 +59,7 @@ from .shard_writer import ShardWriter, trash_name
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_NBYTES = 16 << 20
-_SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-# ASCII digits only: \d and int() also take other scripts' digits, which would list a directory
-# under a number whose own path (path_of) is another name.
-_ITER_RE = re.compile(r"iter_([0-9]{10})")
-_SHARD_RE = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
-#: The directory names have fixed widths (listing matches them exactly): 10 digits of iteration,
-#: 5 of rank and world size.
-MAX_ITERATION = 10**10 - 1
-MAX_WORLD_SIZE = 10**5 - 1
-_DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
 _MANIFESTS_KEPT = 8
-
-
-@dataclass(frozen=True, order=True)
-class ShardRef:
-    """A committed shard on this node: checkpoint id plus where it lives."""
-
-    iteration: int
-    owner_rank: int
-    world_size: int
-    path: Path
-
-
-def session_dir(root: Path, session_id: str) -> Path:
-    """``root/<session>``; raises ConfigurationError for a session id that is not a safe name."""
-    if session_id == "":
-        return root / _DEFAULT_SESSION_DIR
-    if not _SESSION_RE.fullmatch(session_id):
-        raise ConfigurationError(
-            "session_id: expected 1-128 characters of [A-Za-z0-9._-] not starting with '.', "
-            f"'-' or '_', got {session_id!r}"
-        )
-    return root / session_id
-
-
-def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
-    """Where shard (iteration, owner, world_size) lives; raises ValueError for numbers that do
-    not fit the fixed-width names (a directory nothing would list, or ever remove)."""
-    if not 0 <= iteration <= MAX_ITERATION:
-        raise ValueError(f"iteration: expected 0 <= iteration <= {MAX_ITERATION} (10 digits in "
-                         f"the directory name), got {iteration}")
-    if not (1 <= world_size <= MAX_WORLD_SIZE and 0 <= owner < world_size):
-        raise ValueError(f"rank {owner} of world size {world_size}: expected a world size of at "
-                         f"most {MAX_WORLD_SIZE} (5 digits in the directory name)")
-    return (session_dir(root, session_id) / f"iter_{iteration:010d}"
-            / f"rank_{owner:05d}_of_{world_size:05d}")
 
 
 def chunking(data_nbytes: int, target_chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> tuple[int, int]:
@@ -107,30 +70,6 @@ def chunking(data_nbytes: int, target_chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) 
         return 1, 0
     count = -(-data_nbytes // target_chunk_nbytes)
     return -(-data_nbytes // count), count
-
-
-def list_shards(root: Path, session_id: str) -> list[ShardRef]:
-    """Committed shards of ``session_id`` under ``root``, sorted. Never raises for a missing root
-    or stray files; ignores temporary and trash directories."""
-    out = []
-    base = session_dir(root, session_id)
-    for it_entry in _scandir(base):
-        m = _ITER_RE.fullmatch(it_entry.name)
-        if not m or not it_entry.is_dir(follow_symlinks=False):
-            continue
-        for entry in _scandir(Path(it_entry.path)):
-            s = _SHARD_RE.fullmatch(entry.name)
-            if s and entry.is_dir(follow_symlinks=False):
-                out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
-    return sorted(out)
-
-
-def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            yield from it
-    except (FileNotFoundError, NotADirectoryError):
-        return
 
 
 def check_free_space(root: Path, needed: int) -> None:
@@ -339,7 +278,7 @@ class ShardStore:
             os.rename(ref.path, target)
         except FileNotFoundError:
             return None
-        _remove_if_empty(ref.path.parent)
+        remove_if_empty(ref.path.parent)
         return target
 
     def remove_quarantined(self) -> list[Path]:
@@ -358,7 +297,7 @@ class ShardStore:
         except FileNotFoundError:
             return
 
-        _remove_if_empty(ref.path.parent)
+        remove_if_empty(ref.path.parent)
 
         def remove() -> None:
             shutil.rmtree(trash, ignore_errors=True)
@@ -375,61 +314,10 @@ class ShardStore:
         taken for a leftover by the reaper thread."""
         found = find_leftovers(self.session_path, self.writer_rank)
         if not background:
-            _remove_paths(self.session_path, found)
+            remove_paths(self.session_path, found)
         else:
-            self._in_background(partial(_remove_paths, self.session_path, found))
+            self._in_background(partial(remove_paths, self.session_path, found))
         return found
-
-
-def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[Path]:
-    """The temporary and trash directories (crash leftovers) of ``writer_rank`` (None: of every
-    writer) under ``session_path``."""
-    tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
-    in_session = [Path(e.path) for e in _scandir(session_path)
-                  if e.name.startswith(".trash-") and tag in e.name]
-    return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
-                         if _ITER_RE.fullmatch(it_entry.name)
-                         for entry in _scandir(Path(it_entry.path))
-                         if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
-
-
-def find_quarantined(session_path: Path) -> list[Path]:
-    """Quarantined shards (see :meth:`ShardStore.quarantine`) under ``session_path``."""
-    return sorted(Path(e.path) for e in _scandir(session_path)
-                  if e.name.startswith(".quarantine-"))
-
-
-def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
-    """Delete :func:`find_leftovers` and then empty iteration directories. Every writer's are
-    only safe to remove while no rank of the job can be writing (before the manager's first
-    collective completes). Tolerates ranks of one node doing this at the same time."""
-    removed = find_leftovers(session_path, writer_rank)
-    _remove_paths(session_path, removed)
-    return removed
-
-
-def _remove_paths(session_path: Path, paths: list[Path]) -> None:
-    """Delete ``paths``, then the session's empty iteration directories (a writer that loses
-    its new, still empty iteration directory to this retries: see ShardWriter)."""
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-    for it_entry in _scandir(session_path):
-        if _ITER_RE.fullmatch(it_entry.name):
-            _remove_if_empty(Path(it_entry.path))
-
-
-def list_sessions(root: Path) -> list[str]:
-    """Session ids with a directory under ``root`` ("" for the default session). Other entries
-    (``lost+found`` on a file system's root, stray files, symbolic links) are skipped."""
-    out = []
-    for e in _scandir(root):
-        if not e.is_dir(follow_symlinks=False):
-            continue
-        if e.name == _DEFAULT_SESSION_DIR:
-            out.append("")
-        elif _SESSION_RE.fullmatch(e.name):
-            out.append(e.name)
-    return sorted(out)
 
 
 def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
@@ -453,8 +341,4 @@ def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
 def _content_key(path: Path, st: os.stat_result) -> tuple[str, int, int, int]:
     return (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
 
-
-def _remove_if_empty(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not empty, or already gone
-        directory.rmdir()
 
