@@ -15,6 +15,7 @@ from typing import Any
 
 from chaos_job import HERE, NODES, SAVED, events
 
+from localckpt.control.coverage import complete_from_listings
 from localckpt.storage.layout import list_shards
 
 SESSION = "demo"
@@ -171,7 +172,15 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
                                   *work.glob(f"node*/{SESSION}/.quarantine-*")]]
     if leftovers and not error:
         violations.append(f"leftovers after the last save: {leftovers}")
-    last = SAVED[-1]
+    # the newest iteration complete on disk (the last save may have failed alike, on purpose)
+    listings = [frozenset((s.iteration, s.owner_rank, s.world_size)
+                          for s in list_shards(work / f"node{n}", SESSION)) for n in range(NODES)]
+    last = next(iter(complete_from_listings(listings, NODES)), -1)
+    failed_everywhere = all(any(e["event"] == "save_failed" and e["iteration"] == SAVED[-1]
+                                and e["rank"] == r for e in evs) for r in range(NODES))
+    if last != SAVED[-1] and not failed_everywhere and not error:
+        violations.append(f"iteration {SAVED[-1]} is not complete on disk (newest: {last}) "
+                          "although its save did not fail on every rank")
     replicated = "none" not in sc.args
     for n in range(NODES):
         held = {s.owner_rank for s in list_shards(work / f"node{n}", SESSION)
