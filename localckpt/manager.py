@@ -25,6 +25,7 @@ from replication import ReplicationStrategy, Topology, make_strategy, strategy_n
 from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
+from .control.coverage import Inventory
 from .errors import ConfigurationError
 from .gc_pause import gc_paused
 from .load.restore import find_latest, restore
@@ -144,6 +145,7 @@ class LocalCheckpointManager:
                             self._job_identity)
         self._save = SavePath(self._ctx, keep_last, busy)
         self._warned_foreign: set[int] = set()
+        self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,6 +204,7 @@ class LocalCheckpointManager:
         step), CollectiveError / CollectiveTimeoutError. A failed save's shards are removed only
         when every rank agreed it failed; nothing committed earlier is touched.
         """
+        self._listed = None  # the disk changes: a load must list again
         return self._save.save(state_dict, iteration, is_async)
 
     def find_latest(self) -> int:
@@ -215,7 +218,7 @@ class LocalCheckpointManager:
         """
         self._save.settle()
         with self._ctx.timed("find_latest", -1) as box, gc_paused():
-            self.latest_iteration = find_latest(self._ctx)
+            self.latest_iteration, self._listed = find_latest(self._ctx)
             box["iteration"] = self.latest_iteration
         if self.latest_iteration >= 0:
             # Parsed once: load finds it in the store's manifest cache.
@@ -249,8 +252,9 @@ class LocalCheckpointManager:
             self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, self.latest_iteration,
                                           seconds, nbytes, self.session_id, time.time()))
 
+        listed, self._listed = self._listed, None
         with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-            manifest, state = restore(self._ctx, self.latest_iteration, fetched)
+            manifest, state = restore(self._ctx, self.latest_iteration, fetched, listed)
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)

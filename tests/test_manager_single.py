@@ -372,3 +372,34 @@ def test_a_closed_manager_frees_its_memory_without_the_garbage_collector(root: P
     finally:
         if was:
             gc.enable()
+
+
+def test_a_restart_load_is_one_collective_after_find_latest(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load right after find_latest plans from the inventories find_latest gathered, and
+    with every shard on its own node it verifies and builds in one step; a save in between
+    makes the load list again."""
+    from localckpt.control.collectives import CheckpointGroup
+
+    steps: list[str] = []
+    real = CheckpointGroup.gather_outcomes
+
+    def spy(self: CheckpointGroup, step: str, *args: Any, **kwargs: Any) -> Any:
+        steps.append(step)
+        return real(self, step, *args, **kwargs)
+
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        mgr.save(make_state(0, 2), 2)
+    monkeypatch.setattr(CheckpointGroup, "gather_outcomes", spy)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        steps.clear()
+        assert mgr.find_latest() == 2
+        loaded, _ = mgr.load()
+        assert steps == ["find_latest", "load of iteration 2: verify sources"]
+        assert digest(loaded) == digest(make_state(0, 2))
+        mgr.find_latest()
+        mgr.save(make_state(0, 3), 3)
+        steps.clear()
+        mgr.load()
+        assert steps[0] == "load of iteration 3: inventory"

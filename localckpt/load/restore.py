@@ -16,8 +16,10 @@ it like a replica.
    d. transfers: received shards are verified and written back, so the job is again one node
       loss away from trouble, not zero;
    e. the state dict is built (a written-back own shard read, tensors moved to their devices) in
-      one last agreed step: a failure there, say a CUDA allocation on one rank, is the same
-      error on every rank.
+      an agreed step: a failure there, say a CUDA allocation on one rank, is the same error on
+      every rank. When every shard was on its own node (no transfers: the usual restart) that
+      happens in the verify step, and a load right after ``find_latest`` plans its first round
+      from the inventories ``find_latest`` gathered, so such a load is one collective.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ logger = logging.getLogger(__name__)
 Loaded = tuple[ShardManifest, list[torch.Tensor]]
 
 
-def find_latest(ctx: Context) -> int:
-    """The newest iteration every rank can load, or -1. Collective. Shards written by a job of
-    another world size are reported (once, by rank 0) and otherwise ignored."""
+def find_latest(ctx: Context) -> tuple[int, list[Inventory]]:
+    """The newest iteration every rank can load, or -1, and the inventories it was chosen from
+    (a load right after may plan from them). Collective. Shards written by a job of another world
+    size are reported (once, by rank 0) and otherwise ignored."""
     def listing() -> dict[str, Any]:
         fault_point("find_latest", ctx.rank)
         return ctx.inventory().to_json()
@@ -76,7 +79,7 @@ def find_latest(ctx: Context) -> int:
             "--world-size %d ROOT...`",
             "; ".join(f"world size {w}: iterations {its}" for w, its in others.items()),
             ctx.world_size, repr(ctx.session_id) if ctx.session_id else "''", ctx.world_size)
-    return latest
+    return latest, inventories
 
 
 @dataclass
@@ -107,10 +110,12 @@ def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _R
     return _Round(iteration, retrieval_plan(wants, holders))
 
 
-def _verify_sources(ctx: Context, rnd: _Round) -> dict[str, Any]:
+def _verify_sources(ctx: Context, rnd: _Round,
+                    built: list[tuple[ShardManifest, Any]] | None) -> dict[str, Any]:
     """Read and verify every copy this rank serves (its own shard straight into its tensors).
     A copy that fails is quarantined. Returns ``bad``: [file, error, where it went] for each,
-    and ``pieces``: how many messages each shard served takes on the wire."""
+    and ``pieces``: how many messages each shard served takes on the wire. With ``built`` (the
+    round has no transfers) and nothing bad here, the state dict is built in the same step."""
     fault_point("load_retrieval", ctx.rank, rnd.iteration)
     store, world, rank = ctx.store, ctx.world_size, ctx.rank
     bad = []
@@ -135,11 +140,14 @@ def _verify_sources(ctx: Context, rnd: _Round) -> dict[str, Any]:
             logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed "
                            "when the next save starts)", rank, exc, moved)
             bad.append([str(ref.path), str(exc), str(moved)])
+    if built is not None and not bad:
+        _build(ctx, rnd, built)
     return {"bad": bad, "pieces": pieces}
 
 
 def restore(ctx: Context, iteration: int,
-            fetched: Callable[[float, int], None] | None = None) -> tuple[ShardManifest, Any]:
+            fetched: Callable[[float, int], None] | None = None,
+            inventories: list[Inventory] | None = None) -> tuple[ShardManifest, Any]:
     """This rank's state dict from the newest complete iteration not newer than ``iteration``
     (and its manifest), every rank's and every node's replicas restored on the way. Collective.
 
@@ -147,6 +155,9 @@ def restore(ctx: Context, iteration: int,
     complete iteration is left (it names them), NoCheckpointError when none was there,
     UnsupportedFormatError, the failing rank's error while building the state dict,
     CollectiveError. ``fetched(seconds, nbytes)`` is told what this rank received from peers.
+    ``inventories``: what :func:`find_latest` gathered just before, to plan the first round from
+    (every rank passes them or none; a copy gone since fails verification and the next round
+    lists again).
     """
     if iteration < 0:
         raise NoCheckpointError(
@@ -158,7 +169,8 @@ def restore(ctx: Context, iteration: int,
     while True:
         rounds += 1
         started = time.monotonic()
-        inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
+        if inventories is None or rounds > 1:
+            inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
         candidates = [it for it in complete_iterations(inventories, ctx.world_size)
                       if it <= iteration]
         if not candidates or rounds > 1 + sum(len(i.shards) for i in inventories):
@@ -172,21 +184,24 @@ def restore(ctx: Context, iteration: int,
         step = f"load of iteration {iteration}"
         rnd = plan_round(ctx, iteration, inventories)
         planned = time.monotonic()
-        verify = ctx.group.exchange(f"{step}: verify sources",
-                                    partial(_verify_sources, ctx, rnd))
+        built: list[tuple[ShardManifest, Any]] = []
+        local_only = not rnd.plan.exchange.rounds  # the same plan on every rank
+        verify = ctx.group.exchange(f"{step}: verify sources", partial(
+            _verify_sources, ctx, rnd, built if local_only else None))
         verified = time.monotonic()
         if any(v["bad"] for v in verify):
             quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
-        if rnd.plan.exchange.rounds:  # the same plan on every rank: all skip it alike
-            # Every piece on the wire, and its write on arrival, is bounded by the timeout; a
-            # rank with little to do waits for the others' rounds as long as they may take.
-            pieces = {k: n for v in verify for k, n in v["pieces"].items()}
-            steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
-                        for round_ in rnd.plan.exchange.rounds)
-            ctx.group.exchange(f"{step}: fetch from peers", partial(
-                exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
-                rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + 2 * steps))
+        if local_only:  # every rank read its own shard and built its state dict
+            return built[0]
+        # Every piece on the wire, and its write on arrival, is bounded by the timeout; a rank
+        # with little to do waits for the others' rounds as long as they may take.
+        pieces = {k: n for v in verify for k, n in v["pieces"].items()}
+        steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
+                    for round_ in rnd.plan.exchange.rounds)
+        ctx.group.exchange(f"{step}: fetch from peers", partial(
+            exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
+            rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + 2 * steps))
         rnd.served.clear()  # sent: the copies read for peers go before the state dict is built
         if fetched is not None and rnd.received:
             fetched(time.monotonic() - verified,
@@ -196,7 +211,6 @@ def restore(ctx: Context, iteration: int,
         if rnd.received:
             logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
                         rank, sorted(o for _, o in rnd.received))
-        built: list[tuple[ShardManifest, Any]] = []
         ctx.group.exchange(f"{step}: build the state dict",
                            partial(_build, ctx, rnd, built))
         return built[0]
