@@ -26,9 +26,10 @@ from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
 from .control.coverage import Inventory
-from .errors import ConfigurationError
+from .errors import CollectiveError, ConfigurationError
 from .gc_pause import gc_paused
 from .load.restore import find_latest, restore
+from .load.write_back import WriteBack
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
@@ -146,6 +147,7 @@ class LocalCheckpointManager:
         self._save = SavePath(self._ctx, keep_last, busy)
         self._warned_foreign: set[int] = set()
         self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
+        self._write_back: WriteBack | None = None  # the last load's, until waited for
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,6 +156,10 @@ class LocalCheckpointManager:
         every rank and happens through the AsyncCallsQueue, so close the queue first), then
         release the I/O threads, the process groups and the session lock. Not collective.
         Every later collective of this manager raises CollectiveError."""
+        try:
+            self.wait_for_write_back()
+        except CollectiveError as exc:  # logged; closing goes on
+            logger.error("rank %d: close: %s", self.rank, exc)
         self._save.close()
         self._ctx.ring.release()
         self._ctx.store.close()
@@ -205,6 +211,7 @@ class LocalCheckpointManager:
         when every rank agreed it failed; nothing committed earlier is touched.
         """
         self._listed = None  # the disk changes: a load must list again
+        self.wait_for_write_back()
         return self._save.save(state_dict, iteration, is_async)
 
     def find_latest(self) -> int:
@@ -216,6 +223,7 @@ class LocalCheckpointManager:
         (:func:`localckpt.control.coverage.choose_latest`). Shards of another world size are
         reported in a warning and ignored. Checksums are verified by ``load``.
         """
+        self.wait_for_write_back()
         self._save.settle()
         with self._ctx.timed("find_latest", -1) as box, gc_paused():
             self.latest_iteration, self._listed = find_latest(self._ctx)
@@ -244,6 +252,7 @@ class LocalCheckpointManager:
         Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError.
         """
+        self.wait_for_write_back()
         self._save.settle()
         if self.latest_iteration < 0:
             self.find_latest()
@@ -254,11 +263,23 @@ class LocalCheckpointManager:
 
         listed, self._listed = self._listed, None
         with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-            manifest, state = restore(self._ctx, self.latest_iteration, fetched, listed)
+            manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
+                                                        fetched, listed)
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return state, (manifest.iteration, self.rank, self.session_id)
+
+    def wait_for_write_back(self) -> None:
+        """Block until the last ``load``'s write-back is over: the shards a replaced node must
+        hold again (its ranks' own, its replicas) are committed there, or their failure logged
+        after retries. Returns at once when none is running. Not collective (every rank's
+        write-back takes part in the same transfers, so a lone caller may wait for the others'
+        next call). ``save``, ``find_latest``, ``load`` and ``close`` call it first. Raises
+        CollectiveTimeoutError when it overran every bound (the groups are then unusable)."""
+        if self._write_back is not None:
+            self._write_back.wait()  # raises: kept, to be waited for again (close)
+            self._write_back = None
 
     def _warn_if_foreign(self, manifest: ShardManifest) -> None:
         """Warn (once per iteration) when a shard was written by another session or by a job

@@ -1,23 +1,29 @@
 """The executor: moves shard payloads between ranks over a process group, following a plan.
 
-A payload is opaque here: metadata bytes plus one contiguous uint8 CPU tensor. Per transfer the
-sender sends a tag header ``[iteration, owner, meta_nbytes, data_nbytes, piece_nbytes]``, the
-metadata, then the data in pieces (no per-tensor traffic). The receiver checks the tag against the
-plan (a stale or misrouted shard raises StaleTransferError), asks its sink where each piece goes,
-and tells it when the piece has arrived, so the sink can write piece i while piece i+1 is on the
-wire and recycle a few piece buffers instead of holding the whole shard.
+A payload is opaque here: metadata bytes plus bytes the sender produces piece by piece
+(:class:`Outgoing`: from one tensor, or read from disk as they go). Per transfer the sender sends
+a tag header ``[iteration, owner, meta_nbytes, data_nbytes, piece_nbytes, n_splits]``, the
+metadata, the extra split offsets, then the data in *segments*: the pieces, cut again at the split
+offsets (so a receiver can take a segment straight into the tensor it belongs to; no per-tensor
+traffic otherwise). The receiver checks the tag against the plan (a stale or misrouted shard
+raises StaleTransferError), asks its sink where each segment goes, and tells it when the segment
+has arrived, so the sink can write segment i while segment i+1 is on the wire and recycle a few
+buffers instead of holding the whole shard.
 
 Transfers run round by round (see :func:`replication.plans.schedule`): every rank sends or
 receives one stream at a time. Every wait is bounded by the process group's timeout.
 
 Failures stay aligned: a sender whose payload cannot be produced sends a header with
-``data_nbytes = -1`` and the error text instead; a receiver whose sink fails keeps draining the
-stream. Each rank gets back its own failures, for the caller to agree on across ranks.
+``data_nbytes = -1`` and the error text instead; one whose piece cannot be produced mid-stream
+sends zeros for the rest (the receiver's checksums reject them) and reports its error; a receiver
+whose sink fails keeps draining the stream. Each rank gets back its own failures, for the
+caller to agree on across ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,17 +32,18 @@ import torch.distributed as dist
 from .errors import StaleTransferError
 from .plans import ExchangePlan, Transfer
 
-_HEADER = 5
+_HEADER = 6
 
 
 class Receiver(Protocol):
     """Where one incoming payload goes."""
 
     def piece_buffer(self, index: int, start: int, end: int) -> torch.Tensor:
-        """A contiguous uint8 CPU tensor of end - start bytes to receive piece ``index`` into."""
+        """A contiguous uint8 CPU tensor of end - start bytes to receive segment ``index`` into
+        (without splits, segments are the pieces)."""
 
     def piece_received(self, index: int, start: int, end: int) -> None:
-        """Piece ``index`` (bytes [start, end) of the payload) is in its buffer."""
+        """Segment ``index`` (bytes [start, end) of the payload) is in its buffer."""
 
     def finish(self) -> None:
         """Every piece arrived: verify and commit. May raise."""
@@ -45,7 +52,49 @@ class Receiver(Protocol):
         """The transfer failed: drop what was received."""
 
 
-Source = Callable[[Transfer], tuple[bytes, torch.Tensor, int]]  # meta, data, piece_nbytes
+@dataclass(frozen=True)
+class Outgoing:
+    """What a sender sends: ``meta``, then ``nbytes`` of data in pieces of ``piece_nbytes``,
+    ``read(start, end)`` giving bytes [start, end) of one piece at a time, in order (a
+    contiguous uint8 CPU tensor, valid until the next call; it may raise). ``splits``: offsets
+    where segments are cut besides the piece boundaries. ``close`` runs when the transfer is
+    over, whatever happened."""
+
+    meta: bytes
+    nbytes: int
+    piece_nbytes: int
+    read: Callable[[int, int], torch.Tensor]
+    splits: tuple[int, ...] = ()
+    close: Callable[[], None] = lambda: None
+
+    @classmethod
+    def of_tensor(cls, meta: bytes, data: torch.Tensor, piece_nbytes: int) -> Outgoing:
+        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+            raise ValueError("payload data: expected a contiguous 1-D uint8 tensor, got "
+                             f"{data.dtype} of shape {tuple(data.shape)}")
+        return cls(meta, data.numel(), piece_nbytes, lambda start, end: data[start:end])
+
+
+def segments(nbytes: int, piece_nbytes: int, splits: Sequence[int]
+             ) -> list[tuple[int, int, int]]:
+    """``(piece, start, end)`` of every segment on the wire, in order: the pieces of
+    ``piece_nbytes`` cut again at ``splits``. The same on both ends (pure)."""
+    cuts = sorted({s for s in splits if 0 < s < nbytes})
+    out, k = [], 0
+    for index, start in enumerate(range(0, nbytes, piece_nbytes)):
+        end = min(start + piece_nbytes, nbytes)
+        while k < len(cuts) and cuts[k] <= start:
+            k += 1
+        pos = start
+        while k < len(cuts) and cuts[k] < end:
+            out.append((index, pos, cuts[k]))
+            pos = cuts[k]
+            k += 1
+        out.append((index, pos, end))
+    return out
+
+
+Source = Callable[[Transfer], Outgoing]
 Sink = Callable[[Transfer, bytes, int], Receiver]  # meta, data_nbytes -> receiver
 
 
@@ -64,20 +113,41 @@ def run_exchange(plan: ExchangePlan, rank: int, source: Source, sink: Sink,
 
 def _send(t: Transfer, source: Source, group: dist.ProcessGroup | None) -> BaseException | None:
     try:
-        meta, data, piece = source(t)
-        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-            raise ValueError("payload data: expected a contiguous 1-D uint8 tensor, got "
-                             f"{data.dtype} of shape {tuple(data.shape)}")
+        out = source(t)
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}".encode()
-        _send_bytes(t, torch.tensor([t.iteration, t.owner, len(text), -1, 0]), text, group)
+        _send_bytes(t, torch.tensor([t.iteration, t.owner, len(text), -1, 0, 0]), text, group)
         return exc
-    header = torch.tensor([t.iteration, t.owner, len(meta), data.numel(), piece],
-                          dtype=torch.int64)
-    _send_bytes(t, header, meta, group)
-    for start in range(0, data.numel(), piece):
-        dist.send(data[start : start + piece], t.dst, group=group)
-    return None
+    error: BaseException | None = None
+    try:
+        header = torch.tensor([t.iteration, t.owner, len(out.meta), out.nbytes, out.piece_nbytes,
+                               len(out.splits)], dtype=torch.int64)
+        _send_bytes(t, header, out.meta, group)
+        if out.splits:
+            dist.send(torch.tensor(out.splits, dtype=torch.int64), t.dst, group=group)
+        piece, zeros = -1, None
+        data = torch.empty(0, dtype=torch.uint8)
+        for index, start, end in segments(out.nbytes, out.piece_nbytes, out.splits):
+            if index != piece:
+                piece = index
+                base = index * out.piece_nbytes
+                if error is None:
+                    want = min(out.piece_nbytes, out.nbytes - base)
+                    try:
+                        data = out.read(base, base + want)
+                        if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != want:
+                            raise ValueError(f"piece {index}: expected {want} uint8 bytes, got "
+                                             f"{data.dtype} of shape {tuple(data.shape)}")
+                    except Exception as exc:  # the stream goes on with zeros: see the module
+                        error = exc
+                if error is not None:
+                    if zeros is None:
+                        zeros = torch.zeros(out.piece_nbytes, dtype=torch.uint8)
+                    data = zeros
+            dist.send(data[start - base : end - base], t.dst, group=group)
+    finally:
+        out.close()
+    return error
 
 
 def _send_bytes(t: Transfer, header: torch.Tensor, meta: bytes,
@@ -90,7 +160,7 @@ def _send_bytes(t: Transfer, header: torch.Tensor, meta: bytes,
 def _receive(t: Transfer, sink: Sink, group: dist.ProcessGroup | None) -> BaseException | None:
     header = torch.empty(_HEADER, dtype=torch.int64)
     dist.recv(header, t.src, group=group)
-    iteration, owner, meta_nbytes, data_nbytes, piece = (int(x) for x in header)
+    iteration, owner, meta_nbytes, data_nbytes, piece, n_splits = (int(x) for x in header)
     meta_t = torch.empty(meta_nbytes, dtype=torch.uint8)
     if meta_nbytes:
         dist.recv(meta_t, t.src, group=group)
@@ -102,6 +172,12 @@ def _receive(t: Transfer, sink: Sink, group: dist.ProcessGroup | None) -> BaseEx
             f"(iteration {t.iteration}, owner {t.owner})")
     if data_nbytes < 0:
         return RuntimeError(f"rank {t.src} could not send shard {t.shard}: {meta.decode()}")
+    if not 0 <= n_splits <= max(data_nbytes, 0) or piece <= 0 < data_nbytes:
+        raise StaleTransferError(f"rank {t.src} sent a malformed header for shard {t.shard}: "
+                                 f"{data_nbytes} bytes in pieces of {piece}, {n_splits} splits")
+    splits = torch.empty(n_splits, dtype=torch.int64)
+    if n_splits:
+        dist.recv(splits, t.src, group=group)
     error: BaseException | None = None
     receiver: Receiver | None = None
     drain: torch.Tensor | None = None  # where pieces go once the sink failed
@@ -109,8 +185,7 @@ def _receive(t: Transfer, sink: Sink, group: dist.ProcessGroup | None) -> BaseEx
         receiver = sink(t, meta, data_nbytes)
     except Exception as exc:
         error = exc
-    for index, start in enumerate(range(0, data_nbytes, piece)):
-        end = min(start + piece, data_nbytes)
+    for index, (_, start, end) in enumerate(segments(data_nbytes, piece, splits.tolist())):
         target = None
         if error is None and receiver is not None:
             try:

@@ -99,6 +99,10 @@ def ci_scenarios() -> list[Scenario]:
                  "after_commit:kill_node:rank=0:iteration=29", wipe=True),
         Scenario("wipe node lost during finalize", "finalize", "wipe_node",
                  "finalize:kill_node:rank=1:iteration=19", wipe=True),
+        # node 1 is replaced empty; rank 0 dies sending its shards back after the restore
+        Scenario("kill sender during the write-back after node loss", "load_write_back",
+                 "wipe_node", "local_write:kill_node:rank=1:iteration=29;"
+                 "load_write_back:kill:rank=0:attempt=*", wipe=True),
     ]
     # A raise on one rank must fail that save on every rank alike, and training goes on. One in
     # retention (finalize) fails nothing: the save had already been agreed complete.
@@ -113,6 +117,11 @@ def ci_scenarios() -> list[Scenario]:
                  "staging:kill:rank=1:iteration=29;find_latest:raise:rank=1:attempt=1"),
         Scenario("raise in load retrieval after a restart", "load_retrieval", "raise",
                  "staging:kill:rank=1:iteration=29;load_retrieval:raise:rank=1:attempt=1"),
+        # fails one transfer of the write-back, which is tried again; the load never sees it
+        Scenario("raise in the write-back after node loss", "load_write_back", "raise",
+                 "local_write:kill_node:rank=1:iteration=29;"
+                 "load_write_back:raise:rank=0:attempt=*",
+                 wipe=True),
     ]
     return kills + raises + [
         Scenario("one rank in find_latest while the other saves", "staging", "reorder",

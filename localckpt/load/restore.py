@@ -27,13 +27,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
-from replication import RetrievalPlan, Transfer, retrieval_plan, wanted_shards
+from replication import (
+    ExchangePlan,
+    RetrievalPlan,
+    Transfer,
+    retrieval_plan,
+    schedule,
+    wanted_shards,
+)
+from replication.executor import Outgoing
 
 from ..control.context import Context
 from ..control.coverage import (
@@ -48,12 +57,9 @@ from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
-from ..storage.peer_io import (
-    StoreReceiver,
-    exchange_shards,
-    piece_count,
-    tensors_from_buffer,
-)
+from ..storage.peer_io import piece_count, run_transfers
+from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
+from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +90,20 @@ def find_latest(ctx: Context) -> tuple[int, list[Inventory]]:
 
 @dataclass
 class _Round:
-    """One attempt: the plan, what this rank read to serve, and its own shard."""
+    """One attempt: the plan, the manifests of the copies this rank serves (checked), and its
+    own shard once read or received."""
 
     iteration: int
     plan: RetrievalPlan
-    served: dict[tuple[int, int], tuple[ShardManifest, torch.Tensor]] = field(default_factory=dict)
+    holders: dict[tuple[int, int], list[int]]
+    manifests: dict[tuple[int, int], ShardManifest] = field(default_factory=dict)
     own: Loaded | None = None
-    received: dict[tuple[int, int], StoreReceiver] = field(default_factory=dict)
 
-    def source(self, t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
-        return self.served[t.shard]
+    @property
+    def fetches(self) -> ExchangePlan:
+        """The transfers ``load`` waits for: each owner's shard to its owner. The replicas a
+        replaced node must hold again are the write-back's, after ``load`` returned."""
+        return schedule(t for t in self.plan.exchange.transfers if t.dst == t.owner)
 
 
 def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _Round:
@@ -107,53 +117,112 @@ def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _R
         for s in shards:
             holders.setdefault(s, []).append(r)
     wants = wanted_shards(ctx.placement, ctx.topology, iteration, present)
-    return _Round(iteration, retrieval_plan(wants, holders))
+    return _Round(iteration, retrieval_plan(wants, holders), holders)
+
+
+def _ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
+    it, owner = shard
+    return ShardRef(it, owner, ctx.world_size, ctx.store.path_of(it, owner, ctx.world_size))
+
+
+def _quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> list[str]:
+    """Move this rank's copy of ``shard`` aside; [file, error, where it went]."""
+    ref = _ref(ctx, shard)
+    moved = ctx.store.quarantine(ref)
+    logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed when the "
+                   "next save starts)", ctx.rank, exc, moved)
+    return [str(ref.path), str(exc), str(moved)]
 
 
 def _verify_sources(ctx: Context, rnd: _Round,
                     built: list[tuple[ShardManifest, Any]] | None) -> dict[str, Any]:
-    """Read and verify every copy this rank serves (its own shard straight into its tensors).
-    A copy that fails is quarantined. Returns ``bad``: [file, error, where it went] for each,
-    and ``pieces``: how many messages each shard served takes on the wire. With ``built`` (the
-    round has no transfers) and nothing bad here, the state dict is built in the same step."""
+    """Check every copy this rank serves: its manifest, and its chunk files all there and whole
+    (the data's checksums are checked as it is read, in the fetch step). A copy that fails is
+    quarantined. Returns ``bad``: [file, error, where it went] for each, and ``pieces``: how many
+    messages each shard served to a peer takes on the wire. With ``built`` (the round has no
+    transfers: every rank reads its own shard) the shard is read, verified and the state dict
+    built in this step."""
     fault_point("load_retrieval", ctx.rank, rnd.iteration)
-    store, world, rank = ctx.store, ctx.world_size, ctx.rank
     bad = []
     pieces: dict[str, int] = {}
-    for shard in rnd.plan.sources_of(rank):
-        it, owner = shard
-        ref = ShardRef(it, owner, world, store.path_of(it, owner, world))
-        only_for_me = all(t.dst == rank for t in rnd.plan.reads
-                          if t.src == rank and t.shard == shard)
+    for shard in rnd.plan.sources_of(ctx.rank):
         try:
-            if only_for_me and owner == rank:
-                rnd.own = store.read_tensors(ref)  # the common case
+            if built is not None:  # the common case: only its own shard, for itself
+                rnd.own = ctx.store.read_tensors(_ref(ctx, shard))
             else:
-                manifest, buf = store.read(ref)
-                rnd.served[shard] = (manifest, buf)
-                pieces[f"{it}:{owner}"] = piece_count(manifest.chunk_nbytes,
-                                                      manifest.chunk_count)
-                if owner == rank:
-                    rnd.own = (manifest, tensors_from_buffer(manifest, buf))
+                m = rnd.manifests[shard] = ctx.store.read_manifest(_ref(ctx, shard))
+                pieces[f"{shard[0]}:{shard[1]}"] = piece_count(m.chunk_nbytes, m.chunk_count)
         except CorruptShardError as exc:
-            moved = store.quarantine(ref)
-            logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed "
-                           "when the next save starts)", rank, exc, moved)
-            bad.append([str(ref.path), str(exc), str(moved)])
+            bad.append(_quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
     return {"bad": bad, "pieces": pieces}
 
 
+def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
+           fetched: Callable[[float, int], None] | None) -> dict[str, Any]:
+    """This rank's own shard read from its root (on a thread) while the owners' shards stream
+    from their serving ranks' disks into their owners' tensors; then the state dict built. A
+    copy that fails its checksums is quarantined (``bad``, as in :func:`_verify_sources`);
+    ``retry``: what arrived damaged from a copy that read well (the wire). Any other failure
+    raises."""
+    rank = ctx.rank
+    own_shard = (rnd.iteration, rank)
+    reading: Future[Loaded] | None = None
+    if any(t.src == rank == t.dst for t in rnd.plan.reads):
+        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
+        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard))
+        reader.shutdown(wait=False)
+    receivers: dict[tuple[int, int], TensorReceiver] = {}
+
+    def source(t: Transfer) -> Outgoing:
+        fault_point("replica_send", rank, t.iteration)
+        m = rnd.manifests[t.shard]
+        return outgoing_from_disk(ctx.store, _ref(ctx, t.shard), m, ctx.ring, tensor_splits(m))
+
+    def sink(t: Transfer, meta: bytes, nbytes: int) -> TensorReceiver:
+        receivers[t.shard] = TensorReceiver(t, meta, nbytes, ctx.world_size, ctx.ring)
+        return receivers[t.shard]
+
+    started = time.monotonic()
+    failures = run_transfers(rnd.fetches, ctx.group, source, sink)
+    bad: list[list[str]] = []
+    retry: list[str] = []
+    errors: list[tuple[tuple[int, int] | None, BaseException]] = [
+        (t.shard if t.src == rank else None, exc) for t, exc in failures]
+    if reading is not None:
+        try:
+            rnd.own = reading.result()
+        except Exception as exc:
+            errors.append((own_shard, exc))
+    for served, error in errors:
+        if not isinstance(error, CorruptShardError):
+            raise error
+        if served is not None:  # this rank's copy failed its checksums
+            bad.append(_quarantine(ctx, served, error))
+        else:  # received damaged; if the sender's copy was bad it says so in ``bad``
+            retry.append(str(error))
+    if own_shard in receivers and not failures:
+        receiver = receivers[own_shard]
+        rnd.own = (receiver.manifest, receiver.tensors)
+        if fetched is not None:
+            fetched(time.monotonic() - started, receiver.manifest.data_nbytes)
+    if not bad and not retry:
+        _build(ctx, rnd, built)
+    return {"bad": bad, "retry": retry}
+
+
 def restore(ctx: Context, iteration: int,
             fetched: Callable[[float, int], None] | None = None,
-            inventories: list[Inventory] | None = None) -> tuple[ShardManifest, Any]:
+            inventories: list[Inventory] | None = None
+            ) -> tuple[ShardManifest, Any, WriteBack | None]:
     """This rank's state dict from the newest complete iteration not newer than ``iteration``
-    (and its manifest), every rank's and every node's replicas restored on the way. Collective.
+    (and its manifest), and the write-back started in the background to restore every rank's
+    and every node's copies (None when nothing was missing). Collective.
 
     Raises on every rank alike: CorruptShardError when corrupt copies were quarantined and no
     complete iteration is left (it names them), NoCheckpointError when none was there,
-    UnsupportedFormatError, the failing rank's error while building the state dict,
+    UnsupportedFormatError, the failing rank's error while fetching or building the state dict,
     CollectiveError. ``fetched(seconds, nbytes)`` is told what this rank received from peers.
     ``inventories``: what :func:`find_latest` gathered just before, to plan the first round from
     (every rank passes them or none; a copy gone since fails verification and the next round
@@ -165,7 +234,7 @@ def restore(ctx: Context, iteration: int,
             f"of {ctx.world_size} ranks")
     rank = ctx.rank
     quarantined: list[list[str]] = []
-    rounds = 0
+    rounds = damaged = 0
     while True:
         rounds += 1
         started = time.monotonic()
@@ -173,7 +242,7 @@ def restore(ctx: Context, iteration: int,
             inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
         candidates = [it for it in complete_iterations(inventories, ctx.world_size)
                       if it <= iteration]
-        if not candidates or rounds > 1 + sum(len(i.shards) for i in inventories):
+        if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
             raise _nothing_left(ctx, iteration, quarantined)
         if candidates[0] != iteration:
             if rank == 0:
@@ -193,36 +262,40 @@ def restore(ctx: Context, iteration: int,
             quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
         if local_only:  # every rank read its own shard and built its state dict
-            return built[0]
-        # Every piece on the wire, and its write on arrival, is bounded by the timeout; a rank
-        # with little to do waits for the others' rounds as long as they may take.
+            return built[0][0], built[0][1], None
         pieces = {k: n for v in verify for k, n in v["pieces"].items()}
-        steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
-                    for round_ in rnd.plan.exchange.rounds)
-        ctx.group.exchange(f"{step}: fetch from peers", partial(
-            exchange_shards, rnd.plan.exchange, ctx.group, ctx.store, ctx.world_size,
-            rnd.source, ctx.ring, rnd.received), wait=ctx.timeout * (1 + 2 * steps))
-        rnd.served.clear()  # sent: the copies read for peers go before the state dict is built
-        if fetched is not None and rnd.received:
-            fetched(time.monotonic() - verified,
-                    sum(r.manifest.data_nbytes for r in rnd.received.values()))
-        logger.debug("rank %d: restore plan %.3fs, read+verify %.3fs, transfers %.3fs", rank,
+        fetch = ctx.group.exchange(f"{step}: fetch", partial(_fetch, ctx, rnd, built, fetched),
+                                   wait=_transfer_seconds(ctx, rnd.fetches, pieces))
+        logger.debug("rank %d: restore plan %.3fs, verify %.3fs, fetch %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
-        if rnd.received:
-            logger.info("rank %d: fetched the shards of owners %s from peers and wrote them back",
-                        rank, sorted(o for _, o in rnd.received))
-        ctx.group.exchange(f"{step}: build the state dict",
-                           partial(_build, ctx, rnd, built))
-        return built[0]
+        if any(v["bad"] for v in fetch):
+            quarantined += [b for v in fetch for b in v["bad"]]
+            continue
+        if any(v["retry"] for v in fetch):
+            damaged += 1
+            if damaged > 2:
+                raise CorruptShardError(
+                    f"load of iteration {iteration}: shards arrived damaged from copies that "
+                    f"read well, {damaged} times in a row; the last: "
+                    f"{next(r for v in fetch for r in v['retry'])}")
+            continue
+        write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
+                               _transfer_seconds(ctx, rnd.plan.exchange, pieces))
+        return built[0][0], built[0][1], write_back
+
+
+def _transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) -> float:
+    """How long a rank with little to do may wait for the others' part of ``plan``: every
+    piece on the wire, and its handling on arrival, is bounded by the timeout."""
+    steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
+                for round_ in plan.rounds)
+    return ctx.timeout * (1 + 2 * steps)
 
 
 def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> None:
-    """This rank's state dict from its shard of the round: read back from its root if it was
-    fetched, rebuilt in the form it was saved, tensors on their recorded devices."""
-    if rnd.own is None:  # fetched and written back: read it like any local shard
-        it, rank, world = rnd.iteration, ctx.rank, ctx.world_size
-        rnd.own = ctx.store.read_tensors(ShardRef(it, rank, world,
-                                                  ctx.store.path_of(it, rank, world)))
+    """This rank's state dict from its shard of the round, rebuilt in the form it was saved,
+    tensors on their recorded devices."""
+    assert rnd.own is not None, "the own shard is read or received before the build"
     manifest, tensors = rnd.own
     out.append((manifest, rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],

@@ -18,6 +18,8 @@ after_commit     the save's background part is done, before the finalize step
 finalize         every rank agreed the iteration is complete, before retention cleanup
 find_latest      at the start of ``find_latest``
 load_retrieval   in ``load``, before shards are read or fetched
+load_write_back  after ``load`` returned, sending or receiving a shard a node must hold again
+                 (the background write-back; a raise fails that transfer, tried again later)
 ================ ==========================================================================
 
 Actions: ``kill`` (SIGKILL this process), ``kill_node`` (SIGKILL this process, its parent, e.g.
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 POINTS = ("staging", "local_write", "before_commit", "replica_send", "replica_receive",
-          "after_commit", "finalize", "find_latest", "load_retrieval")
+          "after_commit", "finalize", "find_latest", "load_retrieval", "load_write_back")
 ACTIONS = ("kill", "kill_node", "raise", "enospc", "sleep")
 
 

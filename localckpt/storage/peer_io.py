@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from replication import ExchangePlan, Transfer
-from replication.executor import run_exchange
+from replication.executor import Outgoing, Sink, Source, run_exchange
 
 from ..control.collectives import CheckpointGroup, collective_error
 from ..errors import CorruptShardError
@@ -118,14 +118,14 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
                     source: Callable[[Transfer], tuple[ShardManifest, torch.Tensor]],
                     ring: PieceRing,
                     received: dict[tuple[int, int], StoreReceiver] | None = None) -> None:
-    """Run this rank's part of ``plan``; raise the first local failure (the caller agrees).
-    Received shards are committed to ``store`` (and listed in ``received``). A failure of the
-    group itself (a peer died, a timeout, a misrouted stream) leaves it unusable: that raises
-    CollectiveError, now and for every later transfer on it."""
-    def send(t: Transfer) -> tuple[bytes, torch.Tensor, int]:
+    """Run this rank's part of ``plan``, sending in-memory shards (``source``); raise the first
+    local failure (the caller agrees). Received shards are committed to ``store`` (and listed in
+    ``received``). A failure of the group itself raises CollectiveError (see
+    :func:`run_transfers`)."""
+    def send(t: Transfer) -> Outgoing:
         fault_point("replica_send", group.rank, t.iteration)
         manifest, payload = source(t)
-        return manifest.encoded, payload, piece_nbytes(manifest)
+        return Outgoing.of_tensor(manifest.encoded, payload, piece_nbytes(manifest))
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
         receiver = StoreReceiver(store, t, meta, nbytes, world_size, ring)
@@ -133,21 +133,31 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
             received[t.shard] = receiver
         return receiver
 
+    failures = run_transfers(plan, group, send, sink)
+    if failures:
+        raise failures[0][1]
+
+
+def run_transfers(plan: ExchangePlan, group: CheckpointGroup, source: Source, sink: Sink
+                  ) -> list[tuple[Transfer, BaseException]]:
+    """Run this rank's part of ``plan``; return the transfers that failed on this rank's side
+    (logged), for the caller to agree on. A failure of the group itself (a peer died, a timeout,
+    a misrouted stream) leaves it unusable: that raises CollectiveError, now and for every later
+    transfer on it."""
     what = f"shard transfers of iteration {plan.transfers[0].iteration}" if plan.transfers \
         else "shard transfers"
     group.check_usable(what)
     started = time.monotonic()
     try:
-        failures = run_exchange(plan, group.rank, send, sink, group.group)
+        failures = run_exchange(plan, group.rank, source, sink, group.group)
     except Exception as exc:  # the streams cannot be realigned after this
         err = collective_error(what, exc, time.monotonic() - started, group.timeout)
         group.mark_broken(err)
         raise err from exc
-    if failures:
-        t, first = failures[0]
+    for t, error in failures:
         logger.error("transfer of shard %s from rank %d to rank %d failed: %s", t.shard, t.src,
-                     t.dst, first)
-        raise first
+                     t.dst, error)
+    return failures
 
 
 def tensors_from_buffer(manifest: ShardManifest, buffer: torch.Tensor) -> list[torch.Tensor]:

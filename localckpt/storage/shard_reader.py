@@ -11,7 +11,7 @@ import errno
 import json
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import crc32c
@@ -23,9 +23,11 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
 
 
 def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
-                     targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor) -> None:
-    """Read the chunks under ``chunk_dir`` into ``targets`` (see ShardStore.read_into), one
-    chunk per task on ``pool``. Raises CorruptShardError naming the first bad file."""
+                     targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
+                     chunks: range | None = None) -> None:
+    """Read the chunks under ``chunk_dir`` (all, or ``chunks``) into ``targets`` (see
+    ShardStore.read_into), one chunk per task on ``pool`` (None: on this thread). Raises
+    CorruptShardError naming the first bad file."""
     size = manifest.chunk_nbytes
     # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
     targets = sorted(targets, key=lambda target: target[0])
@@ -59,7 +61,17 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
                 f"{stored:#010x}, manifest says {manifest.chunk_crc32c[i]:#010x})"
             )
 
-    list(pool.map(one, range(manifest.chunk_count)))
+    todo = range(manifest.chunk_count) if chunks is None else chunks
+    if pool is None:
+        for i in todo:
+            one(i)
+        return
+    # Every read is over before this returns, failed or not: a read still running after the
+    # first failure would go on writing into buffers the caller reuses.
+    futures = [pool.submit(one, i) for i in todo]
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 # Reading a copy can fail because of this process or machine (no descriptors or memory left,

@@ -266,6 +266,18 @@ class ShardStore:
         """
         read_chunks_into(ref.path / "data" / "c", manifest, targets, self._pool)
 
+    def read_range(self, ref: ShardRef, manifest: ShardManifest, start: int,
+                   out: torch.Tensor) -> None:
+        """Read bytes [start, start + len(out)) of the packed data of ``ref`` (whole chunks)
+        into the uint8 tensor ``out``, each chunk verified as in :meth:`read_into`, on the
+        calling thread (not queued behind reads on the I/O pool)."""
+        size = manifest.chunk_nbytes
+        if start % size or out.numel() % size:
+            raise ValueError(f"read_range: expected whole {size}-byte chunks, got "
+                             f"[{start}, {start + out.numel()})")
+        read_chunks_into(ref.path / "data" / "c", manifest, [(start, byte_view(out))],
+                         None, range(start // size, (start + out.numel()) // size))
+
     # ---------------------------------------------------------------- delete
 
     def quarantine(self, ref: ShardRef) -> Path | None:

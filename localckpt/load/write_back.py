@@ -1,0 +1,138 @@
+"""The part of a restore that brings redundancy back, after ``load`` has returned.
+
+``load`` hands each rank its own shard as fast as the wire allows and returns; the shards a
+replaced node must hold again (its ranks' own, the replicas the placement puts on it) are then
+sent a second time, streamed from the serving ranks' disks, and committed on the receivers'
+roots (:class:`localckpt.storage.peer_io.StoreReceiver`: checksummed, atomic), on a background
+thread and the manager's data group, while training goes on. Sending twice instead of writing the
+owner's tensors back keeps them the caller's alone (training changes them in place) and memory
+bounded by a few pieces.
+
+Every rank runs one (the plan is the same on every rank). Transfers that failed are agreed
+across ranks and tried again, up to ATTEMPTS times; a source copy that failed its checksums is
+quarantined and the transfer planned from another holder. What still fails is logged (the next
+save brings redundancy back for the new iteration). A failed transfer never fails the load and
+never leaves a half-written shard (a receiver commits by rename or not at all). A failure of the
+data group itself (a peer lost) is raised by :meth:`WriteBack.wait`, leaving both groups
+unusable: the job must restart. The manager waits for it before its next collective (save,
+find_latest, load) and in ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from replication import ExchangePlan, Transfer, retrieval_plan
+from replication.executor import Outgoing
+from replication.plans import ShardId
+
+from ..control.context import Context
+from ..errors import CollectiveError, CollectiveTimeoutError, CorruptShardError
+from ..ops.faults import fault_point
+from ..storage.layout import ShardRef
+from ..storage.peer_io import StoreReceiver, run_transfers
+from ..storage.shard_stream import outgoing_from_disk
+
+logger = logging.getLogger(__name__)
+
+ATTEMPTS = 3
+
+
+class WriteBack:
+    """One rank's part of a restore's write-back, started at construction. ``seconds``: how
+    long the slowest rank may take for one attempt (every piece is bounded by the timeout)."""
+
+    def __init__(self, ctx: Context, plan: ExchangePlan, holders: dict[ShardId, list[int]],
+                 iteration: int, seconds: float) -> None:
+        self.ctx = ctx
+        self.holders = {s: list(h) for s, h in holders.items()}  # minus quarantined copies
+        self.iteration = iteration
+        self.seconds = seconds
+        self.written: list[tuple[int, int]] = []  # shards this rank committed
+        self.failed: list[Transfer] = []  # what still failed after the last attempt (agreed)
+        self.error: BaseException | None = None  # the group failed: no redundancy came back
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(plan,), daemon=True,
+                                        name="localckpt-write-back")
+        self._thread.start()
+
+    def _source(self, t: Transfer) -> Outgoing:
+        fault_point("load_write_back", self.ctx.rank, t.iteration)
+        fault_point("replica_send", self.ctx.rank, t.iteration)
+        ref = _ref(self.ctx, t.shard)
+        return outgoing_from_disk(self.ctx.store, ref, self.ctx.store.read_manifest(ref),
+                                  self.ctx.ring)
+
+    def _sink(self, t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
+        fault_point("load_write_back", self.ctx.rank, t.iteration)
+        return StoreReceiver(self.ctx.store, t, meta, nbytes, self.ctx.world_size, self.ctx.ring)
+
+    def _run(self, plan: ExchangePlan) -> None:
+        ctx, it = self.ctx, self.iteration
+        try:
+            for attempt in range(1, ATTEMPTS + 1):
+                failures = run_transfers(plan, ctx.data_group, self._source, self._sink)
+                bad = {t for t, _ in failures}
+                self.written += [t.shard for t in plan.involving(ctx.rank)
+                                 if t.dst == ctx.rank and t not in bad]
+                corrupt = [t.shard for t, exc in failures
+                           if t.src == ctx.rank and isinstance(exc, CorruptShardError)]
+                for shard, exc in ((t.shard, e) for t, e in failures if t.shard in corrupt):
+                    moved = ctx.store.quarantine(_ref(ctx, shard))
+                    logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
+                                   ctx.rank, exc, moved)
+                mine = {"failed": [[t.src, t.dst, t.iteration, t.owner] for t in sorted(bad)],
+                        "corrupt": [list(s) for s in corrupt]}
+                agreed = ctx.data_group.exchange(
+                    f"write-back of iteration {it}: attempt {attempt}", mine.copy,
+                    wait=self.seconds)
+                self.failed = sorted({Transfer(*x) for v in agreed for x in v["failed"]})
+                for r, v in enumerate(agreed):  # that node's copy is gone for all its ranks
+                    for s in v["corrupt"]:
+                        shard = (s[0], s[1])
+                        self.holders[shard] = [h for h in self.holders.get(shard, [])
+                                               if not ctx.topology.same_node(r, h)]
+                if not self.failed:
+                    return
+                shown = ", ".join(f"{t.shard} to rank {t.dst}" for t in self.failed[:6])
+                if attempt < ATTEMPTS:
+                    logger.warning("rank %d: write-back of iteration %d: %d transfers failed "
+                                   "(%s); trying them again", ctx.rank, it, len(self.failed),
+                                   shown)
+                    # from another holder where a copy was quarantined (pure: same everywhere)
+                    plan = retrieval_plan([(t.dst, t.shard) for t in self.failed],
+                                          self.holders).exchange
+            logger.error("rank %d: write-back of iteration %d gave up after %d attempts: %s are "
+                         "not restored; the next save brings redundancy back for the new "
+                         "iteration", ctx.rank, it, ATTEMPTS, shown)
+        except Exception as exc:  # the data group failed: nothing more can be sent on it
+            self.error = exc
+            logger.error("rank %d: write-back of iteration %d failed: %s", ctx.rank, it, exc)
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Block until this rank's write-back is over (it logs failed transfers). Raises, and
+        leaves both groups unusable: CollectiveTimeoutError if it overran every bound,
+        CollectiveError if the data group failed under it (a peer lost: the job must restart;
+        raised at once rather than as a timeout of the next collective)."""
+        if self.done.wait(self.seconds * ATTEMPTS + self.ctx.timeout):
+            if self.error is None:
+                return
+            failed = CollectiveError(f"the write-back of iteration {self.iteration} after the "
+                                     f"last load failed: {self.error}")
+            self.ctx.data_group.mark_broken(failed)
+            self.ctx.group.mark_broken(failed)
+            raise failed from self.error
+        err = CollectiveTimeoutError(
+            f"the write-back of iteration {self.iteration} did not finish within "
+            f"{self.seconds * ATTEMPTS + self.ctx.timeout:g}s")
+        self.ctx.data_group.mark_broken(err)
+        self.ctx.group.mark_broken(err)
+        raise err
+
+
+def _ref(ctx: Context, shard: ShardId) -> ShardRef:
+    it, owner = shard
+    return ShardRef(it, owner, ctx.world_size, ctx.store.path_of(it, owner, ctx.world_size))

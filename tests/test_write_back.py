@@ -1,0 +1,94 @@
+"""A restore after node loss returns once each rank has its own shard; the shards the replaced
+node must hold again are written back in the background (localckpt.load.write_back), retried
+when they fail, and never at the cost of the load or of a half-written shard."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import write_back_scenarios as wb
+from dist_harness import run_ranks
+
+from replication import Topology, Transfer, make_strategy, retrieval_plan, wanted_shards
+
+
+def _saved_then_wiped(tmp_path: Path, root: Path, iterations: list[int], world: int = 2,
+                      factor: int = 2) -> None:
+    results = run_ranks(wb.save, world, tmp_path, str(root), iterations, factor)
+    assert all(r.ok for r in results), [r.message for r in results]
+    shutil.rmtree(root / f"node{world - 1}")
+
+
+def test_no_load_waits_for_the_write_back(tmp_path: Path, root: Path) -> None:
+    _saved_then_wiped(tmp_path, root, [3])
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    results = run_ranks(wb.load_with_write_back_held, 2, tmp_path, str(root), str(gate))
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["iteration"] == 3 and r.value["digest"] == r.value["expected"]
+    node0, node1 = (r.value for r in results)
+    assert node1["before"] == []  # rank 1 had its state before anything was written back
+    assert node1["after"] == [[3, 0], [3, 1]] == node0["after"]  # redundancy is back
+
+
+def test_a_write_back_that_fails_once_is_tried_again(tmp_path: Path, root: Path) -> None:
+    _saved_then_wiped(tmp_path, root, [3])
+    results = run_ranks(wb.load_then_save, 2, tmp_path, str(root), 4, 1)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["first_ok"] and r.value["iteration"] == 3
+        assert r.value["after_load"] == [[3, 0], [3, 1]]
+    assert results[1].value["fired"] == 1
+
+
+def test_a_write_back_that_always_fails_costs_neither_the_load_nor_the_next_save(
+        tmp_path: Path, root: Path) -> None:
+    _saved_then_wiped(tmp_path, root, [3])
+    results = run_ranks(wb.load_then_save, 2, tmp_path, str(root), 4, 99)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["first_ok"] and r.value["iteration"] == 3
+        assert r.value["second"] == 4 and r.value["second_ok"]
+    node0, node1 = (r.value for r in results)
+    assert node1["fired"] == 2 * 3  # both shards it receives, in each of the 3 attempts
+    assert node1["after_load"] == [] and node1["leftovers"] == []  # nothing half-written
+    assert node0["after_load"] == [[3, 0], [3, 1]]
+    # the next save brought redundancy back for the new iteration (keep_last=1)
+    assert node1["after_save"] == [[4, 0], [4, 1]] == node0["after_save"]
+
+
+def test_a_corrupt_copy_met_by_the_write_back_is_quarantined_and_another_holder_serves(
+        tmp_path: Path, root: Path) -> None:
+    # 4 nodes of one rank, F=3; node 3 is replaced. The write-back (not the load) reads node
+    # 0's replica of rank 2's shard to give node 3 its copy again: that replica is damaged.
+    _saved_then_wiped(tmp_path, root, [3], world=4, factor=3)
+    topology = Topology.uniform(4, 1)
+    placement = make_strategy("node_spread", replication_factor=3).place(topology)
+    present = [frozenset((3, o) for o in range(4) if r == o or r in placement.holders[o])
+               for r in range(3)] + [frozenset()]
+    holders = {(3, o): [r for r in range(3) if (3, o) in present[r]] for o in range(4)}
+    plan = retrieval_plan(wanted_shards(placement, topology, 3, present), holders)
+    assert Transfer(0, 3, 3, 2) in plan.exchange.transfers and holders[(3, 2)] == [0, 2]
+    chunk = root / "node0" / "job" / "iter_0000000003" / "rank_00002_of_00004" / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x01
+    chunk.write_bytes(raw)
+    results = run_ranks(wb.load_and_wait, 4, tmp_path, str(root), 3)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["ok"] and r.value["iteration"] == 3
+    assert [3, 2] in results[3].value["held"]  # from the other holder, rank 2
+    assert [3, 2] not in results[0].value["held"]  # the damaged copy was moved aside
+    assert list((root / "node0" / "job").glob(".quarantine-*"))
+
+
+def test_a_data_group_lost_in_the_write_back_fails_the_next_call_at_once(
+        tmp_path: Path, root: Path) -> None:
+    _saved_then_wiped(tmp_path, root, [3])
+    for r in run_ranks(wb.write_back_group_lost, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value["ok"]  # the load itself went well
+        _, bases, msg = r.value["error"]
+        assert "CollectiveError" in bases and "write-back of iteration 3" in msg, msg
