@@ -237,7 +237,7 @@ class LocalCheckpointManager:
                 self._warn_if_foreign(store.read_manifest(ref))
         return self.latest_iteration
 
-    def load(self) -> tuple[Any, CkptID]:
+    def load(self, into: Any = None) -> tuple[Any, CkptID]:
         """Load this rank's shard of the latest complete iteration. Collective.
 
         Calls ``find_latest`` first if it has not been called (or found nothing). Returns the
@@ -249,8 +249,17 @@ class LocalCheckpointManager:
         by a replica; when no copy of some shard is left, every rank falls back to the newest
         older complete iteration in the same call, and the returned id says which.
 
+        ``into``: a state dict like the one saved (e.g. the freshly built model's and optimizer's
+        ``state_dict()``): each saved tensor whose key path, dtype and shape match a tensor of
+        ``into`` is loaded into that tensor in place (on CPU read straight into it, with no
+        allocation; on another device copied into it), and the returned state dict holds those
+        very tensors. The others are allocated as without ``into``. Tensors of ``into`` that
+        share memory (tied weights) are not read into. If ``load`` raises, tensors of ``into``
+        may hold partial data.
+
         Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
-        when no complete iteration is left, UnsupportedFormatError, CollectiveError.
+        when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
+        rank's TypeError when its ``into`` has a leaf ``save`` would refuse.
         """
         self.wait_for_write_back()
         self._save.settle()
@@ -264,7 +273,7 @@ class LocalCheckpointManager:
         listed, self._listed = self._listed, None
         with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
             manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
-                                                        fetched, listed)
+                                                        fetched, listed, into)
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)

@@ -14,7 +14,7 @@ import base64
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -232,17 +232,22 @@ def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None)
 
 
 def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str],
-                       devices: Sequence[str], plain: bool) -> Any:
+                       devices: Sequence[str], plain: bool,
+                       placed: Mapping[int, torch.Tensor] | None = None) -> Any:
     """A loaded state dict: tensors (CPU, each in its own storage) moved to their recorded
-    devices, as a plain structure when a plain one was saved, else a BasicTensorAwareStateDict."""
-    tasd = BasicTensorAwareStateDict.from_hollow(hollow, restore_devices(tensors, devices),
-                                                 key_paths)
+    devices, as a plain structure when a plain one was saved, else a BasicTensorAwareStateDict.
+    ``placed``: entries already in the caller's tensors (``load(into=...)``), kept as they are."""
+    moved = restore_devices(tensors, devices, set(placed or ()))
+    for i, t in (placed or {}).items():
+        moved[i] = t
+    tasd = BasicTensorAwareStateDict.from_hollow(hollow, moved, key_paths)
     return tasd.to_state_dict() if plain else tasd
 
 
-def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> list[torch.Tensor]:
-    """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent. Each
-    result has a storage of its own.
+def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str],
+                    skip: Collection[int] = ()) -> list[torch.Tensor]:
+    """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent; those at
+    indices in ``skip`` left where they are. Each result has a storage of its own.
 
     A host-to-device copy costs tens of microseconds whatever its size, so small tensors bound
     for a GPU cross as in staging: one copy of their concatenation per run of one device and
@@ -251,6 +256,8 @@ def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> 
     out = list(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, recorded) in enumerate(zip(tensors, devices, strict=True)):
+        if i in skip:
+            continue
         device = resolve_device(recorded, cache)
         if device.type == "cuda" and 0 < t.numel() * t.element_size() <= GATHER_MAX_NBYTES:
             batches.setdefault((device, t.dtype), []).append(i)

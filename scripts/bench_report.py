@@ -19,6 +19,8 @@ TARGETS = (
      "replication vs raw gloo, same schedule (throughput)"),
     ("node_loss_to_raw", "restore / max(own read, replica read + transfer)", 1.3, "<=",
      "load after node loss vs the overlapped raw restore (time)"),
+    ("load_into_to_raw_read", "load(into=...) / raw read into preallocated memory", 1.2, "<=",
+     "local load into the caller's tensors vs raw read into preallocated memory (time)"),
     ("async_to_torch_save_and_replicate", "async save to finalized / (torch.save + send by hand)",
      0.5, "<=", "async save through finalize vs torch.save + replication by hand (time)"),
 )
@@ -88,6 +90,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
             if all(k in m for k in ("memcpy", "tmpfs_write_fresh", "gloo_save_schedule",
                                     "torch_save_and_replicate")) else None),
         "load_local_to_raw_read_fresh": ratio("tmpfs_read_fresh", "load_local"),
+        "load_into_to_raw_read": ratio("load_local_into", "tmpfs_read"),
         "torch_save_to_raw_write": ratio("tmpfs_write_fresh", "torch_save"),
         "torch_load_to_raw_read_fresh": ratio("tmpfs_read_fresh", "torch_load"),
         "dcp_save_to_raw_write": ratio("tmpfs_write_fresh", "dcp_save"),
@@ -173,10 +176,11 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
                "is only of use on the holder's disk; a restore brings redundancy back).\n\n"
                "| configuration | stall (÷ memcpy) | local write GB/s (× raw write) | replication "
                "(× raw send/recv; × send/recv + write) | finalize | async save to finalized | "
-               "`find_latest` | `load` local GB/s (× raw fresh read) | `load` after node loss "
+               "`find_latest` | `load` local GB/s (× raw fresh read) | `load(into=...)` local "
+               "ms (÷ raw read into preallocated memory) | `load` after node loss "
                "(÷ overlapped raw; ÷ sequential raw) | background write-back (÷ raw read, "
                "transfer and write) |"
-               "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+               "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         q, g = row["ratios"], row["GBps_per_rank"]
         repl = "–" if "replicate_to_raw_gloo" not in q else \
@@ -191,7 +195,9 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
                    f"{_f(g.get('write'))} ({_f(q.get('write_to_raw_write'))}) | {repl} | "
                    f"{_ms(row, 'finalize')} | {_ms(row, 'async_save_to_finalized')} | "
                    f"{_ms(row, 'find_latest')} | {_f(g.get('load_local'))} "
-                   f"({_f(q.get('load_local_to_raw_read_fresh'))}) | {lost} | {back} |")
+                   f"({_f(q.get('load_local_to_raw_read_fresh'))}) | "
+                   f"{_ms(row, 'load_local_into')} ({_f(q.get('load_into_to_raw_read'))}) | "
+                   f"{lost} | {back} |")
     out.append("\n## Against torch.save and torch.distributed.checkpoint (tmpfs)\n\n"
                "Times in ms. torch.save / DCP neither fsync nor checksum; DCP writes one "
                "directory that every rank must see (a shared file system on a real cluster).\n\n"

@@ -129,3 +129,15 @@ def test_nvml_inventory_names_the_gpus() -> None:
     assert status == "ok"
     assert len(gpus) >= torch.cuda.device_count()
     assert all(g.name and g.uuid.startswith("GPU-") and g.memory_total_bytes > 0 for g in gpus)
+
+
+def test_load_into_cuda_tensors_fills_the_callers_own(root: Path) -> None:
+    saved = {"w": torch.randn(512, 256, device="cuda"), "small": torch.arange(7, device="cuda"),
+             "cpu": torch.randn(9)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    into = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    for k, v in saved.items():
+        assert loaded[k] is into[k] and loaded[k].device == v.device and torch.equal(loaded[k], v)

@@ -59,6 +59,7 @@ from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
+from .destinations import Destinations, Into, match
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,15 @@ class _Round:
     iteration: int
     plan: RetrievalPlan
     holders: dict[tuple[int, int], list[int]]
+    into: Into = field(default_factory=lambda: Into(None))  # the caller's tensors
     manifests: dict[tuple[int, int], ShardManifest] = field(default_factory=dict)
     own: Loaded | None = None
+    destinations: Destinations | None = None  # where the own shard's tensors go
+
+    def choose(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
+        """The caller's CPU tensors the own shard's entries are read into (see match)."""
+        self.destinations = match(manifest, self.into.paths())
+        return self.destinations.direct
 
     @property
     def fetches(self) -> ExchangePlan:
@@ -106,7 +114,8 @@ class _Round:
         return schedule(t for t in self.plan.exchange.transfers if t.dst == t.owner)
 
 
-def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _Round:
+def plan_round(ctx: Context, iteration: int, inventories: list[Inventory],
+               into: Into | None = None) -> _Round:
     """Who reads which copy of ``iteration`` and who receives what (pure: the same on every
     rank). ``iteration`` must be complete in ``inventories``."""
     world = ctx.world_size
@@ -117,7 +126,7 @@ def plan_round(ctx: Context, iteration: int, inventories: list[Inventory]) -> _R
         for s in shards:
             holders.setdefault(s, []).append(r)
     wants = wanted_shards(ctx.placement, ctx.topology, iteration, present)
-    return _Round(iteration, retrieval_plan(wants, holders), holders)
+    return _Round(iteration, retrieval_plan(wants, holders), holders, into or Into(None))
 
 
 def _ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
@@ -143,12 +152,13 @@ def _verify_sources(ctx: Context, rnd: _Round,
     transfers: every rank reads its own shard) the shard is read, verified and the state dict
     built in this step."""
     fault_point("load_retrieval", ctx.rank, rnd.iteration)
+    rnd.into.paths()  # a bad ``into`` fails here, agreed
     bad = []
     pieces: dict[str, int] = {}
     for shard in rnd.plan.sources_of(ctx.rank):
         try:
             if built is not None:  # the common case: only its own shard, for itself
-                rnd.own = ctx.store.read_tensors(_ref(ctx, shard))
+                rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose)
             else:
                 m = rnd.manifests[shard] = ctx.store.read_manifest(_ref(ctx, shard))
                 pieces[f"{shard[0]}:{shard[1]}"] = piece_count(m.chunk_nbytes, m.chunk_count)
@@ -171,7 +181,7 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
     reading: Future[Loaded] | None = None
     if any(t.src == rank == t.dst for t in rnd.plan.reads):
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
-        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard))
+        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard), rnd.choose)
         reader.shutdown(wait=False)
     receivers: dict[tuple[int, int], TensorReceiver] = {}
 
@@ -181,7 +191,8 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
         return outgoing_from_disk(ctx.store, _ref(ctx, t.shard), m, ctx.ring, tensor_splits(m))
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> TensorReceiver:
-        receivers[t.shard] = TensorReceiver(t, meta, nbytes, ctx.world_size, ctx.ring)
+        receivers[t.shard] = TensorReceiver(t, meta, nbytes, ctx.world_size, ctx.ring,
+                                            rnd.choose if t.owner == rank else None)
         return receivers[t.shard]
 
     started = time.monotonic()
@@ -214,8 +225,8 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
 
 def restore(ctx: Context, iteration: int,
             fetched: Callable[[float, int], None] | None = None,
-            inventories: list[Inventory] | None = None
-            ) -> tuple[ShardManifest, Any, WriteBack | None]:
+            inventories: list[Inventory] | None = None,
+            into: Any = None) -> tuple[ShardManifest, Any, WriteBack | None]:
     """This rank's state dict from the newest complete iteration not newer than ``iteration``
     (and its manifest), and the write-back started in the background to restore every rank's
     and every node's copies (None when nothing was missing). Collective.
@@ -226,13 +237,16 @@ def restore(ctx: Context, iteration: int,
     CollectiveError. ``fetched(seconds, nbytes)`` is told what this rank received from peers.
     ``inventories``: what :func:`find_latest` gathered just before, to plan the first round from
     (every rank passes them or none; a copy gone since fails verification and the next round
-    lists again).
+    lists again). ``into``: a state dict whose tensors are loaded into in place (see
+    :mod:`localckpt.load.destinations`); TypeError, on every rank, for a leaf ``save`` would
+    refuse.
     """
     if iteration < 0:
         raise NoCheckpointError(
             f"no complete checkpoint of session {ctx.session_id!r} under {ctx.root} for a world "
             f"of {ctx.world_size} ranks")
     rank = ctx.rank
+    destinations = Into(into)
     quarantined: list[list[str]] = []
     rounds = damaged = 0
     while True:
@@ -251,7 +265,7 @@ def restore(ctx: Context, iteration: int,
                                iteration, "; ".join(b[0] for b in quarantined), candidates[0])
             iteration = candidates[0]
         step = f"load of iteration {iteration}"
-        rnd = plan_round(ctx, iteration, inventories)
+        rnd = plan_round(ctx, iteration, inventories, destinations)
         planned = time.monotonic()
         built: list[tuple[ShardManifest, Any]] = []
         local_only = not rnd.plan.exchange.rounds  # the same plan on every rank
@@ -297,9 +311,12 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
     tensors on their recorded devices."""
     assert rnd.own is not None, "the own shard is read or received before the build"
     manifest, tensors = rnd.own
+    placed = rnd.destinations.placed if rnd.destinations is not None else {}
+    for i, t in (rnd.destinations.copied.items() if rnd.destinations is not None else ()):
+        t.copy_(tensors[i])  # the caller's tensor on another device
     out.append((manifest, rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
-        [e.device for e in manifest.tensors], manifest.container == "plain")))
+        [e.device for e in manifest.tensors], manifest.container == "plain", placed)))
 
 
 def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
@@ -22,9 +23,9 @@ from replication.executor import Outgoing
 from ..errors import CorruptShardError
 from ..gc_pause import gc_paused
 from .layout import ShardRef
-from .manifest import ShardManifest, dtype_from_name
+from .manifest import ShardManifest
 from .peer_io import PieceRing, piece_nbytes
-from .store import ShardStore, byte_view
+from .store import ShardStore, byte_view, fresh_or_given
 
 # A tensor at least this large is its own segment on the wire, received in place; smaller ones
 # (and alignment padding) arrive in a scratch buffer and are copied out: one message per small
@@ -73,14 +74,17 @@ def outgoing_from_disk(store: ShardStore, ref: ShardRef, manifest: ShardManifest
 
 
 class TensorReceiver:
-    """Receives one shard into a fresh CPU tensor per manifest entry (:attr:`tensors`, complete
-    after :meth:`finish`). Segments inside one tensor land in it directly; the others pass
-    through a ``ring`` buffer and are copied out. Every chunk's CRC-32C is checked against the
-    sender's manifest as the chunk completes, on a thread of its own while the next segment
-    arrives: CorruptShardError on a mismatch (from a later call or :meth:`finish`)."""
+    """Receives one shard into a CPU tensor per manifest entry (:attr:`tensors`, complete after
+    :meth:`finish`): fresh, or the caller's (``into``, as in ShardStore.read_tensors). Segments
+    inside one tensor land in it directly; the others pass through a ``ring`` buffer and are
+    copied out. Every chunk's CRC-32C is checked against the sender's manifest as the chunk
+    completes, on a thread of its own while the next segment arrives: CorruptShardError on a
+    mismatch (from a later call or :meth:`finish`)."""
 
     def __init__(self, t: Transfer, meta: bytes, nbytes: int, world_size: int,
-                 ring: PieceRing) -> None:
+                 ring: PieceRing,
+                 into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None
+                 ) -> None:
         self._where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
         with gc_paused():
             self.manifest = m = ShardManifest.from_json_bytes(meta, self._where)
@@ -90,7 +94,7 @@ class TensorReceiver:
             raise CorruptShardError(f"{self._where}: manifest says (iteration, owner, world) = "
                                     f"{got} and {nbytes} bytes, expected {expected}")
         self._ring = ring
-        self.tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in m.tensors]
+        self.tensors = fresh_or_given(m, into)
         placed = sorted((e.offset, byte_view(x)) for e, x in zip(m.tensors, self.tensors,
                                                                   strict=True) if e.nbytes)
         self._starts = [off for off, _ in placed]

@@ -242,13 +242,15 @@ class ShardStore:
         self.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
         return manifest, buf
 
-    def read_tensors(self, ref: ShardRef) -> tuple[ShardManifest, list[torch.Tensor]]:
-        """Read ``ref`` straight into a fresh CPU tensor per entry (a scatter read, verified as
-        in :meth:`read_into`). The manifest is checked first (:meth:`read_manifest`), so nothing
-        is allocated from an inconsistent one."""
+    def read_tensors(self, ref: ShardRef,
+                     into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None
+                     ) -> tuple[ShardManifest, list[torch.Tensor]]:
+        """Read ``ref`` straight into a CPU tensor per entry (a scatter read, verified as in
+        :meth:`read_into`): fresh ones, or those ``into(manifest)`` names (contiguous, of the
+        entry's dtype and shape, not overlapping; None: a fresh one). The manifest is checked
+        first (:meth:`read_manifest`), so nothing is allocated from an inconsistent one."""
         manifest = self.read_manifest(ref)
-        tensors = [torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-                   for e in manifest.tensors]
+        tensors = fresh_or_given(manifest, into)
         self.read_into(ref, manifest, [
             (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
             if e.nbytes])
@@ -330,6 +332,15 @@ class ShardStore:
         else:
             self._in_background(partial(remove_paths, self.session_path, found))
         return found
+
+
+def fresh_or_given(manifest: ShardManifest,
+                   into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None
+                   ) -> list[torch.Tensor]:
+    """A CPU tensor per entry of ``manifest`` to load into: ``into(manifest)``'s, else fresh."""
+    given = into(manifest) if into is not None else [None] * len(manifest.tensors)
+    return [t if t is not None else torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            for e, t in zip(manifest.tensors, given, strict=True)]
 
 
 def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
