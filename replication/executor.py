@@ -196,7 +196,12 @@ def _receive(t: Transfer, sink: Sink, group: dist.ProcessGroup | None) -> BaseEx
             if drain is None:
                 drain = torch.empty(piece, dtype=torch.uint8)
             target = drain[: end - start]
-        dist.recv(target, t.src, group=group)
+        try:
+            dist.recv(target, t.src, group=group)
+        except BaseException:  # the stream is lost: the receiver must not go on writing
+            if receiver is not None:
+                receiver.abort()
+            raise
         if error is None and receiver is not None:
             try:
                 receiver.piece_received(index, start, end)

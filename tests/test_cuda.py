@@ -137,7 +137,9 @@ def test_load_into_cuda_tensors_fills_the_callers_own(root: Path) -> None:
     with LocalCheckpointManager(root, "s") as mgr:
         mgr.save(saved, 1)
     into = {k: torch.zeros_like(v) for k, v in saved.items()}
+    into["w"] = torch.nn.Parameter(into["w"])  # requires grad: filled all the same
     with LocalCheckpointManager(root, "s") as mgr:
         loaded, _ = mgr.load(into=into)
     for k, v in saved.items():
-        assert loaded[k] is into[k] and loaded[k].device == v.device and torch.equal(loaded[k], v)
+        assert loaded[k] is into[k] and loaded[k].device == v.device
+        assert torch.equal(loaded[k].detach(), v)

@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import into_scenarios
+import pytest
 import torch
 from dist_harness import run_ranks
 
 from localckpt import LocalCheckpointManager
+from localckpt.errors import ConfigurationError
+from localckpt.storage import shard_reader
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -98,3 +101,65 @@ def test_a_bad_into_on_one_rank_is_the_same_error_on_every_rank(tmp_path: Path,
     for r in run_ranks(into_scenarios.load_into, 2, tmp_path, str(root), 1):
         assert r.raised("TypeError"), (r.error, r.message)
         assert "rank 1" in r.message and "object" in r.message
+
+
+def test_views_the_read_cannot_fill_are_filled_by_a_copy(root: Path) -> None:
+    saved = {"img": torch.randn(2, 3, 8, 8), "z": torch.randn(6, dtype=torch.complex64),
+             "empty": torch.zeros(0, 3), "p": torch.randn(4)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    into = {"img": torch.zeros(2, 3, 8, 8).to(memory_format=torch.channels_last),
+            "z": torch.zeros(6, dtype=torch.complex64).conj(),  # a lazy conjugate view
+            "empty": torch.zeros(0, 3), "p": torch.nn.Parameter(torch.zeros(4))}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    for k in saved:
+        assert loaded[k] is into[k] and torch.equal(loaded[k].detach(), saved[k]), k
+    assert into["img"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_read_only_destination_never_costs_the_copy(root: Path) -> None:
+    saved = {"w": torch.randn(1 << 16)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    import mmap
+    import warnings
+    backing = root / "read-only.bin"
+    backing.write_bytes(bytes(1 << 18))
+    with open(backing, "rb") as f:
+        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about the non-writable buffer
+        read_only = torch.frombuffer(pages, dtype=torch.float32)
+    with LocalCheckpointManager(root, "s") as mgr:
+        with pytest.raises(OSError, match="Bad address"):
+            mgr.load(into={"w": read_only})
+        loaded, _ = mgr.load()  # the copy was not quarantined
+    assert torch.equal(loaded["w"], saved["w"])
+
+
+def test_a_destination_changed_while_load_runs_is_blamed_not_the_copy(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = {"w": torch.randn(1 << 16), "v": torch.randn(100)}
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save(saved, 1)
+        mgr.save(saved, 2)
+    into = {"w": torch.zeros(1 << 16), "v": torch.zeros(100)}
+    lo = into["w"].data_ptr()
+    real = shard_reader._preadv_all
+
+    def meddling(fd: int, pieces: list[memoryview], offset: int) -> int:
+        got = real(fd, pieces, offset)
+        if into["w"].data_ptr() == lo:  # another thread writes the caller's tensor meanwhile
+            into["w"][7] += 1.0
+        return got
+
+    monkeypatch.setattr(shard_reader, "_preadv_all", meddling)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr, \
+            pytest.raises(ConfigurationError, match="changed by another thread"):
+        mgr.load(into=into)
+    monkeypatch.undo()
+    assert not list((root / "s").glob(".quarantine-*"))  # no healthy copy was moved aside
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        loaded, ckpt = mgr.load()
+    assert ckpt[0] == 2 and torch.equal(loaded["w"], saved["w"])

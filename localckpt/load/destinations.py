@@ -64,21 +64,30 @@ class Destinations:
 
 
 def match(manifest: ShardManifest, by_path: dict[str, torch.Tensor] | None) -> Destinations:
-    """Which entries of ``manifest`` go into which of the caller's tensors (pure)."""
+    """Which entries of ``manifest`` go into which of the caller's tensors (pure). A plain
+    contiguous CPU tensor is read into; one on another device, non-contiguous (channels_last),
+    with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
+    nested or meta one, or a path the manifest names twice, is not used."""
     direct: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     if not by_path:
         return Destinations(direct)
     copied: dict[int, torch.Tensor] = {}
     spans: list[tuple[int, int, int]] = []  # (start, end, entry) of CPU destinations' memory
+    seen: dict[str, int] = {}
+    for e in manifest.tensors:
+        seen[e.key_path] = seen.get(e.key_path, 0) + 1
     for i, e in enumerate(manifest.tensors):
         t = by_path.get(e.key_path)
-        if t is None or t.dtype != dtype_from_name(e.dtype) or tuple(t.shape) != tuple(e.shape):
+        if t is None or seen[e.key_path] > 1 or t.layout != torch.strided or t.is_nested \
+                or t.device.type == "meta" or t.dtype != dtype_from_name(e.dtype) \
+                or tuple(t.shape) != tuple(e.shape):
             continue
-        if t.device.type != "cpu":
-            copied[i] = t
-        elif t.is_contiguous() and e.nbytes:
+        if t.device.type == "cpu" and e.nbytes and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg():
             direct[i] = t
             spans.append((t.data_ptr(), t.data_ptr() + e.nbytes, i))
+        else:
+            copied[i] = t
     spans.sort()
     shared: set[int] = set()
     reach, last = -1, -1
@@ -90,3 +99,10 @@ def match(manifest: ShardManifest, by_path: dict[str, torch.Tensor] | None) -> D
     for i in shared:
         direct[i] = None
     return Destinations(direct, copied)
+
+
+def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
+    """Copy each loaded tensor into the caller's tensor that could not be read into."""
+    with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
+        for i, t in destinations.copied.items():
+            t.copy_(tensors[i])

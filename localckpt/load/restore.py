@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,14 +52,14 @@ from ..control.coverage import (
     decode_inventories,
     other_world_shards,
 )
-from ..errors import CorruptShardError, NoCheckpointError
+from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
-from .destinations import Destinations, Into, match
+from .destinations import Destinations, Into, fill_copied, match
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,23 @@ def _quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> lis
     return [str(ref.path), str(exc), str(moved)]
 
 
+def _blame_destination(ctx: Context, rnd: _Round, shard: tuple[int, int],
+                       exc: CorruptShardError) -> None:
+    """A read into the caller's tensors failed its checks: read the copy again into private
+    memory. If it verifies, the copy is healthy and must not be quarantined: the caller's
+    tensors are at fault (read-only memory, or changed while load ran): ConfigurationError."""
+    if rnd.destinations is None or not any(t is not None for t in rnd.destinations.direct):
+        return
+    try:
+        ctx.store.read(_ref(ctx, shard))
+    except CorruptShardError:
+        return  # the copy itself is bad
+    raise ConfigurationError(
+        f"load(into=...): the checkpoint copy {_ref(ctx, shard).path} verifies when read into "
+        f"fresh memory, but not when read into the tensors of `into` ({exc}): are they "
+        "read-only, or changed by another thread while load ran?") from exc
+
+
 def _verify_sources(ctx: Context, rnd: _Round,
                     built: list[tuple[ShardManifest, Any]] | None) -> dict[str, Any]:
     """Check every copy this rank serves: its manifest, and its chunk files all there and whole
@@ -158,7 +175,11 @@ def _verify_sources(ctx: Context, rnd: _Round,
     for shard in rnd.plan.sources_of(ctx.rank):
         try:
             if built is not None:  # the common case: only its own shard, for itself
-                rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose)
+                try:
+                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose)
+                except CorruptShardError as exc:
+                    _blame_destination(ctx, rnd, shard, exc)
+                    raise
             else:
                 m = rnd.manifests[shard] = ctx.store.read_manifest(_ref(ctx, shard))
                 pieces[f"{shard[0]}:{shard[1]}"] = piece_count(m.chunk_nbytes, m.chunk_count)
@@ -196,7 +217,12 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
         return receivers[t.shard]
 
     started = time.monotonic()
-    failures = run_transfers(rnd.fetches, ctx.group, source, sink)
+    try:
+        failures = run_transfers(rnd.fetches, ctx.group, source, sink)
+    except BaseException:
+        if reading is not None:  # never leave it writing into the caller's tensors
+            wait([reading])
+        raise
     bad: list[list[str]] = []
     retry: list[str] = []
     errors: list[tuple[tuple[int, int] | None, BaseException]] = [
@@ -204,6 +230,9 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
     if reading is not None:
         try:
             rnd.own = reading.result()
+        except CorruptShardError as exc:
+            _blame_destination(ctx, rnd, own_shard, exc)
+            errors.append((own_shard, exc))
         except Exception as exc:
             errors.append((own_shard, exc))
     for served, error in errors:
@@ -212,7 +241,9 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
         if served is not None:  # this rank's copy failed its checksums
             bad.append(_quarantine(ctx, served, error))
         else:  # received damaged; if the sender's copy was bad it says so in ``bad``
-            retry.append(str(error))
+            hint = (" (received into the tensors of load(into=...): were they changed while "
+                    "load ran?)") if rnd.into.state is not None else ""
+            retry.append(f"{error}{hint}")
     if own_shard in receivers and not failures:
         receiver = receivers[own_shard]
         rnd.own = (receiver.manifest, receiver.tensors)
@@ -311,9 +342,10 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
     tensors on their recorded devices."""
     assert rnd.own is not None, "the own shard is read or received before the build"
     manifest, tensors = rnd.own
-    placed = rnd.destinations.placed if rnd.destinations is not None else {}
-    for i, t in (rnd.destinations.copied.items() if rnd.destinations is not None else ()):
-        t.copy_(tensors[i])  # the caller's tensor on another device
+    placed = {}
+    if rnd.destinations is not None:
+        fill_copied(rnd.destinations, tensors)
+        placed = rnd.destinations.placed
     out.append((manifest, rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
         [e.device for e in manifest.tensors], manifest.container == "plain", placed)))

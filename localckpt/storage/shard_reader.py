@@ -79,7 +79,8 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
 # healthy shard is never quarantined for it. Any other error (ENOENT, EIO, EBADMSG and ENODATA
 # from a file system's own checksums, ESTALE, ELOOP...) means this copy cannot be used.
 _NOT_THE_COPY = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES, errno.EPERM,
-                 errno.EINTR, errno.EAGAIN, errno.ENOBUFS)
+                 errno.EINTR, errno.EAGAIN, errno.ENOBUFS,
+                 errno.EFAULT)  # the destination memory is not writable (load(into=...))
 
 
 def unreadable(path: Path, exc: OSError, what: str) -> OSError:
