@@ -35,6 +35,7 @@ from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
 from .storage.layout import MAX_WORLD_SIZE, ShardRef, session_dir
 from .storage.manifest import ShardManifest
+from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.session_lock import SessionLock
 from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
 
@@ -280,6 +281,17 @@ class LocalCheckpointManager:
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return state, (manifest.iteration, self.rank, self.session_id)
+
+    def reserve(self, state_dict: Any) -> int:
+        """Allocate and touch now the memory saves of ``state_dict`` will use (the staging
+        arena; with replication, the buffers replicas are received into), so the first save
+        stalls no longer than later ones. Not collective; call it once the state exists (after
+        building the model and optimizer). Returns the bytes one save stages. Raises TypeError
+        for a leaf ``save`` would refuse."""
+        nbytes = self._save.reserve(state_dict)
+        if any(self._ctx.placement.holders):  # a piece is at most the shard, at most this
+            self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
+        return nbytes
 
     def wait_for_write_back(self) -> None:
         """Block until the last ``load``'s write-back is over: the shards a replaced node must

@@ -19,6 +19,8 @@ TARGETS = (
      "replication vs raw gloo, same schedule (throughput)"),
     ("node_loss_to_raw", "restore / max(own read, replica read + transfer)", 1.3, "<=",
      "load after node loss vs the overlapped raw restore (time)"),
+    ("first_save_to_steady", "first save of a fresh job / steady save", 1.5, "<=",
+     "first save (after reserve) vs a steady save, both synchronous (time)"),
     ("load_into_to_raw_read", "load(into=...) / raw read into preallocated memory", 1.2, "<=",
      "local load into the caller's tensors vs raw read into preallocated memory (time)"),
     ("async_to_torch_save_and_replicate", "async save to finalized / (torch.save + send by hand)",
@@ -95,6 +97,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
                                     "torch_save_and_replicate")) else None),
         "load_local_to_raw_read_fresh": ratio("tmpfs_read_fresh", "load_local"),
         "load_into_to_raw_read": ratio("load_local_into", "tmpfs_read"),
+        "first_save_to_steady": ratio("first_save", "steady_save"),
         "torch_save_to_raw_write": ratio("tmpfs_write_fresh", "torch_save"),
         "torch_load_to_raw_read_fresh": ratio("tmpfs_read_fresh", "torch_load"),
         "dcp_save_to_raw_write": ratio("tmpfs_write_fresh", "dcp_save"),
@@ -178,13 +181,14 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
                "Replication and restore have a second ratio: to the raw operation plus the "
                "write of the received bytes into tmpfs that the phase must also do (a replica "
                "is only of use on the holder's disk; a restore brings redundancy back).\n\n"
-               "| configuration | stall (÷ memcpy) | local write GB/s (× raw write) | replication "
+               "| configuration | first save ms, after `reserve` (÷ steady save) | "
+               "stall (÷ memcpy) | local write GB/s (× raw write) | replication "
                "(× raw send/recv; × send/recv + write) | finalize | async save to finalized | "
                "`find_latest` | `load` local GB/s (× raw fresh read) | `load(into=...)` local "
                "ms (÷ raw read into preallocated memory) | `load` after node loss "
                "(÷ overlapped raw; ÷ sequential raw) | background write-back (÷ raw read, "
                "transfer and write) |"
-               "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+               "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         q, g = row["ratios"], row["GBps_per_rank"]
         repl = "–" if "replicate_to_raw_gloo" not in q else \
@@ -195,7 +199,9 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
             f"{_f(q.get('node_loss_to_raw_sequential'))})"
         back = "–" if "write_back_to_raw" not in q else \
             f"{_ms(row, 'write_back_after_load')} ({q['write_back_to_raw']:.2f})"
-        out.append(f"| {row['label']} | {_ms(row, 'stall')} ({_f(q.get('stall_to_memcpy'))}) | "
+        out.append(f"| {row['label']} | {_ms(row, 'first_save')} "
+                   f"({_f(q.get('first_save_to_steady'))}) | "
+                   f"{_ms(row, 'stall')} ({_f(q.get('stall_to_memcpy'))}) | "
                    f"{_f(g.get('write'))} ({_f(q.get('write_to_raw_write'))}) | {repl} | "
                    f"{_ms(row, 'finalize')} | {_ms(row, 'async_save_to_finalized')} | "
                    f"{_ms(row, 'find_latest')} | {_f(g.get('load_local'))} "

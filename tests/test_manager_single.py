@@ -403,3 +403,28 @@ def test_a_restart_load_is_one_collective_after_find_latest(
         steps.clear()
         mgr.load()
         assert steps[0] == "load of iteration 3: inventory"
+
+
+def test_reserve_prepares_the_arena_so_the_first_save_allocates_nothing(root: Path) -> None:
+    state = {"w": torch.randn(1 << 18), "b": torch.randn(10)}
+    with LocalCheckpointManager(root) as mgr:
+        nbytes = mgr.reserve(state)
+        assert nbytes >= (1 << 20) + 40
+        assert mgr._save._arena.allocations == 1 and mgr._save._arena.capacity >= nbytes
+        assert not mgr._save._arena.buffer(nbytes).any()  # touched: zero-filled
+        mgr.save(state, 1)
+        assert mgr._save._arena.allocations == 1  # the save reused it
+        assert mgr.reserve(state) == nbytes and mgr._save._arena.allocations == 1
+        loaded, _ = mgr.load()
+    assert torch.equal(loaded["w"], state["w"])
+    with pytest.raises(TypeError, match="object"), LocalCheckpointManager(root) as mgr:
+        mgr.reserve({"x": object()})
+
+
+def test_the_receive_ring_is_reserved_whole() -> None:
+    from localckpt.storage.peer_io import PieceRing
+
+    ring = PieceRing()
+    ring.reserve(1000)
+    assert all(ring.slot(k, 1000).numel() == 1000 and not ring.slot(k, 1000).any()
+               for k in range(ring.slots))

@@ -85,6 +85,16 @@ class SavePath:
         return AsyncRequest(job.run, (ctx,), finalize_fns=(partial(self._finalize_job, job),),
                             preload_fn=job.mark_scheduled)
 
+    def reserve(self, state_dict: Any) -> int:
+        """Size and pre-fault the staging arena for saves of ``state_dict``; returns the bytes
+        one such save stages. Not collective. A save in flight keeps its own buffer alive."""
+        tasd = as_tensor_aware(state_dict)
+        chunk_nbytes, chunk_count = chunking(plan_layout(tasd.tensors).nbytes,
+                                             self.ctx.store.chunk_nbytes)
+        nbytes = chunk_nbytes * chunk_count
+        self._arena.reserve(nbytes)
+        return nbytes
+
     def close(self) -> None:
         """Wait (up to the timeout) for the local work of a save in flight: its shard is then
         committed, to be finalized through the AsyncCallsQueue or found by the next job."""

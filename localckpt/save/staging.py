@@ -128,6 +128,14 @@ class StagingArena:
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
+    def reserve(self, nbytes: int) -> None:
+        """Grow the arena to ``nbytes`` now and touch every page, so that the first save does
+        not pay the page faults (on this machine they cost more than the copy itself)."""
+        before = self.allocations
+        buf = self.buffer(nbytes)
+        if self.allocations != before:
+            buf.zero_()
+
     def buffer(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the arena, growing it if needed (contents then undefined)."""
         if self._buffer is None or self._buffer.numel() < nbytes:

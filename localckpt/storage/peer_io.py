@@ -56,6 +56,14 @@ class PieceRing:
         """Free the buffers (they are allocated again on use)."""
         self._buffers = []
 
+    def reserve(self, nbytes: int) -> None:
+        """Every slot at least ``nbytes`` now, its pages touched."""
+        for k in range(self.slots):
+            before = self._buffers[k].numel() if k < len(self._buffers) else 0
+            buf = self.slot(k, nbytes)
+            if before < nbytes:
+                buf.zero_()
+
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         k = index % self.slots
         while len(self._buffers) <= k:
