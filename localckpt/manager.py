@@ -33,7 +33,7 @@ from .load.write_back import WriteBack
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
-from .storage.layout import MAX_WORLD_SIZE, ShardRef, session_dir
+from .storage.layout import MAX_WORLD_SIZE, session_dir
 from .storage.manifest import ShardManifest
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.session_lock import SessionLock
@@ -232,8 +232,7 @@ class LocalCheckpointManager:
         if self.latest_iteration >= 0:
             # Parsed once: load finds it in the store's manifest cache.
             store = self._ctx.store
-            ref = ShardRef(self.latest_iteration, self.rank, self.world_size,
-                           store.path_of(self.latest_iteration, self.rank, self.world_size))
+            ref = store.ref(self.latest_iteration, self.rank, self.world_size)
             with contextlib.suppress(Exception), gc_paused():  # load verifies; this only looks
                 self._warn_if_foreign(store.read_manifest(ref))
         return self.latest_iteration

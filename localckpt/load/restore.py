@@ -130,8 +130,7 @@ def plan_round(ctx: Context, iteration: int, inventories: list[Inventory],
 
 
 def _ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
-    it, owner = shard
-    return ShardRef(it, owner, ctx.world_size, ctx.store.path_of(it, owner, ctx.world_size))
+    return ctx.store.ref(*shard, ctx.world_size)
 
 
 def _quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> list[str]:

@@ -30,7 +30,6 @@ from replication.plans import ShardId
 from ..control.context import Context
 from ..errors import CollectiveError, CollectiveTimeoutError, CorruptShardError
 from ..ops.faults import fault_point
-from ..storage.layout import ShardRef
 from ..storage.peer_io import StoreReceiver, run_transfers
 from ..storage.shard_stream import outgoing_from_disk
 
@@ -60,7 +59,7 @@ class WriteBack:
     def _source(self, t: Transfer) -> Outgoing:
         fault_point("load_write_back", self.ctx.rank, t.iteration)
         fault_point("replica_send", self.ctx.rank, t.iteration)
-        ref = _ref(self.ctx, t.shard)
+        ref = self.ctx.store.ref(*t.shard, self.ctx.world_size)
         return outgoing_from_disk(self.ctx.store, ref, self.ctx.store.read_manifest(ref),
                                   self.ctx.ring)
 
@@ -79,7 +78,7 @@ class WriteBack:
                 corrupt = [t.shard for t, exc in failures
                            if t.src == ctx.rank and isinstance(exc, CorruptShardError)]
                 for shard, exc in ((t.shard, e) for t, e in failures if t.shard in corrupt):
-                    moved = ctx.store.quarantine(_ref(ctx, shard))
+                    moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size))
                     logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
                                    ctx.rank, exc, moved)
                 mine = {"failed": [[t.src, t.dst, t.iteration, t.owner] for t in sorted(bad)],
@@ -132,7 +131,3 @@ class WriteBack:
         self.ctx.group.mark_broken(err)
         raise err
 
-
-def _ref(ctx: Context, shard: ShardId) -> ShardRef:
-    it, owner = shard
-    return ShardRef(it, owner, ctx.world_size, ctx.store.path_of(it, owner, ctx.world_size))

@@ -40,7 +40,6 @@ from ..errors import (
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..state_dict import as_tensor_aware
-from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest, TensorEntry, dtype_name, writer_identity
 from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
@@ -263,7 +262,7 @@ class SavePath:
             keep = retained_iterations(inventories, ctx.world_size, self.keep_last)
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size):
-                ctx.store.delete(ShardRef(it, owner, world, ctx.store.path_of(it, owner, world)),
+                ctx.store.delete(ctx.store.ref(it, owner, world),
                                  background=True)
             ctx.store.remove_leftovers(background=True)
         except Exception:

@@ -73,6 +73,23 @@ class PieceRing:
         return self._buffers[k][:nbytes]
 
 
+def received_manifest(t: Transfer, meta: bytes, nbytes: int, world_size: int
+                      ) -> tuple[ShardManifest, str]:
+    """The manifest a peer sent for transfer ``t`` (and how errors name the shard), checked to
+    be that shard's, of ``nbytes`` bytes. Raises CorruptShardError. The session may differ, as
+    on the local read path: a session directory copied or renamed on purpose (the load path
+    warns about it)."""
+    where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
+    with gc_paused():  # parsing allocates ~10 objects per tensor; see gc_paused
+        m = ShardManifest.from_json_bytes(meta, where)
+    expected = (t.iteration, t.owner, world_size)
+    got = (m.iteration, m.owner_rank, m.world_size)
+    if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
+        raise CorruptShardError(f"{where}: manifest says (iteration, owner, world) = {got} "
+                                f"and {nbytes} bytes, expected {expected}")
+    return m, where
+
+
 class StoreReceiver:
     """Receives one shard and commits it through the store as it arrives: the chunks of piece i
     are checksummed and written while piece i+1 is still on the wire; the commit checks every
@@ -80,17 +97,7 @@ class StoreReceiver:
 
     def __init__(self, store: ShardStore, t: Transfer, meta: bytes, nbytes: int,
                  world_size: int, ring: PieceRing) -> None:
-        where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
-        with gc_paused():  # parsing allocates ~10 objects per tensor; see gc_paused
-            self.manifest = ShardManifest.from_json_bytes(meta, where)
-        m = self.manifest
-        # The session may differ, as on the local read path: a session directory copied or
-        # renamed on purpose (the load path warns about it).
-        expected = (t.iteration, t.owner, world_size)
-        got = (m.iteration, m.owner_rank, m.world_size)
-        if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
-            raise CorruptShardError(f"{where}: manifest says (iteration, owner, world) = {got} "
-                                    f"and {nbytes} bytes, expected {expected}")
+        self.manifest = m = received_manifest(t, meta, nbytes, world_size)[0]
         self._ring = ring
         self._store = store
         self._in_slot: dict[int, range] = {}  # ring slot -> chunks whose bytes it holds

@@ -21,10 +21,9 @@ from replication import Transfer
 from replication.executor import Outgoing
 
 from ..errors import CorruptShardError
-from ..gc_pause import gc_paused
 from .layout import ShardRef
 from .manifest import ShardManifest
-from .peer_io import PieceRing, piece_nbytes
+from .peer_io import PieceRing, piece_nbytes, received_manifest
 from .store import ShardStore, byte_view, fresh_or_given
 
 # A tensor at least this large is its own segment on the wire, received in place; smaller ones
@@ -85,14 +84,8 @@ class TensorReceiver:
                  ring: PieceRing,
                  into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None
                  ) -> None:
-        self._where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
-        with gc_paused():
-            self.manifest = m = ShardManifest.from_json_bytes(meta, self._where)
-        expected = (t.iteration, t.owner, world_size)
-        got = (m.iteration, m.owner_rank, m.world_size)
-        if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
-            raise CorruptShardError(f"{self._where}: manifest says (iteration, owner, world) = "
-                                    f"{got} and {nbytes} bytes, expected {expected}")
+        self.manifest, self._where = received_manifest(t, meta, nbytes, world_size)
+        m = self.manifest
         self._ring = ring
         self.tensors = fresh_or_given(m, into)
         placed = sorted((e.offset, byte_view(x)) for e, x in zip(m.tensors, self.tensors,

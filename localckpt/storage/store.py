@@ -159,6 +159,11 @@ class ShardStore:
     def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
         return shard_path(self.root, self.session_id, iteration, owner, world_size)
 
+    def ref(self, iteration: int, owner: int, world_size: int) -> ShardRef:
+        """The shard (``iteration``, ``owner``) of a world of ``world_size`` under this root
+        (committed or not)."""
+        return ShardRef(iteration, owner, world_size, self.path_of(iteration, owner, world_size))
+
     # ---------------------------------------------------------------- write
 
     def begin_write(self, manifest: ShardManifest) -> ShardWriter:
