@@ -191,7 +191,9 @@ class LocalCheckpointManager:
         """Save this rank's ``state_dict`` as its shard of ``iteration``. Collective.
 
         ``state_dict`` is a TensorAwareStateDict or a plain nested dict/list/tuple (wrapped
-        automatically); it is never mutated. Its tensors are copied into the staging arena before
+        automatically); it is never mutated. Its leaves may be DTensors (each rank saves its
+        local shard and the layout) and Stateful objects (saved through ``state_dict()``; see
+        docs/fsdp2.md). Its tensors are copied into the staging arena before
         ``save`` returns: from then on training may modify or free them (on CUDA the copies are
         complete too; see docs/async.md).
 
@@ -258,10 +260,17 @@ class LocalCheckpointManager:
         ``load`` runs: a checksum that fails there is blamed on them (ConfigurationError), never
         on the copy. If ``load`` raises, or falls back to an older iteration, tensors of
         ``into`` the returned state does not hold may keep data of the iteration it gave up.
+        A DTensor of ``into`` is loaded into through its local shard when the saved shard lies
+        at the same place on a mesh of the same shape; a saved DTensor without one at its path
+        is wrapped on a mesh of ``into`` of the same shape and dim names. A Stateful object of
+        ``into`` gets ``load_state_dict`` with what was loaded for it and is returned in place.
 
         Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
-        rank's TypeError when its ``into`` has a leaf ``save`` would refuse.
+        rank's TypeError when its ``into`` has a leaf ``save`` would refuse; ConfigurationError
+        for a saved DTensor ``into`` gives no mesh for, or lays out otherwise (resharding onto
+        another mesh or world size is not done yet); the failing rank's error from a Stateful's
+        ``load_state_dict``.
         """
         self.wait_for_write_back()
         self._save.settle()

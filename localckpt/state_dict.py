@@ -4,8 +4,15 @@ The hollow structure is plain JSON (see :func:`encode_hollow`), so the non-tenso
 checkpoint is read back without unpickling anything. Supported leaves: ``torch.Tensor`` (any dtype,
 any device, strided layout), ``None``, ``bool``, ``int``, ``float`` (bit-exact, nan/inf included),
 ``complex``, ``str`` and ``bytes``; containers: ``dict``, ``collections.OrderedDict``, ``list`` and
-``tuple`` (dict keys: any supported scalar, or a tuple of them). Anything else raises ``TypeError``
-naming the key path and the type.
+``tuple`` (dict keys: any supported scalar, or a tuple of them). Two more:
+
+- a ``DTensor`` (FSDP2, tensor parallelism): its local shard is the tensor, and the node
+  ``{"DT": {"T": i, "layout": ...}}`` records where the shard lies (:mod:`localckpt.dtensors`);
+- a *Stateful* object (``state_dict()`` and ``load_state_dict()``: modules, optimizers, LR
+  schedulers, stateful data loaders): ``state_dict()`` is called and its result stored under
+  ``{"S": ...}``; a load into such an object calls its ``load_state_dict`` with what was loaded.
+
+Anything else raises ``TypeError`` naming the key path and the type.
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ import base64
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .dtensors import DTensorLayout, is_dtensor
 from .save.staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
 logger = logging.getLogger(__name__)
@@ -54,6 +63,11 @@ class TensorAwareStateDict(ABC):
     def to_state_dict(self) -> Any:
         """The state dict this object stands for (the tensors currently held, not copies)."""
 
+    @property
+    def layouts(self) -> Mapping[int, DTensorLayout]:
+        """Index -> layout of the tensors that are a DTensor's local shard (none by default)."""
+        return {}
+
 
 class BasicTensorAwareStateDict(TensorAwareStateDict):
     """Wraps a nested dict / list / tuple / OrderedDict state dict.
@@ -64,22 +78,39 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     """
 
     def __init__(self, state_dict: Any) -> None:
-        tensors: list[torch.Tensor] = []
-        paths: list[str] = []
-        self._hollow = encode_hollow(state_dict, tensors, paths)
-        self._tensors = tensors
-        self._paths = paths
+        walk = Walk()
+        self._hollow = encode_hollow(state_dict, walk)
+        self._tensors = walk.tensors
+        self._paths = walk.paths
+        self._dtensors = walk.dtensors
+        self._layouts = walk.layouts
+        self.statefuls = walk.statefuls  # key path -> the Stateful object found there
 
     @classmethod
     def from_hollow(
-        cls, hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str]
+        cls, hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str],
+        dtensors: Mapping[int, Any] | None = None,
+        layouts: Mapping[int, DTensorLayout] | None = None,
     ) -> BasicTensorAwareStateDict:
-        """Rebuild from a stored hollow structure and its tensors (in index order)."""
+        """Rebuild from a stored hollow structure and its tensors (in index order); ``dtensors``:
+        the DTensor each ``{"DT": ...}`` node stands for, by tensor index."""
         obj = cls.__new__(cls)
         obj._hollow = hollow
         obj._tensors = list(tensors)
         obj._paths = list(key_paths)
+        obj._dtensors = dict(dtensors or {})
+        obj._layouts = dict(layouts or {})
+        obj.statefuls = {}
         return obj
+
+    @property
+    def layouts(self) -> Mapping[int, DTensorLayout]:
+        return self._layouts
+
+    @property
+    def dtensors(self) -> Mapping[int, Any]:
+        """Index -> the DTensor whose local shard ``tensors[index]`` is."""
+        return self._dtensors
 
     @property
     def tensors(self) -> Sequence[torch.Tensor]:
@@ -93,7 +124,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return self._hollow
 
     def to_state_dict(self) -> Any:
-        return decode_hollow(self._hollow, self._tensors)
+        return decode_hollow(self._hollow, self._tensors, self._dtensors)
 
 
 def as_tensor_aware(state_dict: Any) -> TensorAwareStateDict:
@@ -156,41 +187,88 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
         )
 
 
-def encode_hollow(
-    obj: Any, tensors: list[torch.Tensor], paths: list[str], path: tuple[Any, ...] = ()
-) -> JSON:
-    """JSON form of ``obj`` with tensors appended to ``tensors`` and replaced by ``{"T": i}``."""
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the Stateful protocol (torch.distributed.checkpoint's)."""
+    kind = type(obj)
+    return not isinstance(obj, type) and callable(getattr(kind, "state_dict", None)) and \
+        callable(getattr(kind, "load_state_dict", None))
+
+
+@dataclass
+class Walk:
+    """What :func:`encode_hollow` collects: the tensors in order, their key paths, and the
+    DTensors and Stateful objects it met."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    dtensors: dict[int, Any] = field(default_factory=dict)
+    layouts: dict[int, DTensorLayout] = field(default_factory=dict)
+    statefuls: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        self.tensors.append(t)
+        self.paths.append(_path_str(path))
+        return len(self.tensors) - 1
+
+
+def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
+    """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
     kind = type(obj)
     if isinstance(obj, torch.Tensor):
+        if is_dtensor(obj):
+            layout = DTensorLayout.of(obj, _path_str(path))
+            local: torch.Tensor = obj._local_tensor  # type: ignore[attr-defined]  # the very
+            # storage, which load(into=...) reads into
+            _check_tensor(local, path)
+            i = walk.add(local, path)
+            walk.dtensors[i], walk.layouts[i] = obj, layout
+            return {"DT": {"T": i, "layout": layout.to_json()}}
         _check_tensor(obj, path)
-        tensors.append(obj)
-        paths.append(_path_str(path))
-        return {"T": len(tensors) - 1}
+        return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
-        items = [
-            [_encode_key(k, path), encode_hollow(v, tensors, paths, (*path, k))]
-            for k, v in obj.items()
-        ]
+        items = [[_encode_key(k, path), encode_hollow(v, walk, (*path, k))]
+                 for k, v in obj.items()]
         return {"odict" if kind is OrderedDict else "dict": items}
     if kind is list:
-        return [encode_hollow(v, tensors, paths, (*path, i)) for i, v in enumerate(obj)]
+        return [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]
     if kind is tuple:
-        return {"tuple": [encode_hollow(v, tensors, paths, (*path, i)) for i, v in enumerate(obj)]}
+        return {"tuple": [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]}
+    if is_stateful(obj):
+        walk.statefuls[_path_str(path)] = obj
+        return {"S": encode_hollow(obj.state_dict(), walk, path)}
     return _encode_leaf(obj, path)
 
 
-def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor]) -> Any:
-    """Inverse of :func:`encode_hollow`. Raises ``ValueError`` on a malformed node."""
+Restorer = Callable[[str, Any], Any]
+
+
+def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
+                  dtensors: Mapping[int, Any] | None = None,
+                  stateful: Restorer | None = None, path: tuple[Any, ...] = ()) -> Any:
+    """Inverse of :func:`encode_hollow`. ``dtensors``: the object each ``{"DT": ...}`` node
+    becomes, by tensor index; ``stateful(key_path, value)``: what each ``{"S": ...}`` node
+    becomes (default: its value). Raises ``ValueError`` on a malformed node or a DTensor node
+    ``dtensors`` lacks."""
     if node is None or type(node) in (bool, int, str):
         return node
     if type(node) is list:
-        return [decode_hollow(v, tensors) for v in node]
+        return [decode_hollow(v, tensors, dtensors, stateful, (*path, i))
+                for i, v in enumerate(node)]
     if type(node) is dict and len(node) == 1:
         (tag, value), = node.items()
         if tag == "T":
             if type(value) is not int or not 0 <= value < len(tensors):
                 raise ValueError(f"hollow structure refers to tensor {value!r} of {len(tensors)}")
             return tensors[value]
+        if tag == "DT":
+            i = value.get("T") if type(value) is dict else None
+            if dtensors is None or type(i) is not int or i not in dtensors:
+                raise ValueError(f"hollow structure: no DTensor for tensor {i!r} at "
+                                 f"{_path_str(path)!r}")
+            return dtensors[i]
+        if tag == "S":
+            inner = decode_hollow(value, tensors, dtensors, stateful, path)
+            return stateful(_path_str(path), inner) if stateful is not None else inner
         if tag == "f":
             return float.fromhex(value)
         if tag == "c":
@@ -198,9 +276,13 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor]) -> Any:
         if tag == "b":
             return base64.b64decode(value.encode("ascii"), validate=True)
         if tag == "tuple":
-            return tuple(decode_hollow(v, tensors) for v in value)
+            return tuple(decode_hollow(v, tensors, dtensors, stateful, (*path, i))
+                         for i, v in enumerate(value))
         if tag in ("dict", "odict"):
-            pairs = [(decode_hollow(k, tensors), decode_hollow(v, tensors)) for k, v in value]
+            pairs = []
+            for k, v in value:
+                key = decode_hollow(k, tensors)
+                pairs.append((key, decode_hollow(v, tensors, dtensors, stateful, (*path, key))))
             return OrderedDict(pairs) if tag == "odict" else dict(pairs)
     raise ValueError(f"malformed hollow structure node: {str(node)[:200]}")
 
@@ -233,15 +315,28 @@ def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None)
 
 def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths: Sequence[str],
                        devices: Sequence[str], plain: bool,
-                       placed: Mapping[int, torch.Tensor] | None = None) -> Any:
+                       placed: Mapping[int, torch.Tensor] | None = None,
+                       layouts: Mapping[int, DTensorLayout] | None = None,
+                       wrap: Callable[[int, torch.Tensor], Any] | None = None,
+                       stateful: Restorer | None = None) -> Any:
     """A loaded state dict: tensors (CPU, each in its own storage) moved to their recorded
     devices, as a plain structure when a plain one was saved, else a BasicTensorAwareStateDict.
-    ``placed``: entries already in the caller's tensors (``load(into=...)``), kept as they are."""
+    ``placed``: entries already in the caller's tensors (``load(into=...)``), kept as they are.
+    ``wrap(i, local)``: the DTensor entry i of ``layouts`` becomes (its errors propagate);
+    ``stateful``: see :func:`decode_hollow` (Stateful objects are restored here, in order)."""
     moved = restore_devices(tensors, devices, set(placed or ()))
     for i, t in (placed or {}).items():
         moved[i] = t
-    tasd = BasicTensorAwareStateDict.from_hollow(hollow, moved, key_paths)
-    return tasd.to_state_dict() if plain else tasd
+    dtensors: dict[int, Any] = {}
+    for i in layouts or {}:
+        if wrap is None:
+            raise ValueError(f"tensor {i} ({key_paths[i]}) is a DTensor shard: a device mesh "
+                             "is needed to load it")
+        dtensors[i] = wrap(i, moved[i])
+    state = decode_hollow(hollow, moved, dtensors, stateful)
+    if plain:
+        return state
+    return BasicTensorAwareStateDict.from_hollow(hollow, moved, key_paths, dtensors, layouts)
 
 
 def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str],

@@ -17,6 +17,7 @@ from scenarios import make_state
 
 from localckpt import LocalCheckpointManager
 from localckpt.ops.cli import main
+from localckpt.storage.manifest import FORMAT_VERSION
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -285,7 +286,9 @@ def test_verify_tells_a_damaged_version_from_another_format(capsys: pytest.Captu
                                                            tmp_path: Path) -> None:
     root = tmp_path / "node0"
     meta = _shard(root, 1, 0, 1) / "zarr.json"
-    meta.write_text(meta.read_text().replace('"format_version": 1', '"format_version": 3'))
+    text = meta.read_text()
+    assert f'"format_version": {FORMAT_VERSION}' in text
+    meta.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 7'))
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and "CORRUPT" in out and "checksum mismatch" in out
 

@@ -6,6 +6,12 @@ page faults, which on a fresh process cost more than the read itself. On another
 tensor is read into host memory, then copied into the caller's. Two destinations sharing memory
 (tied weights) are left out: reading both at once would make healthy chunks fail their
 checksums, and a healthy copy must never be quarantined for that.
+
+A DTensor of ``into`` is loaded into through its local shard, when the saved shard lies at the
+same place (:meth:`DTensorLayout.same_place`); the returned state holds the caller's DTensor.
+A saved DTensor with no DTensor at its path in ``into`` (the state of a fresh optimizer) is
+wrapped on the mesh of another DTensor of ``into`` with the same mesh shape and dim names.
+Stateful objects of ``into`` get ``load_state_dict`` with what was loaded for them.
 """
 
 from __future__ import annotations
@@ -15,23 +21,42 @@ from typing import Any
 
 import torch
 
-from ..state_dict import as_tensor_aware
+from ..dtensors import DTensorLayout, mesh_key, wrap
+from ..errors import ConfigurationError
+from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
 
 
-def tensors_by_path(into: Any) -> dict[str, torch.Tensor]:
-    """The tensors of ``into`` (a state dict as ``save`` takes it) by key path; a path that
-    occurs twice is left out. Raises TypeError on a leaf ``save`` would refuse."""
+@dataclass
+class Target:
+    """One tensor of ``into``: the tensor read into (a DTensor's local shard), and the DTensor
+    with its layout when it is one."""
+
+    tensor: torch.Tensor
+    dtensor: Any = None
+    layout: DTensorLayout | None = None
+
+
+def targets_by_path(into: Any) -> tuple[dict[str, Target], dict[str, Any], dict[Any, Any]]:
+    """The tensors of ``into`` (a state dict as ``save`` takes it) by key path (a path that
+    occurs twice is left out), its Stateful objects by key path, and its device meshes by
+    (shape, dim names). Raises TypeError on a leaf ``save`` would refuse."""
     tasd = as_tensor_aware(into)
-    out: dict[str, torch.Tensor] = {}
+    dtensors = tasd.dtensors if isinstance(tasd, BasicTensorAwareStateDict) else {}
+    out: dict[str, Target] = {}
     twice: set[str] = set()
-    for path, t in zip(tasd.key_paths, tasd.tensors, strict=True):
+    meshes: dict[Any, Any] = {}
+    for i, (path, t) in enumerate(zip(tasd.key_paths, tasd.tensors, strict=True)):
         if path in out:
             twice.add(path)
-        out[path] = t
+        layout = tasd.layouts.get(i)
+        out[path] = Target(t, dtensors.get(i), layout)
+        if layout is not None and i in dtensors:
+            meshes.setdefault(mesh_key(layout), dtensors[i].device_mesh)
     for path in twice:
         del out[path]
-    return out
+    statefuls = tasd.statefuls if isinstance(tasd, BasicTensorAwareStateDict) else {}
+    return out, statefuls, meshes
 
 
 class Into:
@@ -40,21 +65,27 @@ class Into:
 
     def __init__(self, state: Any) -> None:
         self.state = state
-        self._paths: dict[str, torch.Tensor] | None = None
+        self._paths: dict[str, Target] | None = None
+        self.statefuls: dict[str, Any] = {}
+        self.meshes: dict[Any, Any] = {}
 
-    def paths(self) -> dict[str, torch.Tensor] | None:
+    def paths(self) -> dict[str, Target] | None:
         if self.state is not None and self._paths is None:
-            self._paths = tensors_by_path(self.state)
+            self._paths, self.statefuls, self.meshes = targets_by_path(self.state)
         return self._paths
 
 
 @dataclass
 class Destinations:
     """For one manifest: ``direct[i]``, the caller's CPU tensor entry i is read into (None: a
-    fresh one), and ``copied``: entry index -> caller's tensor on another device."""
+    fresh one), ``copied``: entry index -> caller's tensor on another device, ``dtensors``:
+    entry index -> the caller's DTensor whose local shard receives it, and ``mismatched``: why
+    a saved DTensor cannot go where ``into`` has one (raised once the data is in)."""
 
     direct: list[torch.Tensor | None]
     copied: dict[int, torch.Tensor] = field(default_factory=dict)
+    dtensors: dict[int, Any] = field(default_factory=dict)
+    mismatched: list[str] = field(default_factory=list)
 
     @property
     def placed(self) -> dict[int, torch.Tensor]:
@@ -63,25 +94,58 @@ class Destinations:
         return out | self.copied
 
 
-def match(manifest: ShardManifest, by_path: dict[str, torch.Tensor] | None) -> Destinations:
+def _layouts_differ(path: str, saved: DTensorLayout | None,
+                    target: DTensorLayout | None) -> str | None:
+    """Why a shard saved as ``saved`` cannot be loaded into a tensor of layout ``target`` (both
+    None for plain tensors), or None when it can."""
+    if saved is None and target is None:
+        return None
+    if saved is None:
+        return (f"{path!r} was saved as a plain tensor; `into` has a DTensor there "
+                f"({target.describe()})")  # type: ignore[union-attr]
+    if target is None:
+        return f"{path!r} was saved as a DTensor ({saved.describe()}); `into` has a plain tensor"
+    if not saved.same_place(target):
+        return (f"{path!r} was saved as a DTensor shard of {saved.describe()}; `into` has "
+                f"{target.describe()}")
+    return None
+
+
+def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destinations:
     """Which entries of ``manifest`` go into which of the caller's tensors (pure). A plain
     contiguous CPU tensor is read into; one on another device, non-contiguous (channels_last),
     with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
-    nested or meta one, or a path the manifest names twice, is not used."""
+    nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
+    at another place than ``into``'s goes to ``mismatched``."""
     direct: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     if not by_path:
         return Destinations(direct)
     copied: dict[int, torch.Tensor] = {}
+    dtensors: dict[int, Any] = {}
+    mismatched: list[str] = []
+    layouts = manifest.layouts
     spans: list[tuple[int, int, int]] = []  # (start, end, entry) of CPU destinations' memory
     seen: dict[str, int] = {}
     for e in manifest.tensors:
         seen[e.key_path] = seen.get(e.key_path, 0) + 1
     for i, e in enumerate(manifest.tensors):
-        t = by_path.get(e.key_path)
-        if t is None or seen[e.key_path] > 1 or t.layout != torch.strided or t.is_nested \
-                or t.device.type == "meta" or t.dtype != dtype_from_name(e.dtype) \
-                or tuple(t.shape) != tuple(e.shape):
+        target = by_path.get(e.key_path)
+        if target is None or seen[e.key_path] > 1:
             continue
+        why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
+        if why is not None:
+            mismatched.append(why)
+            continue
+        t = target.tensor
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta" \
+                or t.dtype != dtype_from_name(e.dtype) or tuple(t.shape) != tuple(e.shape):
+            if target.dtensor is not None:
+                mismatched.append(f"{e.key_path!r}: the local shard is {e.dtype} of shape "
+                                  f"{list(e.shape)}; `into`'s is {t.dtype} of shape "
+                                  f"{list(t.shape)}")
+            continue
+        if target.dtensor is not None:
+            dtensors[i] = target.dtensor
         if t.device.type == "cpu" and e.nbytes and t.is_contiguous() and not t.is_conj() \
                 and not t.is_neg():
             direct[i] = t
@@ -97,12 +161,67 @@ def match(manifest: ShardManifest, by_path: dict[str, torch.Tensor] | None) -> D
         if end > reach:
             reach, last = end, i
     for i in shared:
+        local = direct[i]
         direct[i] = None
-    return Destinations(direct, copied)
+        if i in dtensors and local is not None:  # returned as the caller's: filled by a copy
+            copied[i] = local
+    return Destinations(direct, copied, dtensors, mismatched)
 
 
 def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
-    """Copy each loaded tensor into the caller's tensor that could not be read into."""
+    """Copy each loaded tensor into the caller's tensor that could not be read into. Raises
+    ConfigurationError first if a saved DTensor shard does not fit ``into``'s."""
+    if destinations.mismatched:
+        shown = "; ".join(destinations.mismatched[:3])
+        more = f" (and {len(destinations.mismatched) - 3} more)" \
+            if len(destinations.mismatched) > 3 else ""
+        raise ConfigurationError(
+            f"load(into=...): {len(destinations.mismatched)} saved tensors do not fit the "
+            f"layout of `into`: {shown}{more}. Loading onto another mesh or world size needs "
+            "resharding, which localckpt does not do yet; build the model on the mesh it was "
+            "saved from")
     with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
         for i, t in destinations.copied.items():
             t.copy_(tensors[i])
+
+
+class Rewrap:
+    """Puts the loaded DTensor shards and Stateful objects back (for rebuild_state_dict)."""
+
+    def __init__(self, manifest: ShardManifest, into: Into,
+                 destinations: Destinations | None) -> None:
+        self.manifest, self.into = manifest, into
+        self.dtensors = destinations.dtensors if destinations is not None else {}
+
+    def dtensor(self, i: int, local: torch.Tensor) -> Any:
+        """The DTensor entry i becomes: the caller's (its local shard filled), else ``local``
+        wrapped on a mesh of ``into`` of the saved shape and dim names at the saved
+        coordinate. ConfigurationError when there is none."""
+        if i in self.dtensors:
+            return self.dtensors[i]
+        layout = self.manifest.layouts[i]
+        path = self.manifest.tensors[i].key_path
+        mesh = self.into.meshes.get(mesh_key(layout))
+        if mesh is None:
+            have = sorted(str(list(shape)) + (f" {list(names)}" if names else "")
+                          for shape, names in self.into.meshes)
+            raise ConfigurationError(
+                f"load: {path!r} is a DTensor shard ({layout.describe()}): pass load(into=...) "
+                "with the model's and optimizer's state (or the objects themselves) so "
+                f"localckpt knows the device mesh; `into` has meshes {have or 'none'}")
+        coordinate = tuple(mesh.get_coordinate() or ())
+        if coordinate != layout.coordinate:
+            raise ConfigurationError(
+                f"load: {path!r} was saved at mesh coordinate {list(layout.coordinate)}, this "
+                f"rank is at {list(coordinate)} of that mesh; loading it elsewhere needs "
+                "resharding, which localckpt does not do yet")
+        return wrap(local, layout, mesh)
+
+    def stateful(self, path: str, value: Any) -> Any:
+        """The Stateful object of ``into`` at ``path`` restored from ``value`` (its
+        ``load_state_dict``), or ``value`` when ``into`` has none there."""
+        obj = self.into.statefuls.get(path)
+        if obj is None:
+            return value
+        obj.load_state_dict(value)
+        return obj

@@ -59,7 +59,7 @@ from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
-from .destinations import Destinations, Into, fill_copied, match
+from .destinations import Destinations, Into, Rewrap, fill_copied, match
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -338,16 +338,19 @@ def _transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) 
 
 def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> None:
     """This rank's state dict from its shard of the round, rebuilt in the form it was saved,
-    tensors on their recorded devices."""
+    tensors on their recorded devices, DTensors on the caller's meshes, Stateful objects of
+    ``into`` restored (their ``load_state_dict`` runs here, inside an agreed step)."""
     assert rnd.own is not None, "the own shard is read or received before the build"
     manifest, tensors = rnd.own
     placed = {}
     if rnd.destinations is not None:
         fill_copied(rnd.destinations, tensors)
         placed = rnd.destinations.placed
+    rewrap = Rewrap(manifest, rnd.into, rnd.destinations)
     out.append((manifest, rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
-        [e.device for e in manifest.tensors], manifest.container == "plain", placed)))
+        [e.device for e in manifest.tensors], manifest.container == "plain", placed,
+        manifest.layouts, rewrap.dtensor, rewrap.stateful)))
 
 
 def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:

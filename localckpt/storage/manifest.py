@@ -2,8 +2,9 @@
 
 The manifest is stored in the zarr group's attributes under ``"localckpt"`` together with a CRC-32C
 of its canonical JSON form, so a flipped byte in the manifest is detected like one in the data.
-Format history: version 1 (this one). A reader rejects any other version with
-:class:`UnsupportedFormatError` rather than guessing.
+Format history: version 1; version 2 (this one) adds DTensor (``{"DT": ...}``) and Stateful
+(``{"S": ...}``) nodes to the hollow structure. A reader reads both and rejects any other
+version with :class:`UnsupportedFormatError` rather than guessing.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 import crc32c
 import torch
 
+from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
@@ -96,6 +99,12 @@ class ShardManifest:
         return (self.iteration, self.owner_rank, self.session_id)
 
     @functools.cached_property
+    def layouts(self) -> dict[int, DTensorLayout]:
+        """Tensor index -> the layout of the DTensor whose local shard it is (checked by
+        :func:`check_consistent`, which fills this in)."""
+        return _tensor_refs(self.hollow, len(self.tensors), "manifest")
+
+    @functools.cached_property
     def encoded(self) -> bytes:
         """``to_json_dict()`` as JSON bytes, built once per manifest: the commit writes these
         bytes and replication sends them (tens of ms each for 10,000 tensors)."""
@@ -149,10 +158,10 @@ class ShardManifest:
         if crc != doc["crc32c"]:
             raise CorruptShardError(f"{where}: manifest checksum mismatch")
         version = body.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise UnsupportedFormatError(
-                f"{where}: manifest format version {version!r}; this localckpt reads version "
-                f"{FORMAT_VERSION}"
+                f"{where}: manifest format version {version!r}; this localckpt reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         try:
             tensors = tuple(
@@ -238,11 +247,22 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise bad(f"tensors {a} and {b} overlap at byte {start}")
-    _check_tensor_refs(m.hollow, len(m.tensors), where)
+    layouts = _tensor_refs(m.hollow, len(m.tensors), where)
+    for i, layout in layouts.items():
+        e = m.tensors[i]
+        if len(e.shape) != len(layout.global_shape) or any(
+                o + n > g for o, n, g in zip(layout.offset, e.shape, layout.global_shape,
+                                             strict=True)):
+            raise bad(f"tensor {i} ({e.key_path}): a shard of shape {list(e.shape)} at offset "
+                      f"{list(layout.offset)} does not fit its DTensor's "
+                      f"{list(layout.global_shape)}")
+    m.__dict__["layouts"] = layouts
 
 
-def _check_tensor_refs(hollow: Any, count: int, where: str) -> None:
-    """Every ``{"T": i}`` in the hollow structure names one of the ``count`` tensors."""
+def _tensor_refs(hollow: Any, count: int, where: str) -> dict[int, DTensorLayout]:
+    """Check that every ``{"T": i}`` in the hollow structure names one of the ``count`` tensors,
+    and every DTensor node's layout is well formed; return the layouts by tensor index."""
+    layouts: dict[int, DTensorLayout] = {}
     stack = [hollow]
     while stack:
         node = stack.pop()
@@ -250,12 +270,23 @@ def _check_tensor_refs(hollow: Any, count: int, where: str) -> None:
             stack.extend(node)
         elif type(node) is dict:
             ref = node.get("T")
-            if ref is not None and len(node) == 1:
-                if type(ref) is not int or not 0 <= ref < count:
+            dt = node.get("DT")
+            if dt is not None and len(node) == 1:
+                ref = dt.get("T") if type(dt) is dict else None
+                try:
+                    layout = DTensorLayout.from_json(dt.get("layout") if type(dt) is dict
+                                                     else None)
+                except ValueError as exc:
+                    raise CorruptShardError(f"{where}: inconsistent manifest: {exc}") from None
+            if (ref is not None or dt is not None) and len(node) == 1:
+                if type(ref) is not int or not 0 <= ref < count or ref in layouts:
                     raise CorruptShardError(f"{where}: inconsistent manifest: the structure "
                                             f"refers to tensor {ref!r} of {count}")
+                if dt is not None:
+                    layouts[ref] = layout
             else:
                 stack.extend(node.values())
+    return layouts
 
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",

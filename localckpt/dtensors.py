@@ -1,0 +1,186 @@
+"""DTensor leaves: how a sharded tensor (FSDP2's ``fully_shard``, tensor parallelism, any
+``torch.distributed.tensor.DTensor``) is saved and put back.
+
+A rank saves only its local shard, as an ordinary tensor of its shard, and records the layout in
+the manifest (:class:`DTensorLayout`, JSON: global shape and stride, mesh shape and dim names,
+placements, this rank's mesh coordinate and the shard's offset in the global tensor). Loading
+wraps the local shard again on the caller's mesh: the mesh of the DTensor at the same key path of
+``load(into=...)``, else the mesh of any DTensor of ``into`` with the same shape and dim names
+(the optimizer state of a fresh optimizer has none of its own yet).
+
+``torch.distributed.tensor`` is imported only once a DTensor exists, so a job without one never
+pays for it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_SHARD = re.compile(r"S\((\d+)\)")
+_STRIDED = re.compile(r"SS\((\d+),(\d+)\)")
+
+
+def is_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor (without importing torch.distributed.tensor: if nobody has,
+    nothing can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
+def _placement_str(p: Any, where: str) -> str:
+    """``p`` as a short, stable string: ``R``, ``S(d)``, ``SS(d,split_factor)``. TypeError for a
+    placement a checkpoint cannot hold (Partial: an unreduced value) or one this code does not
+    know."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if isinstance(p, _StridedShard):
+        text = f"SS({p.dim},{int(p.split_factor)})"
+    elif isinstance(p, Shard):
+        text = f"S({p.dim})"
+    elif isinstance(p, Replicate):
+        text = "R"
+    elif p.is_partial():
+        raise TypeError(f"DTensor at state dict key {where!r} has placement {p}: a partial "
+                        "(unreduced) value cannot be checkpointed; redistribute it to Shard or "
+                        "Replicate first")
+    else:
+        raise TypeError(f"DTensor at state dict key {where!r}: unsupported placement {p!r}; "
+                        "expected Shard, _StridedShard or Replicate")
+    if placement_from_str(text) != p:  # a field this code does not record
+        raise TypeError(f"DTensor at state dict key {where!r}: placement {p!r} has state "
+                        f"localckpt does not record (it would come back as {text})")
+    return text
+
+
+def placement_from_str(text: str) -> Any:
+    """Inverse of the encoding above; ValueError for anything else."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if text == "R":
+        return Replicate()
+    if m := _SHARD.fullmatch(text):
+        return Shard(int(m.group(1)))
+    if m := _STRIDED.fullmatch(text):
+        return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
+    raise ValueError(f"unknown DTensor placement {text!r}")
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if type(value) is not list or any(type(v) is not int for v in value):
+        raise ValueError(f"{what}: expected a list of ints, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """Where one rank's local shard lies in a DTensor."""
+
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    placements: tuple[str, ...]
+    coordinate: tuple[int, ...]  # this rank's place on the mesh
+    offset: tuple[int, ...]  # of the local shard in the global tensor, per dim
+
+    @classmethod
+    def of(cls, dt: Any, where: str) -> DTensorLayout:
+        """The layout of DTensor ``dt`` as this rank holds it. TypeError (naming ``where``) for
+        a placement a checkpoint cannot hold, or a rank outside the DTensor's mesh."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = dt.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise TypeError(f"DTensor at state dict key {where!r}: this rank is not on its "
+                            f"device mesh {mesh}")
+        placements = tuple(_placement_str(p, where) for p in dt.placements)
+        _, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+        names = mesh.mesh_dim_names
+        return cls(tuple(dt.shape), tuple(dt.stride()), tuple(mesh.shape),
+                   tuple(names) if names is not None else None, placements,
+                   tuple(int(c) for c in coordinate), tuple(int(o) for o in offset))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"global_shape": list(self.global_shape),
+                "global_stride": list(self.global_stride), "mesh_shape": list(self.mesh_shape),
+                "mesh_dim_names": list(self.mesh_dim_names)
+                if self.mesh_dim_names is not None else None,
+                "placements": list(self.placements), "coordinate": list(self.coordinate),
+                "offset": list(self.offset)}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> DTensorLayout:
+        """Parse and check a recorded layout; ValueError saying what is wrong."""
+        if type(doc) is not dict:
+            raise ValueError(f"DTensor layout: expected an object, got {type(doc).__name__}")
+        try:
+            names = doc["mesh_dim_names"]
+            if names is not None and (type(names) is not list
+                                      or any(type(n) is not str for n in names)):
+                raise ValueError(f"mesh_dim_names: expected a list of str, got {names!r}")
+            placements = doc["placements"]
+            if type(placements) is not list or any(type(p) is not str for p in placements):
+                raise ValueError(f"placements: expected a list of str, got {placements!r}")
+            layout = cls(_ints(doc["global_shape"], "global_shape"),
+                         _ints(doc["global_stride"], "global_stride"),
+                         _ints(doc["mesh_shape"], "mesh_shape"),
+                         tuple(names) if names is not None else None, tuple(placements),
+                         _ints(doc["coordinate"], "coordinate"), _ints(doc["offset"], "offset"))
+        except KeyError as exc:
+            raise ValueError(f"DTensor layout: missing {exc}") from None
+        layout._check()
+        return layout
+
+    def _check(self) -> None:
+        rank = len(self.global_shape)
+        mesh = len(self.mesh_shape)
+        if len(self.global_stride) != rank or len(self.offset) != rank:
+            raise ValueError(f"DTensor layout: shape {list(self.global_shape)}, stride "
+                             f"{list(self.global_stride)} and offset {list(self.offset)} differ "
+                             "in length")
+        if len(self.placements) != mesh or len(self.coordinate) != mesh or (
+                self.mesh_dim_names is not None and len(self.mesh_dim_names) != mesh):
+            raise ValueError(f"DTensor layout: a mesh of shape {list(self.mesh_shape)} with "
+                             f"placements {list(self.placements)}, coordinate "
+                             f"{list(self.coordinate)}, dim names {self.mesh_dim_names}")
+        if any(not 0 <= c < n for c, n in zip(self.coordinate, self.mesh_shape, strict=True)):
+            raise ValueError(f"DTensor layout: coordinate {list(self.coordinate)} is off the "
+                             f"mesh of shape {list(self.mesh_shape)}")
+        for text in self.placements:
+            m = _SHARD.fullmatch(text) or _STRIDED.fullmatch(text)
+            if not (text == "R" or (m and int(m.group(1)) < rank)):
+                raise ValueError(f"DTensor layout: placement {text!r} for a tensor of {rank} "
+                                 "dims")
+
+    def same_place(self, other: DTensorLayout) -> bool:
+        """Whether a shard of ``self`` is the shard ``other`` holds: the same global tensor cut
+        the same way on a mesh of the same shape, at the same coordinate (dim names may
+        differ: they do not move data)."""
+        return (self.global_shape, self.mesh_shape, self.placements, self.coordinate) == \
+            (other.global_shape, other.mesh_shape, other.placements, other.coordinate)
+
+    def describe(self) -> str:
+        names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
+        return (f"global shape {list(self.global_shape)}, mesh {list(self.mesh_shape)}{names}, "
+                f"placements [{', '.join(self.placements)}], coordinate {list(self.coordinate)}")
+
+
+def mesh_key(layout: DTensorLayout) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    return layout.mesh_shape, layout.mesh_dim_names
+
+
+def wrap(local: torch.Tensor, layout: DTensorLayout, mesh: Any) -> Any:
+    """A DTensor of ``layout`` on ``mesh`` whose local shard is ``local`` (not copied)."""
+    from torch.distributed.tensor import DTensor
+
+    placements: Sequence[Any] = [placement_from_str(p) for p in layout.placements]
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size(layout.global_shape),
+                              stride=layout.global_stride)

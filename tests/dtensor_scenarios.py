@@ -1,0 +1,139 @@
+"""Rank functions for tests/test_dtensor.py: the FSDP2 x TP model of scripts/fsdp2_example.py on
+a (dp=2, tp=2) mesh, 4 gloo ranks on 2 simulated nodes (ranks 0-1 on node0, 2-3 on node1)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from fsdp2_example import AppState, TokenLoader, build, train_step
+from scenarios import digest
+
+from localckpt import LocalCheckpointManager
+
+CPU = torch.device("cpu")
+
+
+def _mesh(tp: int = 2) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _job(mesh: Any) -> tuple[Any, Any, Any, TokenLoader, AppState]:
+    model = build(mesh, CPU)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    loader = TokenLoader(seed=7, dp_rank=mesh["dp"].get_local_rank())
+    return model, optim, sched, loader, AppState(model, optim, sched, loader)
+
+
+def _manager(rank: int, base: str, metrics: Any = None) -> LocalCheckpointManager:
+    node = rank // 2
+    return LocalCheckpointManager(Path(base) / f"node{node}", "fsdp", "node_spread",
+                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
+                                  metrics=metrics)
+
+
+def _local_digest(state: Any) -> str:
+    """Digest of a state dict with every DTensor replaced by its local shard (bit-exact)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(x: Any) -> Any:
+        if isinstance(x, DTensor):
+            return {"local": x.to_local(), "placements": [str(p) for p in x.placements],
+                    "shape": list(x.shape)}
+        if isinstance(x, dict):
+            return {k: local(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [local(v) for v in x]
+        return x
+    return digest(local(state))
+
+
+def _what(app: AppState, via: str, rng: torch.Tensor) -> dict[str, Any]:
+    if via == "app":
+        return {"app": app, "rng": rng}
+    return {"model": app.model, "optim": app.optim, "sched": app.sched, "loader": app.loader,
+            "rng": rng}
+
+
+def save_and_resume(rank: int, world: int, base: str, via: str, wipe_node: int
+                    ) -> dict[str, Any]:
+    """Train 3 steps, save (``via``: an AppState through get_state_dict, or the model, optimizer,
+    scheduler and loader objects themselves), train 3 more; then a fresh job (new model and
+    optimizer, no optimizer state) loads into its objects, after ``wipe_node``'s root is wiped
+    (-1: none), and trains the same 3 steps."""
+    mesh = _mesh()
+    model, optim, sched, loader, app = _job(mesh)
+    for _ in range(3):
+        train_step(model, optim, sched, loader.next(CPU))
+    saved = _local_digest(app.state_dict())
+    rng = torch.get_rng_state()
+    with _manager(rank, base) as mgr:
+        mgr.save(_what(app, via, rng), 3)
+    reference = [train_step(model, optim, sched, loader.next(CPU)) for _ in range(3)]
+    dist.barrier()
+    if rank // 2 == wipe_node and rank % 2 == 0:
+        shutil.rmtree(Path(base) / f"node{wipe_node}")
+    dist.barrier()
+
+    model, optim, sched, loader, app = _job(mesh)
+    fetched: list[int] = []
+
+    def hook(m: Any) -> None:
+        if m.phase == "fetch_from_peer":
+            fetched.append(m.nbytes)
+
+    into = _what(app, via, torch.zeros_like(rng))
+    with _manager(rank, base, hook) as mgr:
+        state, ckpt = mgr.load(into=into)
+        mgr.wait_for_write_back()
+    in_place = all(state[k] is into[k] for k in into if k != "rng") and state["rng"] is into["rng"]
+    loaded = _local_digest(app.state_dict())
+    resumed = [train_step(model, optim, sched, loader.next(CPU)) for _ in range(3)]
+    return {"ckpt": list(ckpt), "in_place": in_place, "identical": loaded == saved,
+            "rng": torch.equal(state["rng"], rng), "reference": reference, "resumed": resumed,
+            "position": loader.position, "fetched": sum(fetched),
+            "healed": (Path(base) / f"node{rank // 2}" / "fsdp").is_dir()}
+
+
+def refusals(rank: int, world: int, base: str) -> dict[str, Any]:
+    """What a DTensor checkpoint refuses, each the same error on every rank, and that nothing
+    committed is lost by it."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    out: dict[str, Any] = {}
+    mesh = _mesh()
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    model, optim, sched, loader, app = _job(mesh)
+    train_step(model, optim, sched, loader.next(CPU))
+    with _manager(rank, base) as mgr:
+        partial = DTensor.from_local(torch.ones(3), mesh["dp"], [Partial()])
+        attempt("partial", lambda: mgr.save({"grad_sum": partial}, 1))
+        mgr.save({"app": app}, 2)
+        attempt("no_into", lambda: mgr.load())
+    other = _mesh(tp=1)  # the same world on another mesh: (4, 1)
+    _, _, _, _, elsewhere = _job(other)
+    with _manager(rank, base) as mgr:
+        attempt("other_mesh", lambda: mgr.load(into={"app": elsewhere}))
+    _, _, _, _, fresh = _job(mesh)
+    with _manager(rank, base) as mgr:
+        _, ckpt = mgr.load(into={"app": fresh})
+    out["after"] = list(ckpt)
+    out["identical"] = _local_digest(fresh.state_dict()) == _local_digest(app.state_dict())
+    return out

@@ -1,0 +1,46 @@
+"""DTensor (FSDP2 x tensor parallel) state dicts and Stateful objects, on 4 real gloo ranks: each
+rank saves its local shards and their layout, and loads them back into a fresh job's DTensors
+in place, from its own disk or, after its node was wiped, from a replica on the other node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dtensor_scenarios
+import pytest
+from dist_harness import run_ranks
+
+
+@pytest.mark.parametrize(("via", "wipe_node"), [("app", -1), ("objects", 1)])
+def test_fsdp2_tp_state_resumes_bit_identical(tmp_path: Path, root: Path, via: str,
+                                              wipe_node: int) -> None:
+    results = run_ranks(dtensor_scenarios.save_and_resume, 4, tmp_path, str(root), via,
+                        wipe_node, deadline=180)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    values = [r.value for r in results]
+    for rank, v in enumerate(values):
+        assert v["ckpt"] == [3, rank, "fsdp"]
+        assert v["in_place"], "load(into=...) returns the caller's objects, restored"
+        assert v["identical"], f"rank {rank}: the loaded state differs from the saved one"
+        assert v["rng"] and v["position"] == 6
+        assert v["resumed"] == v["reference"], "the loss curve after resuming differs"
+        assert v["healed"]
+    # Only the wiped node's ranks fetched their shards, from the other node's replicas.
+    assert [v["fetched"] > 0 for v in values] == [r // 2 == wipe_node for r in range(4)]
+
+
+def test_dtensor_refusals_are_agreed_and_lose_nothing(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(dtensor_scenarios.refusals, 4, tmp_path, str(root), deadline=180)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    values = [r.value for r in results]
+    for v in values:
+        assert v["partial"].startswith("RankTypeError")
+        assert "'grad_sum'" in v["partial"] and "partial (unreduced)" in v["partial"]
+        assert v["no_into"].startswith("ConfigurationError") and "device mesh" in v["no_into"]
+        assert v["other_mesh"].startswith("ConfigurationError") and \
+            "resharding" in v["other_mesh"] and "app/model/" in v["other_mesh"]
+        assert v["identical"]
+    assert [v["after"][0] for v in values] == [2] * 4
+    # The same error on every rank.
+    for key in ("partial", "no_into", "other_mesh"):
+        assert len({v[key].split(":")[0] for v in values}) == 1
