@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-_SHARD = re.compile(r"S\((\d+)\)")
-_STRIDED = re.compile(r"SS\((\d+),(\d+)\)")
+_SHARD = re.compile(r"S\(([0-9]{1,4})\)")
+_STRIDED = re.compile(r"SS\(([0-9]{1,4}),([0-9]{1,9})\)")
+_LIMIT = 1 << 62  # bound on every recorded size, stride and offset
 
 
 def is_dtensor(obj: Any) -> bool:
@@ -71,9 +72,11 @@ def placement_from_str(text: str) -> Any:
     raise ValueError(f"unknown DTensor placement {text!r}")
 
 
-def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if type(value) is not list or any(type(v) is not int for v in value):
-        raise ValueError(f"{what}: expected a list of ints, got {value!r}")
+def _ints(value: Any, what: str, least: int = 0) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > 64 or \
+            any(type(v) is not int or not least <= v < _LIMIT for v in value):
+        raise ValueError(f"{what}: expected a list of ints in [{least}, 2**62), got "
+                         f"{str(value)[:200]}")
     return tuple(value)
 
 
@@ -130,7 +133,7 @@ class DTensorLayout:
                 raise ValueError(f"placements: expected a list of str, got {placements!r}")
             layout = cls(_ints(doc["global_shape"], "global_shape"),
                          _ints(doc["global_stride"], "global_stride"),
-                         _ints(doc["mesh_shape"], "mesh_shape"),
+                         _ints(doc["mesh_shape"], "mesh_shape", least=1),
                          tuple(names) if names is not None else None, tuple(placements),
                          _ints(doc["coordinate"], "coordinate"), _ints(doc["offset"], "offset"))
         except KeyError as exc:
@@ -155,7 +158,8 @@ class DTensorLayout:
                              f"mesh of shape {list(self.mesh_shape)}")
         for text in self.placements:
             m = _SHARD.fullmatch(text) or _STRIDED.fullmatch(text)
-            if not (text == "R" or (m and int(m.group(1)) < rank)):
+            if not (text == "R" or (m and int(m.group(1)) < rank
+                                    and (len(m.groups()) == 1 or int(m.group(2)) >= 1))):
                 raise ValueError(f"DTensor layout: placement {text!r} for a tensor of {rank} "
                                  "dims")
 
@@ -176,11 +180,22 @@ def mesh_key(layout: DTensorLayout) -> tuple[tuple[int, ...], tuple[str, ...] | 
     return layout.mesh_shape, layout.mesh_dim_names
 
 
-def wrap(local: torch.Tensor, layout: DTensorLayout, mesh: Any) -> Any:
-    """A DTensor of ``layout`` on ``mesh`` whose local shard is ``local`` (not copied)."""
+def wrap(local: torch.Tensor, layout: DTensorLayout, mesh: Any, where: str) -> Any:
+    """A DTensor of ``layout`` on ``mesh`` whose local shard is ``local`` (not copied).
+    CorruptShardError (naming ``where``) when ``local`` is not the shard the layout puts at
+    this rank's coordinate of ``mesh``."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from .errors import CorruptShardError
 
     placements: Sequence[Any] = [placement_from_str(p) for p in layout.placements]
+    shape, offset = compute_local_shape_and_global_offset(layout.global_shape, mesh, placements)
+    if tuple(shape) != tuple(local.shape) or tuple(offset) != layout.offset:
+        raise CorruptShardError(
+            f"{where}: the saved DTensor shard has shape {list(local.shape)} at offset "
+            f"{list(layout.offset)}; its layout ({layout.describe()}) puts one of shape "
+            f"{list(shape)} at {list(offset)} there")
     return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size(layout.global_shape),
                               stride=layout.global_stride)

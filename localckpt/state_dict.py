@@ -203,7 +203,9 @@ class Walk:
     paths: list[str] = field(default_factory=list)
     dtensors: dict[int, Any] = field(default_factory=dict)
     layouts: dict[int, DTensorLayout] = field(default_factory=dict)
-    statefuls: dict[str, Any] = field(default_factory=dict)
+    statefuls: dict[str, Any] = field(default_factory=dict)  # outermost ones, by key path
+    within: int = 0  # how many Stateful objects the walk is inside
+    open: set[int] = field(default_factory=set)  # ids of the Statefuls being walked (cycles)
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -234,9 +236,30 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     if kind is tuple:
         return {"tuple": [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]}
     if is_stateful(obj):
-        walk.statefuls[_path_str(path)] = obj
-        return {"S": encode_hollow(obj.state_dict(), walk, path)}
+        return _encode_stateful(obj, walk, path)
     return _encode_leaf(obj, path)
+
+
+def _encode_stateful(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
+    """``{"S": obj.state_dict()}``. Only the outermost Stateful objects are restored by load
+    (an outer one restores those its state dict holds), so only they are recorded; two at one
+    key path, or one whose state dict holds itself, are refused (TypeError)."""
+    where = _path_str(path)
+    if id(obj) in walk.open:
+        raise TypeError(f"Stateful object at state dict key {where!r}: its state_dict() holds "
+                        "the object itself")
+    if walk.within == 0:
+        if where in walk.statefuls:
+            raise TypeError(f"two Stateful objects at state dict key {where!r}: a key path "
+                            "must name one object for load(into=...) to restore it")
+        walk.statefuls[where] = obj
+    walk.open.add(id(obj))
+    walk.within += 1
+    try:
+        return {"S": encode_hollow(obj.state_dict(), walk, path)}
+    finally:
+        walk.within -= 1
+        walk.open.discard(id(obj))
 
 
 Restorer = Callable[[str, Any], Any]
@@ -246,9 +269,10 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
                   dtensors: Mapping[int, Any] | None = None,
                   stateful: Restorer | None = None, path: tuple[Any, ...] = ()) -> Any:
     """Inverse of :func:`encode_hollow`. ``dtensors``: the object each ``{"DT": ...}`` node
-    becomes, by tensor index; ``stateful(key_path, value)``: what each ``{"S": ...}`` node
-    becomes (default: its value). Raises ``ValueError`` on a malformed node or a DTensor node
-    ``dtensors`` lacks."""
+    becomes, by tensor index; ``stateful(key_path, value)``: what each ``{"S": ...}`` node and
+    each dict becomes (default: its value), called for the outermost ones only, with a value
+    whose nested Stateful nodes are plain state dicts. Raises ``ValueError`` on a malformed node
+    or a DTensor node ``dtensors`` lacks."""
     if node is None or type(node) in (bool, int, str):
         return node
     if type(node) is list:
@@ -267,7 +291,7 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
                                  f"{_path_str(path)!r}")
             return dtensors[i]
         if tag == "S":
-            inner = decode_hollow(value, tensors, dtensors, stateful, path)
+            inner = decode_hollow(value, tensors, dtensors, None, path)
             return stateful(_path_str(path), inner) if stateful is not None else inner
         if tag == "f":
             return float.fromhex(value)
@@ -283,7 +307,9 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
             for k, v in value:
                 key = decode_hollow(k, tensors)
                 pairs.append((key, decode_hollow(v, tensors, dtensors, stateful, (*path, key))))
-            return OrderedDict(pairs) if tag == "odict" else dict(pairs)
+            out = OrderedDict(pairs) if tag == "odict" else dict(pairs)
+            # a Stateful of load(into=...) where a plain state dict was saved
+            return stateful(_path_str(path), out) if stateful is not None else out
     raise ValueError(f"malformed hollow structure node: {str(node)[:200]}")
 
 

@@ -18,6 +18,9 @@ measures, with all ranks working at once:
 - baselines: ``torch.save`` / ``torch.load`` to tmpfs, ``torch.save`` plus sending the file to a
   peer by hand, DCP ``save`` / ``async_save`` / ``load`` to tmpfs.
 
+The ``fsdp2`` case (4 ranks, a (2, 2) mesh) saves and loads the state of an FSDP2 x tensor
+parallel transformer with localckpt and with DCP (scripts/bench_fsdp2.py).
+
 Every figure is the median of ``--repeats`` runs and is also given as a ratio to its raw limit
 from the same configuration. Configurations whose memory (RAM + tmpfs) would not fit this
 machine are listed as skipped with the reason. The planning figures at 1k-16k ranks are
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_fsdp2
 import bench_rank
 import bench_report
 import benchlib
@@ -64,7 +68,9 @@ def configurations(a: Any) -> list[dict[str, Any]]:
     configs = [{"case": "uniform", "world": w, "nbytes": s * MiB, "factor": f}
                for w in a.worlds for s in a.sizes for f in a.factors]
     for case in a.cases:
-        if case != "uniform":
+        if case == "fsdp2":  # a 2-D mesh: (dp=2, tp=2); the same bytes as DCP: no replicas
+            configs.append({"case": case, "world": 4, "nbytes": 0, "factor": 1})
+        elif case != "uniform":
             configs.append({"case": case, "world": 2, "nbytes": 0, "factor": 2})
     if "uniform" not in a.cases:
         configs = [c for c in configs if c["case"] != "uniform"]
@@ -78,7 +84,8 @@ def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
 def run_config(config: dict[str, Any], case_args: dict[str, Any], repeats: int
                ) -> dict[str, Any]:
     t = time.perf_counter()
-    r = benchlib.spawn_ranks(bench_rank.measure, config["world"],
+    measure = bench_fsdp2.measure if config["case"] == "fsdp2" else bench_rank.measure
+    r = benchlib.spawn_ranks(measure, config["world"],
                              ({**config, "repeats": repeats, "case_args": case_args},),
                              "localckpt-bench-")
     return {**config, "nbytes": r["nbytes"], "tensors": r["tensors"],
@@ -92,8 +99,8 @@ def main() -> int:
                    help="MiB per rank of the uniform case")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks (even)")
     p.add_argument("--factors", type=int, nargs="+", default=[1, 2], choices=[1, 2])
-    p.add_argument("--cases", nargs="+", default=["uniform", "small", "transformer"],
-                   choices=["uniform", "small", "transformer"])
+    p.add_argument("--cases", nargs="+", default=["uniform", "small", "transformer", "fsdp2"],
+                   choices=["uniform", "small", "transformer", "fsdp2"])
     p.add_argument("--small-count", type=int, default=10_000)
     p.add_argument("--small-kib", type=int, default=4)
     p.add_argument("--d-model", type=int, default=768)
@@ -105,6 +112,9 @@ def main() -> int:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report-from", metavar="JSON",
                    help="only render the markdown and plot of an earlier run's JSON")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of <out>/benchmarks.json this run does not measure (each "
+                        "row records the command and date that measured it)")
     a = p.parse_args()
     if a.report_from:
         result = json.loads(Path(a.report_from).read_text())
@@ -122,11 +132,16 @@ def main() -> int:
     rows, skipped = [], []
     configs = configurations(a)
     if a.quick:  # one replicated 4-rank configuration is enough to exercise every path
-        configs = [c for c in configs if not (c["world"] == 4 and c["factor"] == 1)]
+        configs = [c for c in configs if not (c["case"] == "uniform" and c["world"] == 4
+                                              and c["factor"] == 1)]
     started = time.perf_counter()
     for config in configs:
         mem, shm = available()
-        need_mem, need_shm = footprint(config["world"], config["nbytes"] or 1 * GiB,
+        estimate = 1 * GiB
+        if config["case"] == "fsdp2":  # fp32 weights + AdamW's two states, over the ranks
+            d, v = case_args["d_model"], case_args["vocab"]
+            estimate = 12 * (2 * v * d + 12 * case_args["layers"] * d * d) // config["world"]
+        need_mem, need_shm = footprint(config["world"], config["nbytes"] or estimate,
                                        config["factor"], config["case"])
         label = bench_report.label(config)
         if need_mem > 0.85 * mem or need_shm > 0.9 * shm:
@@ -154,8 +169,23 @@ def main() -> int:
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }
     result["command"] = "python scripts/bench.py " + " ".join(sys.argv[1:])
+    for row in result["rows"]:
+        row.update(command=result["command"], date=result["date"])
+    if a.merge and (Path(a.out) / "benchmarks.json").exists():
+        result = merged(json.loads((Path(a.out) / "benchmarks.json").read_text()), result)
     write_report(result, Path(a.out), result["command"].strip(), a.no_plot)
     return 0
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` with the rows (and skips) of ``new``'s configurations replaced by ``new``'s."""
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return row["case"], row["world"], row["factor"], row["nbytes"] if row["case"] == \
+            "uniform" else 0
+
+    ran = {key(r) for r in new["rows"] + new["skipped"]}
+    return {**old, "rows": [r for r in old["rows"] if key(r) not in ran] + new["rows"],
+            "skipped": [s for s in old["skipped"] if key(s) not in ran] + new["skipped"]}
 
 
 def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> None:

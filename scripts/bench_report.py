@@ -106,6 +106,13 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "dcp_async_stall_over_stall": ratio("dcp_async_stall", "stall"),
         "dcp_load_over_load_local": ratio("dcp_load", "load_local"),
         "torch_load_over_load_local": ratio("torch_load", "load_local"),
+        # the fsdp2 case: time ratios to DCP doing the same, and to the raw limits
+        "fsdp2_save_to_dcp": ratio("localckpt_save", "dcp_save"),
+        "fsdp2_load_to_dcp": ratio("localckpt_load_into", "dcp_load"),
+        "fsdp2_save_to_raw_write": ratio("localckpt_save", "tmpfs_write_fresh"),
+        "fsdp2_load_to_raw_read": ratio("localckpt_load_into", "tmpfs_read"),
+        "dcp_fsdp2_save_to_raw_write": ratio("dcp_save", "tmpfs_write_fresh"),
+        "dcp_fsdp2_load_to_raw_read": ratio("dcp_load", "tmpfs_read"),
     }
     return {**row, "label": label(row), "GBps_per_rank": gbps,
             "ratios": {k: v for k, v in ratios.items() if v is not None}}
@@ -125,7 +132,8 @@ def _ms(row: dict[str, Any], key: str) -> str:
 
 
 def markdown(r: dict[str, Any], cmd: str, plot: Path | None) -> str:
-    rows = r["rows"]
+    rows = [row for row in r["rows"] if row["case"] != "fsdp2"]
+    fsdp2 = [row for row in r["rows"] if row["case"] == "fsdp2"]
     out = [f"""# Benchmarks
 
 Measured by `{cmd}` on {r['date']}: {r['machine']}, {r['cpus']} cores, {r['memory_gib']} GiB
@@ -238,10 +246,41 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
                    f"vocabulary {ca['vocab']:,}) after one `torch.optim.Adam` step: bf16 weights, "
                    "fp32 master weights, `exp_avg`, `exp_avg_sq`, `step`, the CPU RNG state and a "
                    "data-loader position. Their figures are in the tables above.")
+    if fsdp2:
+        out.append(fsdp2_section(fsdp2, r["case_args"]))
     if r["skipped"]:
         out.append("\n## Not run on this machine\n")
         out.extend(f"- {label(s)}: {s['reason']}." for s in r["skipped"])
     return "\n".join(out) + "\n"
+
+
+def fsdp2_section(rows: list[dict[str, Any]], ca: dict[str, Any]) -> str:
+    """The fsdp2 case: localckpt against DCP on the same FSDP2 x TP state (bench_fsdp2.py)."""
+    out = ["\n## FSDP2 x tensor parallel state: localckpt against DCP\n",
+           f"scripts/fsdp2_example.py's transformer ({ca['layers']} layers, d_model "
+           f"{ca['d_model']}, vocabulary {ca['vocab']:,}) on a (dp=2, tp=2) mesh of 4 ranks, "
+           "FSDP2 over dp, tensor parallel over tp, with AdamW's state, through the example's "
+           "`AppState` (`get_state_dict` / `set_state_dict`) for both. Save: `save({'app': app})`"
+           " synchronous, no replicas (localckpt) against `dcp.save` (both on tmpfs when they "
+           "return; localckpt also checksums, fsyncs and commits atomically). Load: a freshly "
+           "built job's objects, `find_latest` + `load(into=...)` against `dcp.load`. Times in "
+           "ms; ratios are times (below 1: localckpt is faster).\n",
+           "| configuration | bytes per rank (tensors) | localckpt save (÷ DCP; ÷ raw write) | "
+           "DCP save (÷ raw write) | localckpt load (÷ DCP; ÷ raw read) | DCP load (÷ raw "
+           "read) | measured by |",
+           "|---|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        q = row["ratios"]
+        out.append(
+            f"| {row['label']} | {row['nbytes'] / MiB:,.1f} MiB ({row['tensors']}) | "
+            f"{_ms(row, 'localckpt_save')} ({_f(q.get('fsdp2_save_to_dcp'))}; "
+            f"{_f(q.get('fsdp2_save_to_raw_write'))}) | {_ms(row, 'dcp_save')} "
+            f"({_f(q.get('dcp_fsdp2_save_to_raw_write'))}) | "
+            f"{_ms(row, 'localckpt_load_into')} ({_f(q.get('fsdp2_load_to_dcp'))}; "
+            f"{_f(q.get('fsdp2_load_to_raw_read'))}) | {_ms(row, 'dcp_load')} "
+            f"({_f(q.get('dcp_fsdp2_load_to_raw_read'))}) | "
+            f"`{row.get('command', '')}` {row.get('date', '')} |")
+    return "\n".join(out)
 
 
 PANELS = (  # title, localckpt figure, raw figure, baselines, replication factor of the rows

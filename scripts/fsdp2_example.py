@@ -38,21 +38,22 @@ from torch.distributed.tensor.parallel import (
 
 from localckpt import AsyncCallsQueue, LocalCheckpointManager
 
-VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+VOCAB, SEQ = 64, 16
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.w1, self.w2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.head_dim = dim // heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         h = self.norm1(x)
-        # Under tensor parallelism each rank holds HEADS / tp heads: -1 takes what is local.
-        q, k, v = (p(h).view(b, s, -1, DIM // HEADS).transpose(1, 2)
+        # Under tensor parallelism each rank holds heads / tp of the heads: -1 takes its own.
+        q, k, v = (p(h).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
@@ -60,11 +61,12 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 2
+                 ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm, self.out = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -73,10 +75,11 @@ class TinyTransformer(nn.Module):
         return self.out(self.norm(x))  # type: ignore[no-any-return]
 
 
-def build(mesh: DeviceMesh, device: torch.device, seed: int = 0) -> nn.Module:
-    """The model, tensor-parallel over ``tp`` and fully sharded over ``dp``."""
+def build(mesh: DeviceMesh, device: torch.device, seed: int = 0, **sizes: int) -> nn.Module:
+    """The model (``sizes``: TinyTransformer's), tensor-parallel over ``tp`` and fully sharded
+    over ``dp``."""
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = TinyTransformer().to(device)
+    model = TinyTransformer(**sizes).to(device)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {
             "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
@@ -130,7 +133,7 @@ class AppState:
 def train_step(model: nn.Module, optim: torch.optim.Optimizer,
                sched: torch.optim.lr_scheduler.LRScheduler, tokens: torch.Tensor) -> float:
     logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     optim.step()
     optim.zero_grad()

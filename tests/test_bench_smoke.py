@@ -17,7 +17,11 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "benchmarks.json").read_text())
     rows = {(r["case"], r["world"], r["factor"]): r for r in data["rows"]}
     assert set(rows) == {("uniform", 2, 1), ("uniform", 2, 2), ("uniform", 4, 2),
-                         ("small", 2, 2), ("transformer", 2, 2)}
+                         ("small", 2, 2), ("transformer", 2, 2), ("fsdp2", 4, 1)}
+    fsdp2 = rows["fsdp2", 4, 1]
+    for phase in ("localckpt_save", "localckpt_load_into", "dcp_save", "dcp_load"):
+        assert len(fsdp2["samples_s"][phase]) == 2 and fsdp2["median_s"][phase] > 0, phase
+    assert fsdp2["ratios"]["fsdp2_save_to_dcp"] > 0 and fsdp2["ratios"]["fsdp2_load_to_dcp"] > 0
     replicated = rows["uniform", 4, 2]
     for phase in ("memcpy", "tmpfs_write_fresh", "gloo_save_schedule", "stall", "write",
                   "replicate", "finalize", "find_latest", "load_local", "load_after_node_loss",
@@ -31,7 +35,7 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     assert "replicate" not in rows["uniform", 2, 1]["median_s"]  # F=1: nothing to replicate
     assert rows["small", 2, 2]["tensors"] == 200
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "## Targets" in text and "transformer" in text
+    assert "## Targets" in text and "transformer" in text and "localckpt against DCP" in text
     # the report renders again from the JSON alone (no re-run)
     again = tmp_path / "again"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--report-from",

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from localckpt import LocalCheckpointManager
+from localckpt import BasicTensorAwareStateDict, LocalCheckpointManager
 from localckpt.dtensors import DTensorLayout, placement_from_str
-from localckpt.errors import CorruptShardError
+from localckpt.errors import ConfigurationError, CorruptShardError
 from localckpt.storage.manifest import FORMAT_VERSION, ShardManifest, TensorEntry, _crc_of
 
 LAYOUT = DTensorLayout(global_shape=(16, 8), global_stride=(8, 1), mesh_shape=(2, 2),
@@ -177,3 +177,158 @@ def test_a_stateful_with_an_unsupported_leaf_names_its_path(root: Path) -> None:
     with LocalCheckpointManager(root, "s") as mgr, pytest.raises(TypeError) as info:
         mgr.save({"loader": Bad()}, 1)
     assert "'loader/handle'" in str(info.value)
+
+
+def test_a_stateful_is_restored_from_a_plain_state_dict_saved_at_its_path(root: Path) -> None:
+    """A checkpoint written before Stateful objects were accepted (their state dicts saved)
+    restores the objects passed in ``into``; one the checkpoint has nothing for is named."""
+    model, _, _, loader = _job(0)
+    loader.position = 7
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"model": model.state_dict(), "loader": loader.state_dict()}, 1)
+    model2, _, sched2, loader2 = _job(1)
+    with LocalCheckpointManager(root, "s") as mgr:
+        state, _ = mgr.load(into={"model": model2, "loader": loader2})
+        assert state["loader"] is loader2 and loader2.position == 7
+        assert state["model"] is model2
+        assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(),
+                                                     model.state_dict().values(), strict=True))
+        with pytest.raises(ConfigurationError, match=r"\['sched'\]"):
+            mgr.load(into={"model": model2, "loader": loader2, "sched": sched2})
+
+
+class Box:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+class App:
+    """A Stateful holding another one in its state dict (restores it itself)."""
+
+    def __init__(self, value: Any) -> None:
+        self.box = Box(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"box": self.box}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.box.load_state_dict(state["box"])
+
+
+def test_a_stateful_within_a_stateful_gets_plain_state(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"app": App("saved")}, 1)
+        fresh = App("fresh")
+        state, _ = mgr.load(into={"app": fresh})
+    assert state["app"] is fresh and fresh.box.value == "saved"
+
+
+@pytest.mark.parametrize("state", [
+    {"a/b": Box(1), "a": {"b": Box(2)}},  # two objects, one key path
+    {1: Box(1), "1": Box(2)},
+    {"loop": "self"},  # a Stateful whose state dict holds itself
+])
+def test_ambiguous_or_cyclic_statefuls_are_refused_naming_the_path(root: Path,
+                                                                  state: dict[Any, Any]) -> None:
+    if state.get("loop") == "self":
+        class Loop(Box):
+            def state_dict(self) -> dict[str, Any]:
+                return {"me": self}
+        state = {"loop": Loop(0)}
+    with LocalCheckpointManager(root, "s") as mgr, pytest.raises(TypeError) as info:
+        mgr.save(state, 1)
+    assert "Stateful" in str(info.value) and ("'a/b'" in str(info.value)
+                                              or "'1'" in str(info.value)
+                                              or "'loop/me'" in str(info.value))
+
+
+def test_tensors_of_into_that_overlap_are_left_out_whatever_their_layout(root: Path) -> None:
+    saved = {"c": torch.arange(12.0).reshape(3, 4), "d": torch.full((4, 3), -1.0)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+        base = torch.zeros(3, 4)
+        state, _ = mgr.load(into={"c": base, "d": base.t()})  # d is a view of c's memory
+    assert state["c"] is not base and state["d"] is not base
+    assert torch.equal(state["c"], saved["c"]) and torch.equal(state["d"], saved["d"])
+    assert torch.equal(base, torch.zeros(3, 4))
+
+
+def test_plain_state_dicts_are_written_as_version_1_readable_by_the_last_release(
+        root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        mgr.save({"loader": Loader()}, 2)
+    versions = {p.parent.name: json.loads(p.read_text())["attributes"]["localckpt"]["manifest"][
+        "format_version"] for p in (root / "s").glob("iter_*/rank_*/zarr.json")}
+    assert sorted(versions.values()) == [2] and len(versions) == 1  # keep_last=1
+    with LocalCheckpointManager(root, "t", keep_last=2) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        mgr.save({"loader": Loader()}, 2)
+    versions = {p.parent.parent.name: json.loads(p.read_text())["attributes"]["localckpt"][
+        "manifest"]["format_version"] for p in (root / "t").glob("iter_*/rank_*/zarr.json")}
+    assert versions == {"iter_0000000001": 1, "iter_0000000002": 2}
+
+
+@pytest.mark.parametrize(("hollow", "why"), [
+    ({"dict": [["w", {"DT": None}]]}, "DTensor node"),
+    ({"dict": [["w", {"f": 5}]]}, "malformed"),
+    ({"dict": [["w", {"T": 0}], ["x", {"DT": {"T": 0, "layout": LAYOUT.to_json()}}]]},
+     "tensor 0"),
+    ({"dict": [["w", {"T": 0}], ["x", {"what": 1}]]}, "malformed"),
+    ({"dict": [["w", {"T": 0}], ["x", 1.5]]}, "malformed"),
+    (json.loads("[" * 150 + '{"T": 0}' + "]" * 150), "deeper"),
+])
+def test_a_structure_that_would_not_decode_is_corrupt_at_parse(hollow: Any, why: str) -> None:
+    m = ShardManifest(session_id="s", iteration=1, owner_rank=0, world_size=1,
+                      tensors=(TensorEntry("w", "float32", (4, 8), 0, 128, "cpu"),),
+                      hollow=hollow, container="plain", data_nbytes=128, chunk_nbytes=128,
+                      chunk_count=1, chunk_crc32c=(1,))
+    doc = json.loads(json.dumps(m.to_json_dict()))
+    with pytest.raises(CorruptShardError, match="shard-x") as info:
+        ShardManifest.from_json_dict(doc, "shard-x")
+    assert why in str(info.value)
+
+
+@pytest.mark.parametrize("edit", [
+    {"offset": [-4, 0]}, {"global_shape": [10**30, 8]}, {"global_stride": [-8, 1]},
+    {"placements": ["SS(0,0)", "S(0)"]}, {"placements": ["S(\u0660)", "R"]},
+    {"mesh_shape": [0, 2]},
+])
+def test_out_of_range_layout_values_are_corrupt(edit: dict[str, Any]) -> None:
+    doc = json.loads(json.dumps(_manifest({**LAYOUT.to_json(), **edit}).to_json_dict()))
+    with pytest.raises(CorruptShardError, match="shard-x"):
+        ShardManifest.from_json_dict(doc, "shard-x")
+
+
+def test_a_forged_structure_on_disk_is_quarantined_and_the_older_iteration_loaded(
+        root: Path) -> None:
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+        mgr.save({"w": torch.full((3,), 2.0)}, 2)
+    meta = next((root / "s" / "iter_0000000002").glob("rank_*")) / "zarr.json"
+    doc = json.loads(meta.read_text())
+    body = doc["attributes"]["localckpt"]["manifest"]
+    body["hollow"] = {"dict": [["w", {"f": 5}]]}  # checksummed, but no load could decode it
+    doc["attributes"]["localckpt"]["crc32c"] = _crc_of(body)
+    meta.write_text(json.dumps(doc))
+    with LocalCheckpointManager(root, "s") as mgr:
+        state, ckpt = mgr.load()
+    assert ckpt[0] == 1 and torch.equal(state["w"], torch.ones(3))
+
+
+def test_a_custom_tensor_aware_state_dict_with_a_bad_structure_is_refused_at_save(
+        root: Path) -> None:
+    class Custom(BasicTensorAwareStateDict):
+        def hollow_structure(self) -> Any:
+            return {"dict": [["w", {"T": 7}]]}
+
+    with LocalCheckpointManager(root, "s") as mgr, pytest.raises(TypeError, match="tensor 7"):
+        mgr.save(Custom({"w": torch.ones(2)}), 1)
+    with LocalCheckpointManager(root, "s") as mgr:
+        assert mgr.find_latest() == -1

@@ -11,7 +11,8 @@ A DTensor of ``into`` is loaded into through its local shard, when the saved sha
 same place (:meth:`DTensorLayout.same_place`); the returned state holds the caller's DTensor.
 A saved DTensor with no DTensor at its path in ``into`` (the state of a fresh optimizer) is
 wrapped on the mesh of another DTensor of ``into`` with the same mesh shape and dim names.
-Stateful objects of ``into`` get ``load_state_dict`` with what was loaded for them.
+Stateful objects of ``into`` get ``load_state_dict`` with what was loaded for them (saved as the
+object or as its state dict), and one the checkpoint holds nothing for is an error.
 """
 
 from __future__ import annotations
@@ -149,9 +150,12 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
         if t.device.type == "cpu" and e.nbytes and t.is_contiguous() and not t.is_conj() \
                 and not t.is_neg():
             direct[i] = t
-            spans.append((t.data_ptr(), t.data_ptr() + e.nbytes, i))
         else:
             copied[i] = t
+        if t.device.type == "cpu" and t.numel():
+            # the memory it spans, views and strides included (tied weights, a view of another)
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size(), i))
     spans.sort()
     shared: set[int] = set()
     reach, last = -1, -1
@@ -160,11 +164,10 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
             shared.update((i, last))
         if end > reach:
             reach, last = end, i
-    for i in shared:
-        local = direct[i]
+    for i in shared:  # left out: one would overwrite the other
         direct[i] = None
-        if i in dtensors and local is not None:  # returned as the caller's: filled by a copy
-            copied[i] = local
+        copied.pop(i, None)
+        dtensors.pop(i, None)
     return Destinations(direct, copied, dtensors, mismatched)
 
 
@@ -215,7 +218,7 @@ class Rewrap:
                 f"load: {path!r} was saved at mesh coordinate {list(layout.coordinate)}, this "
                 f"rank is at {list(coordinate)} of that mesh; loading it elsewhere needs "
                 "resharding, which localckpt does not do yet")
-        return wrap(local, layout, mesh)
+        return wrap(local, layout, mesh, repr(path))
 
     def stateful(self, path: str, value: Any) -> Any:
         """The Stateful object of ``into`` at ``path`` restored from ``value`` (its
@@ -224,4 +227,21 @@ class Rewrap:
         if obj is None:
             return value
         obj.load_state_dict(value)
+        self.restored.add(path)
         return obj
+
+    @property
+    def restorer(self) -> Any:
+        """The hook for rebuild_state_dict: None when ``into`` has no Stateful object."""
+        self.restored: set[str] = set()
+        return self.stateful if self.into.statefuls else None
+
+    def check_restored(self) -> None:
+        """ConfigurationError naming each Stateful object of ``into`` the checkpoint held no
+        state dict for (nothing restored it)."""
+        missing = sorted(set(self.into.statefuls) - self.restored)
+        if missing:
+            raise ConfigurationError(
+                f"load(into=...): the checkpoint holds no state dict for the Stateful objects "
+                f"at {missing} (nothing was saved at those key paths, or not a dict), so they "
+                "cannot be restored; leave them out of `into` or save them")

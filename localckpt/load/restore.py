@@ -347,10 +347,12 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
         fill_copied(rnd.destinations, tensors)
         placed = rnd.destinations.placed
     rewrap = Rewrap(manifest, rnd.into, rnd.destinations)
-    out.append((manifest, rebuild_state_dict(
+    state = rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
         [e.device for e in manifest.tensors], manifest.container == "plain", placed,
-        manifest.layouts, rewrap.dtensor, rewrap.stateful)))
+        manifest.layouts, rewrap.dtensor, rewrap.restorer)
+    rewrap.check_restored()
+    out.append((manifest, state))
 
 
 def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:

@@ -34,13 +34,20 @@ from ..control.coverage import (
 from ..errors import (
     CollectiveTimeoutError,
     ConfigurationError,
+    CorruptShardError,
     IncompleteCheckpointError,
     error_from_failures,
 )
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
-from ..state_dict import as_tensor_aware
-from ..storage.manifest import ShardManifest, TensorEntry, dtype_name, writer_identity
+from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
+from ..storage.manifest import (
+    ShardManifest,
+    TensorEntry,
+    check_hollow,
+    dtype_name,
+    writer_identity,
+)
 from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
@@ -156,9 +163,18 @@ class SavePath:
                                                                            str(t.device)))
                 for t, path, off, size in zip(tasd.tensors, tasd.key_paths, layout.offsets,
                                               layout.sizes, strict=True))
+            hollow = tasd.hollow_structure()
+            statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
+            if statefuls is None:  # a user's implementation: refuse what no load could decode
+                try:
+                    check_hollow(hollow, len(entries), "hollow_structure()")
+                except CorruptShardError as exc:
+                    raise TypeError(str(exc)) from None
+            # Version 1 readers read what needs no DTensor or Stateful node.
+            version = 2 if tasd.layouts or statefuls else 1
             staged["manifest"] = ShardManifest(
                 session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
-                world_size=ctx.world_size, tensors=entries, hollow=tasd.hollow_structure(),
+                world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
                 container="basic" if tasd is state_dict else "plain",
                 data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
                 chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})

@@ -9,6 +9,8 @@ version with :class:`UnsupportedFormatError` rather than guessing.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import itertools
 import json
@@ -102,7 +104,7 @@ class ShardManifest:
     def layouts(self) -> dict[int, DTensorLayout]:
         """Tensor index -> the layout of the DTensor whose local shard it is (checked by
         :func:`check_consistent`, which fills this in)."""
-        return _tensor_refs(self.hollow, len(self.tensors), "manifest")
+        return check_hollow(self.hollow, len(self.tensors), "manifest")
 
     @functools.cached_property
     def encoded(self) -> bytes:
@@ -117,7 +119,7 @@ class ShardManifest:
         manifest); ``data`` becomes the result's ``encoded``."""
         try:
             doc = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
         manifest = cls.from_json_dict(doc, where)
         # The checksum matched, so these bytes encode exactly this manifest.
@@ -247,7 +249,7 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise bad(f"tensors {a} and {b} overlap at byte {start}")
-    layouts = _tensor_refs(m.hollow, len(m.tensors), where)
+    layouts = check_hollow(m.hollow, len(m.tensors), where)
     for i, layout in layouts.items():
         e = m.tensors[i]
         if len(e.shape) != len(layout.global_shape) or any(
@@ -259,34 +261,73 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     m.__dict__["layouts"] = layouts
 
 
-def _tensor_refs(hollow: Any, count: int, where: str) -> dict[int, DTensorLayout]:
-    """Check that every ``{"T": i}`` in the hollow structure names one of the ``count`` tensors,
-    and every DTensor node's layout is well formed; return the layouts by tensor index."""
+MAX_HOLLOW_DEPTH = 100  # decoding recurses; state dicts are a handful of levels deep
+
+
+def check_hollow(hollow: Any, count: int, where: str) -> dict[int, DTensorLayout]:
+    """Check the hollow structure against its grammar (see :mod:`localckpt.state_dict`): every
+    node well formed, every ``{"T": i}`` / ``{"DT": ...}`` naming one of the ``count`` tensors
+    (each tensor once), every DTensor layout well formed, nesting at most MAX_HOLLOW_DEPTH deep;
+    so decoding a manifest that parsed cannot fail. Returns the layouts by tensor index, in
+    order. CorruptShardError naming ``where`` otherwise."""
+    def bad(what: str) -> CorruptShardError:
+        return CorruptShardError(f"{where}: inconsistent manifest: {what}")
+
     layouts: dict[int, DTensorLayout] = {}
-    stack = [hollow]
+    plain: set[int] = set()
+
+    def tensor(ref: Any, seen: set[int] | dict[int, DTensorLayout]) -> int:
+        if type(ref) is not int or not 0 <= ref < count or ref in layouts:
+            raise bad(f"the structure refers to tensor {ref!r} of {count}")
+        if isinstance(seen, set):
+            seen.add(ref)
+        return ref
+
+    stack: list[tuple[Any, int]] = [(hollow, 0)]
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
+        if depth > MAX_HOLLOW_DEPTH:
+            raise bad(f"the structure nests deeper than {MAX_HOLLOW_DEPTH} levels")
+        if node is None or type(node) in (bool, int, str):
+            continue
         if type(node) is list:
-            stack.extend(node)
-        elif type(node) is dict:
-            ref = node.get("T")
-            dt = node.get("DT")
-            if dt is not None and len(node) == 1:
-                ref = dt.get("T") if type(dt) is dict else None
-                try:
-                    layout = DTensorLayout.from_json(dt.get("layout") if type(dt) is dict
-                                                     else None)
-                except ValueError as exc:
-                    raise CorruptShardError(f"{where}: inconsistent manifest: {exc}") from None
-            if (ref is not None or dt is not None) and len(node) == 1:
-                if type(ref) is not int or not 0 <= ref < count or ref in layouts:
-                    raise CorruptShardError(f"{where}: inconsistent manifest: the structure "
-                                            f"refers to tensor {ref!r} of {count}")
-                if dt is not None:
-                    layouts[ref] = layout
+            stack.extend((v, depth + 1) for v in node)
+            continue
+        if type(node) is not dict or len(node) != 1:
+            raise bad(f"malformed structure node {str(node)[:100]}")
+        (tag, value), = node.items()
+        try:
+            if tag == "T":
+                tensor(value, plain)
+            elif tag == "DT":
+                if type(value) is not dict or set(value) != {"T", "layout"}:
+                    raise ValueError(f"DTensor node {str(value)[:100]}")
+                i = tensor(value["T"], layouts)
+                if i in plain:
+                    raise ValueError(f"tensor {i} is both a plain tensor and a DTensor shard")
+                layouts[i] = DTensorLayout.from_json(value["layout"])
+            elif tag == "f":
+                float.fromhex(value)
+            elif tag == "c":
+                if type(value) is not list or len(value) != 2:
+                    raise ValueError(f"complex {value!r}")
+                float.fromhex(value[0]), float.fromhex(value[1])
+            elif tag == "b":
+                base64.b64decode(value.encode("ascii"), validate=True)
+            elif tag == "S":
+                stack.append((value, depth + 1))
+            elif tag == "tuple" and type(value) is list:
+                stack.extend((v, depth + 1) for v in value)
+            elif tag in ("dict", "odict") and type(value) is list:
+                for pair in value:
+                    if type(pair) is not list or len(pair) != 2:
+                        raise ValueError(f"dict item {str(pair)[:100]}")
+                    stack.extend(((pair[0], depth + 1), (pair[1], depth + 1)))
             else:
-                stack.extend(node.values())
-    return layouts
+                raise ValueError(f"node {str(node)[:100]}")
+        except (ValueError, TypeError, AttributeError, binascii.Error) as exc:
+            raise bad(f"malformed structure: {exc}") from None
+    return dict(sorted(layouts.items()))
 
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",

@@ -96,7 +96,7 @@ def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
     """The manifest in the attributes of a shard group's zarr.json ``data`` read from ``where``."""
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # nesting deeper than the parser's stack
         raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     return ShardManifest.from_json_dict(
