@@ -28,6 +28,7 @@ from .control.context import Context
 from .control.coverage import Inventory
 from .errors import CollectiveError, ConfigurationError
 from .gc_pause import gc_paused
+from .load.reshard import reshard_restore
 from .load.restore import find_latest, restore
 from .load.write_back import WriteBack
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
@@ -68,6 +69,10 @@ class LocalCheckpointManager:
             strategy leaves some shard without a copy on another node.
         allow_unsafe_root: accept a root (or session directory) that is a symbolic link or is
             owned by another user.
+        reshard: let ``find_latest`` and ``load`` use checkpoints saved by a job of another
+            world size (an elastic restart): DTensor leaves are reassembled onto this job's
+            layout, plain per-rank state is that of old rank ``rank % old_world_size`` (see
+            docs/fsdp2.md). Off: such checkpoints are ignored (and reported).
 
     Construction is collective when torch.distributed is initialised (it creates two gloo groups
     from the default group and runs one exchange); without it the manager runs as a world of
@@ -80,7 +85,8 @@ class LocalCheckpointManager:
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
-                 strict: bool = False, allow_unsafe_root: bool = False) -> None:
+                 strict: bool = False, allow_unsafe_root: bool = False,
+                 reshard: bool = False) -> None:
         # Arguments: the same on every rank, so checked before any collective.
         metrics_ = as_metrics(metrics)
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
@@ -96,6 +102,8 @@ class LocalCheckpointManager:
             raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
             raise ConfigurationError(f"chunk_nbytes: expected an int >= 4096, got {chunk_nbytes!r}")
+        if type(reshard) is not bool:
+            raise ConfigurationError(f"reshard: expected a bool, got {reshard!r}")
         if type(io_threads) is not int or io_threads < 1:
             raise ConfigurationError(f"io_threads: expected an int >= 1, got {io_threads!r}")
         root = Path(root_local_ckpt_dir)
@@ -147,7 +155,9 @@ class LocalCheckpointManager:
                             self._job_identity)
         self._save = SavePath(self._ctx, keep_last, busy)
         self._warned_foreign: set[int] = set()
+        self.reshard = reshard
         self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
+        self._latest_world = self.world_size  # of the job that saved latest_iteration
         self._write_back: WriteBack | None = None  # the last load's, until waited for
 
     # ------------------------------------------------------------------ lifecycle
@@ -215,6 +225,7 @@ class LocalCheckpointManager:
         """
         self._listed = None  # the disk changes: a load must list again
         self.wait_for_write_back()
+        self._latest_world = self.world_size
         return self._save.save(state_dict, iteration, is_async)
 
     def find_latest(self) -> int:
@@ -229,9 +240,10 @@ class LocalCheckpointManager:
         self.wait_for_write_back()
         self._save.settle()
         with self._ctx.timed("find_latest", -1) as box, gc_paused():
-            self.latest_iteration, self._listed = find_latest(self._ctx)
+            self.latest_iteration, self._latest_world, self._listed = find_latest(
+                self._ctx, self.reshard)
             box["iteration"] = self.latest_iteration
-        if self.latest_iteration >= 0:
+        if self.latest_iteration >= 0 and self._latest_world == self.world_size:
             # Parsed once: load finds it in the store's manifest cache.
             store = self._ctx.store
             ref = store.ref(self.latest_iteration, self.rank, self.world_size)
@@ -265,6 +277,10 @@ class LocalCheckpointManager:
         is wrapped on a mesh of ``into`` of the same shape and dim names. A Stateful object of
         ``into`` gets ``load_state_dict`` with what was loaded for it and is returned in place.
 
+        With ``reshard=True`` and a checkpoint saved by a job of another world size, every
+        DTensor leaf needs a DTensor in ``into`` (its layout says what this rank holds now);
+        plain state is that of old rank ``rank % old_world_size``; see docs/fsdp2.md.
+
         Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
         rank's TypeError when its ``into`` has a leaf ``save`` would refuse; ConfigurationError
@@ -282,6 +298,13 @@ class LocalCheckpointManager:
                                           seconds, nbytes, self.session_id, time.time()))
 
         listed, self._listed = self._listed, None
+        if self._latest_world != self.world_size:
+            with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                manifest, state = reshard_restore(
+                    self._ctx, self.latest_iteration, self._latest_world,
+                    listed or self._ctx.gather_inventories("load: inventory"), into)
+                box["nbytes"] = manifest.data_nbytes
+            return state, (manifest.iteration, self.rank, self.session_id)
         with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
             manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
                                                         fetched, listed, into)

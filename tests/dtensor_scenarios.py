@@ -137,3 +137,69 @@ def refusals(rank: int, world: int, base: str) -> dict[str, Any]:
     out["after"] = list(ckpt)
     out["identical"] = _local_digest(fresh.state_dict()) == _local_digest(app.state_dict())
     return out
+
+
+class GlobalLoader:
+    """The batch of a step is the same for any data-parallel degree: each dp rank takes its
+    rows of it (what an elastic job needs to resume on another world size)."""
+
+    def __init__(self, dp_rank: int, dp: int) -> None:
+        self.dp_rank, self.dp, self.position = dp_rank, dp, 0
+
+    def next(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + self.position)
+        self.position += 1
+        return torch.randint(0, 64, (8, 17), generator=g)[self.dp_rank::self.dp]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def _elastic_job(world: int) -> tuple[Any, Any, Any, GlobalLoader, AppState]:
+    mesh = _mesh()
+    model = build(mesh, CPU)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 4))
+    loader = GlobalLoader(mesh["dp"].get_local_rank(), world // 2)
+    return model, optim, sched, loader, AppState(model, optim, sched, loader)  # type: ignore[arg-type]
+
+
+def _global_step(job: tuple[Any, ...], world: int) -> float:
+    model, optim, sched, loader, _ = job
+    loss = torch.tensor([train_step(model, optim, sched, loader.next())], dtype=torch.float64)
+    dist.all_reduce(loss)  # the tp ranks of a dp rank agree: the mean over dp ranks
+    return float(loss.item()) / world
+
+
+def _elastic_manager(rank: int, world: int, base: str) -> LocalCheckpointManager:
+    node = rank // (world // 2)
+    return LocalCheckpointManager(Path(base) / f"node{node}", "elastic", "node_spread",
+                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
+                                  reshard=True)
+
+
+def elastic_save(rank: int, world: int, base: str) -> list[float]:
+    """Train 3 steps on (world/2, 2), save at 3, then train 3 more: the reference curve."""
+    job = _elastic_job(world)
+    for _ in range(3):
+        _global_step(job, world)
+    with _elastic_manager(rank, world, base) as mgr:
+        mgr.save({"app": job[4], "rank": rank}, 3)
+    return [_global_step(job, world) for _ in range(3)]
+
+
+def elastic_resume(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A job of another world size resumes from iteration 3, trains 3 steps, saves at 6."""
+    job = _elastic_job(world)
+    with _elastic_manager(rank, world, base) as mgr:
+        latest = mgr.find_latest()
+        state, ckpt = mgr.load(into={"app": job[4], "rank": -1})
+        resumed = [_global_step(job, world) for _ in range(3)]
+        mgr.save({"app": job[4], "rank": rank}, 6)
+        again = mgr.find_latest()
+    return {"latest": latest, "ckpt": list(ckpt), "position": job[3].position - 3,
+            "plain_from": state["rank"], "in_place": state["app"] is job[4],
+            "resumed": resumed, "again": again}

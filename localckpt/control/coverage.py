@@ -103,6 +103,22 @@ def choose_latest(inventories: Sequence[Inventory], world_size: int) -> int:
     return complete[0] if complete else -1
 
 
+def choose_latest_any_world(inventories: Sequence[Inventory], world_size: int
+                            ) -> tuple[int, int]:
+    """The newest iteration the job can load, saved by a job of any world size (loading one of
+    another world size reshards it), and that world size; (-1, world_size) when there is none.
+    An iteration complete at this world size wins a tie."""
+    check_sessions(inventories)
+    listings = [s for s, _ in _distinct_listings(inventories)]
+    worlds = {w for shards in listings for _, _, w in shards if w >= 1}
+    best = (-1, True, world_size)
+    for w in worlds:
+        complete = complete_from_listings(listings, w)
+        if complete:
+            best = max(best, (complete[0], w == world_size, w))
+    return best[0], best[2]
+
+
 def other_world_shards(inventories: Sequence[Inventory], world_size: int) -> dict[int, list[int]]:
     """World size -> iterations of shards on disk written by jobs of another world size: they
     cannot be loaded by this job (find_latest reports them) and are never deleted by its

@@ -48,6 +48,7 @@ from ..control.context import Context
 from ..control.coverage import (
     Inventory,
     choose_latest,
+    choose_latest_any_world,
     complete_iterations,
     decode_inventories,
     other_world_shards,
@@ -67,26 +68,30 @@ logger = logging.getLogger(__name__)
 Loaded = tuple[ShardManifest, list[torch.Tensor]]
 
 
-def find_latest(ctx: Context) -> tuple[int, list[Inventory]]:
-    """The newest iteration every rank can load, or -1, and the inventories it was chosen from
-    (a load right after may plan from them). Collective. Shards written by a job of another world
-    size are reported (once, by rank 0) and otherwise ignored."""
+def find_latest(ctx: Context, reshard: bool = False) -> tuple[int, int, list[Inventory]]:
+    """The newest iteration every rank can load, or -1, the world size of the job that saved it,
+    and the inventories it was chosen from (a load right after may plan from them). Collective.
+    Shards written by a job of another world size are ignored (reported once, by rank 0) unless
+    ``reshard``: then the newest complete iteration of any world size is chosen."""
     def listing() -> dict[str, Any]:
         fault_point("find_latest", ctx.rank)
         return ctx.inventory().to_json()
 
     inventories = decode_inventories(ctx.group.exchange("find_latest", listing))
+    if reshard:
+        latest, world = choose_latest_any_world(inventories, ctx.world_size)
+        return latest, world, inventories
     latest = choose_latest(inventories, ctx.world_size)
     others = other_world_shards(inventories, ctx.world_size)
     if others and ctx.rank == 0:
         logger.warning(
             "find_latest: shards of another world size are on disk and are ignored: %s. This "
-            "job has world size %d and localckpt cannot reshard them yet; they are kept (no "
-            "retention touches them): remove them with `localckpt gc --session %s "
-            "--world-size %d ROOT...`",
+            "job has world size %d; LocalCheckpointManager(reshard=True) loads them onto it. "
+            "They are kept (no retention touches them): remove them with `localckpt gc "
+            "--session %s --world-size %d ROOT...`",
             "; ".join(f"world size {w}: iterations {its}" for w, its in others.items()),
             ctx.world_size, repr(ctx.session_id) if ctx.session_id else "''", ctx.world_size)
-    return latest, inventories
+    return latest, ctx.world_size, inventories
 
 
 @dataclass

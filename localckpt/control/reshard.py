@@ -1,0 +1,130 @@
+"""Resharding plan: which byte boxes of an old job's DTensor shards each rank of a job of another
+world size (or mesh) needs, and from whom. Pure: every rank computes the same plan from the same
+gathered input (old shards' layouts, new ranks' wants), no processes needed to test it.
+
+A DTensor shard is a box of its global tensor: an offset and a shape per dim (as torch computes
+them for Shard, _StridedShard and Replicate placements). A new rank's shard is assembled from the
+intersections of its box with the old shards' boxes; boxes that repeat (Replicate placements:
+several old ranks hold the same one) are read once, from the lowest old owner. Only the
+intersections move: no rank ever holds a whole tensor.
+
+Plain (non-DTensor) state is per rank and cannot be split: new rank ``r`` takes that of old rank
+``r % old_world`` (see :func:`plain_owner`), its whole non-DTensor part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigurationError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OldShard:
+    """One old owner's shard of one DTensor leaf: entry ``entry`` of its manifest."""
+
+    owner: int
+    entry: int
+    global_shape: Shape
+    dtype: str
+    offset: Shape
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class Want:
+    """The shard a new rank holds of a DTensor leaf, as its ``load(into=...)`` laid it out."""
+
+    global_shape: Shape
+    dtype: str
+    offset: Shape
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Box ``src_start``/``size`` of old owner ``owner``'s local shard (entry ``entry``) goes
+    to box ``dst_start``/``size`` of new rank ``dst``'s local shard of ``path``; ``src`` is the
+    rank that reads the old shard and sends it."""
+
+    src: int
+    dst: int
+    owner: int
+    entry: int
+    path: str
+    src_start: Shape
+    dst_start: Shape
+    size: Shape
+
+
+def plain_owner(rank: int, old_world: int) -> int:
+    """The old rank whose non-DTensor state (RNG, data position, plain tensors) new ``rank``
+    takes: the same rank when it existed, else ``rank % old_world``."""
+    return rank % old_world
+
+
+def _intersect(a_off: Shape, a_shape: Shape, b_off: Shape, b_shape: Shape
+               ) -> tuple[Shape, Shape] | None:
+    start = tuple(max(x, y) for x, y in zip(a_off, b_off, strict=True))
+    end = tuple(min(x + m, y + n) for x, m, y, n in zip(a_off, a_shape, b_off, b_shape,
+                                                         strict=True))
+    size = tuple(e - s for s, e in zip(start, end, strict=True))
+    if any(n <= 0 for n in size):
+        return None
+    return start, size
+
+
+def plan_reshard(old: Mapping[str, Sequence[OldShard]], servers: Mapping[int, int],
+                 wants: Sequence[Mapping[str, Want]]) -> list[Piece]:
+    """The pieces every new rank needs, in a fixed order (by destination, then path, then old
+    owner). ``old``: per leaf path, every old owner's shard; ``servers``: old owner -> the new
+    rank that reads its shard; ``wants[r]``: new rank r's shards by path.
+
+    ConfigurationError naming the leaves that cannot be assembled: a path the old job did not
+    save as a DTensor, another global shape or dtype, or old boxes that do not cover a new one
+    exactly once (a layout whose shards are not boxes)."""
+    pieces: list[Piece] = []
+    problems: list[str] = []
+    for dst, mine in enumerate(wants):
+        for path in sorted(mine):
+            want = mine[path]
+            shards = old.get(path)
+            if not shards:
+                problems.append(f"{path!r}: `into` has a DTensor there, the checkpoint has none")
+                continue
+            first = shards[0]
+            if (first.global_shape, first.dtype) != (want.global_shape, want.dtype):
+                problems.append(f"{path!r}: saved as {first.dtype} of global shape "
+                                f"{list(first.global_shape)}, `into` has {want.dtype} of "
+                                f"{list(want.global_shape)}")
+                continue
+            distinct: dict[tuple[Shape, Shape], OldShard] = {}
+            for s in sorted(shards, key=lambda s: s.owner):
+                distinct.setdefault((s.offset, s.shape), s)
+            covered = 0
+            boxes: list[tuple[Shape, Shape]] = []
+            for s in distinct.values():
+                hit = _intersect(s.offset, s.shape, want.offset, want.shape)
+                if hit is None:
+                    continue
+                start, size = hit
+                boxes.append(hit)
+                covered += math.prod(size)
+                pieces.append(Piece(
+                    servers[s.owner], dst, s.owner, s.entry, path,
+                    tuple(a - o for a, o in zip(start, s.offset, strict=True)),
+                    tuple(a - o for a, o in zip(start, want.offset, strict=True)), size))
+            overlap = any(_intersect(*a, *b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+            if covered != math.prod(want.shape) or overlap:
+                problems.append(f"{path!r}: the old shards cover {covered} of the "
+                                f"{math.prod(want.shape)} elements of rank {dst}'s new shard"
+                                f"{' more than once' if overlap else ''}")
+    if problems:
+        shown = "; ".join(problems[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigurationError(f"cannot reshard onto this job's layout: {shown}{more}")
+    return pieces

@@ -1,0 +1,187 @@
+"""Load a checkpoint written by a job of another world size (or another mesh): each rank's DTensor
+shards are assembled from the boxes of the old ranks' shards that overlap them, read by the ranks
+holding those shards (locally or as replicas) and sent to it; its plain state is that of old rank
+``rank % old_world`` (:func:`localckpt.control.reshard.plain_owner`).
+
+Collective, in three agreed steps and one transfer, on the library's groups:
+
+1. **layouts**: every rank reports the DTensor shards its ``into`` holds (their boxes) and the
+   manifests of the old shards it serves (the lowest rank holding each); every rank then plans the
+   same pieces (pure, :func:`localckpt.control.reshard.plan_reshard`);
+2. **read**: every serving rank reads its old shards (every chunk's checksum verified) and packs
+   the pieces for each destination;
+3. one ``all_to_all`` on the data group moves them;
+4. **build**: every rank copies its pieces into its DTensors' local shards and builds its state
+   dict (Stateful objects restored) from its plain owner's structure.
+
+Not yet: a corrupt old copy is an error here (no quarantine and re-plan as in the same-world
+load), and a serving rank holds the old shards it serves in memory while it packs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..control.collectives import collective_error
+from ..control.context import Context
+from ..control.coverage import Inventory
+from ..control.reshard import OldShard, Piece, Want, plain_owner, plan_reshard
+from ..errors import ConfigurationError
+from ..ops.faults import fault_point
+from ..state_dict import rebuild_state_dict
+from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
+from .destinations import Destinations, Into, Rewrap
+
+
+def _entry_tensor(manifest: ShardManifest, buffer: torch.Tensor, i: int) -> torch.Tensor:
+    e = manifest.tensors[i]
+    return buffer[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
+
+
+def _box(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+    for dim, (s, n) in enumerate(zip(start, size, strict=True)):
+        t = t.narrow(dim, s, n)
+    return t
+
+
+def reshard_restore(ctx: Context, iteration: int, old_world: int,
+                    inventories: list[Inventory], into: Any) -> tuple[ShardManifest, Any]:
+    """This rank's state dict from ``iteration`` as saved by a job of ``old_world`` ranks, and
+    its plain owner's manifest. Collective. Raises on every rank alike: ConfigurationError
+    naming the leaves that cannot be resharded (or a DTensor leaf ``into`` has no DTensor for),
+    the failing rank's error while reading (CorruptShardError) or building, CollectiveError."""
+    rank, world = ctx.rank, ctx.world_size
+    step = f"load of iteration {iteration} (saved by {old_world} ranks)"
+    holders: dict[int, list[int]] = defaultdict(list)
+    for inv in inventories:
+        for it, owner, w in inv.shards:
+            if it == iteration and w == old_world:
+                holders[owner].append(inv.rank)
+    servers = {o: min(holders[o]) for o in range(old_world)}  # complete: find_latest said so
+    target = Into(into)
+
+    def describe() -> dict[str, Any]:
+        fault_point("load_retrieval", rank, iteration)
+        wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
+                     list(t.layout.offset), list(t.tensor.shape)]
+                 for p, t in (target.paths() or {}).items() if t.layout is not None}
+        manifests = {str(o): ctx.store.read_manifest(ctx.store.ref(iteration, o, old_world))
+                     .to_json_dict() for o, server in servers.items() if server == rank}
+        return {"wants": wants, "manifests": manifests}
+
+    described = ctx.group.exchange(f"{step}: layouts", describe)
+    manifests = {int(o): ShardManifest.from_json_dict(doc, f"shard {o} of {step}")
+                 for d in described for o, doc in d["manifests"].items()}
+    old: dict[str, list[OldShard]] = defaultdict(list)
+    for o, m in sorted(manifests.items()):
+        for i, layout in m.layouts.items():
+            e = m.tensors[i]
+            old[e.key_path].append(OldShard(o, i, layout.global_shape, e.dtype, layout.offset,
+                                            e.shape))
+    wants = [{p: Want(tuple(g), dt, tuple(off), tuple(shape))
+              for p, (g, dt, off, shape) in d["wants"].items()} for d in described]
+    pieces = plan_reshard(old, servers, wants)  # the same verdict on every rank
+    # Plain state: every non-DTensor entry of each rank's plain owner, whole.
+    for dst in range(world):
+        q = plain_owner(dst, old_world)
+        pieces += [Piece(servers[q], dst, q, i, e.key_path, (), (), ())
+                   for i, e in enumerate(manifests[q].tensors) if i not in manifests[q].layouts]
+
+    def nbytes(p: Piece) -> int:
+        e = manifests[p.owner].tensors[p.entry]
+        if not p.size and p.entry not in manifests[p.owner].layouts:
+            return e.nbytes
+        return dtype_from_name(e.dtype).itemsize * int(torch.Size(p.size).numel())
+
+    sent: list[torch.Tensor] = []
+
+    def pack() -> int:
+        buffers = {o: ctx.store.read(ctx.store.ref(iteration, o, old_world))[1]
+                   for o in sorted({p.owner for p in pieces if p.src == rank})}
+        parts = []
+        for dst in range(world):
+            for p in pieces:
+                if p.src == rank and p.dst == dst:
+                    t = _entry_tensor(manifests[p.owner], buffers[p.owner], p.entry)
+                    if p.entry in manifests[p.owner].layouts:
+                        t = _box(t, p.src_start, p.size)
+                    parts.append(t.contiguous().view(-1).view(torch.uint8))
+        sent.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
+        return int(sent[0].numel())
+
+    ctx.group.exchange(f"{step}: read", pack)
+    send_splits = [sum(nbytes(p) for p in pieces if p.src == rank and p.dst == d)
+                   for d in range(world)]
+    recv_splits = [sum(nbytes(p) for p in pieces if p.src == s and p.dst == rank)
+                   for s in range(world)]
+    received = torch.empty(sum(recv_splits), dtype=torch.uint8)
+    group = ctx.data_group
+    if group.group is None:
+        received = sent[0]
+    else:
+        group.check_usable(f"{step}: transfer")
+        started = time.monotonic()
+        try:
+            dist.all_to_all_single(received, sent[0], recv_splits, send_splits,
+                                   group=group.group)
+        except RuntimeError as exc:
+            err = collective_error(f"{step}: transfer", exc, time.monotonic() - started,
+                                   group.timeout)
+            group.mark_broken(err)
+            ctx.group.mark_broken(err)
+            raise err from exc
+    sent.clear()
+    built: list[tuple[ShardManifest, Any]] = []
+    ctx.group.exchange(f"{step}: build", lambda: built.append(
+        _build(manifests[plain_owner(rank, old_world)], pieces, manifests, received, target,
+               rank, nbytes)))
+    return built[0]
+
+
+def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, ShardManifest],
+           received: torch.Tensor, target: Into, rank: int, nbytes: Any
+           ) -> tuple[ShardManifest, Any]:
+    """Copy the received pieces into this rank's DTensors and plain tensors, then rebuild its
+    state dict from ``manifest`` (its plain owner's)."""
+    targets = target.paths() or {}
+    missing = [e.key_path for i, e in enumerate(manifest.tensors)
+               if i in manifest.layouts and (targets.get(e.key_path) is None
+                                            or targets[e.key_path].layout is None)]
+    if missing:
+        raise ConfigurationError(
+            f"load: resharding needs a DTensor in load(into=...) at every DTensor leaf of the "
+            f"checkpoint; `into` has none at {missing[:5]}"
+            f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+    plain: dict[int, torch.Tensor] = {}
+    pos = 0
+    for src in sorted({p.src for p in pieces if p.dst == rank}):
+        for p in pieces:
+            if p.src != src or p.dst != rank:
+                continue
+            n = nbytes(p)
+            data = received[pos:pos + n]
+            pos += n
+            e = manifests[p.owner].tensors[p.entry]
+            dtype = dtype_from_name(e.dtype)
+            if p.entry in manifests[p.owner].layouts:
+                local = targets[p.path].tensor
+                with torch.no_grad():
+                    _box(local, p.dst_start, p.size).copy_(data.view(dtype).view(p.size))
+            else:  # each in its own storage, as a load returns them
+                plain[p.entry] = data.view(dtype).view(e.shape).clone()
+    dtensors = {i: targets[manifest.tensors[i].key_path].dtensor for i in manifest.layouts}
+    tensors = [targets[e.key_path].tensor if i in manifest.layouts else plain[i]
+               for i, e in enumerate(manifest.tensors)]
+    rewrap = Rewrap(manifest, target, Destinations([None] * len(tensors), dtensors=dtensors))
+    state = rebuild_state_dict(
+        manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
+        [e.device for e in manifest.tensors], manifest.container == "plain",
+        {i: tensors[i] for i in manifest.layouts}, manifest.layouts, rewrap.dtensor,
+        rewrap.restorer)
+    rewrap.check_restored()
+    return manifest, state

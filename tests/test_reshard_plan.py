@@ -1,0 +1,87 @@
+"""The resharding plan and the any-world-size choice of find_latest: pure, no processes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from localckpt.control.coverage import Inventory, choose_latest_any_world
+from localckpt.control.reshard import OldShard, Want, plain_owner, plan_reshard
+from localckpt.errors import ConfigurationError
+
+
+def _rows(owners: int, rows: int, cols: int = 3) -> list[OldShard]:
+    """A (rows, cols) tensor sharded by rows over ``owners`` (torch.chunk sizes)."""
+    step = math.ceil(rows / owners)
+    out = []
+    for o in range(owners):
+        start = min(o * step, rows)
+        out.append(OldShard(o, 7, (rows, cols), "float32", (start, 0),
+                            (min(rows, start + step) - start, cols)))
+    return out
+
+
+def _want(start: int, n: int, rows: int, cols: int = 3) -> Want:
+    return Want((rows, cols), "float32", (start, 0), (n, cols))
+
+
+def test_four_row_shards_onto_two_take_the_overlapping_boxes_only() -> None:
+    old = {"w": _rows(4, 10)}  # rows 0-2, 3-5, 6-8, 9
+    pieces = plan_reshard(old, {0: 0, 1: 0, 2: 1, 3: 1}, [{"w": _want(0, 5, 10)},
+                                                          {"w": _want(5, 5, 10)}])
+    got = [(p.src, p.dst, p.owner, p.src_start, p.dst_start, p.size) for p in pieces]
+    assert got == [(0, 0, 0, (0, 0), (0, 0), (3, 3)), (0, 0, 1, (0, 0), (3, 0), (2, 3)),
+                   (0, 1, 1, (2, 0), (0, 0), (1, 3)), (1, 1, 2, (0, 0), (1, 0), (3, 3)),
+                   (1, 1, 3, (0, 0), (4, 0), (1, 3))]
+    assert all(p.entry == 7 and p.path == "w" for p in pieces)
+
+
+def test_a_column_shard_onto_row_shards_cuts_both_dims() -> None:
+    cols = [OldShard(o, 0, (4, 6), "bfloat16", (0, 3 * o), (4, 3)) for o in range(2)]
+    pieces = plan_reshard({"w": cols}, {0: 0, 1: 1},
+                          [{"w": Want((4, 6), "bfloat16", (2 * r, 0), (2, 6))}
+                           for r in range(2)])
+    assert [(p.dst, p.owner, p.src_start, p.dst_start, p.size) for p in pieces] == [
+        (0, 0, (0, 0), (0, 0), (2, 3)), (0, 1, (0, 0), (0, 3), (2, 3)),
+        (1, 0, (2, 0), (0, 0), (2, 3)), (1, 1, (2, 0), (0, 3), (2, 3))]
+
+
+def test_replicated_boxes_are_read_once_from_the_lowest_owner() -> None:
+    replicas = [OldShard(o, 0, (5,), "float32", (0,), (5,)) for o in (3, 1, 2)]
+    pieces = plan_reshard({"b": replicas}, {1: 0, 2: 1, 3: 1},
+                          [{"b": Want((5,), "float32", (0,), (5,))}])
+    assert [(p.owner, p.src) for p in pieces] == [(1, 0)]
+
+
+@pytest.mark.parametrize(("old", "want", "why"), [
+    ({}, _want(0, 5, 10), "the checkpoint has none"),
+    ({"w": _rows(2, 12)}, _want(0, 5, 10), "global shape [12, 3]"),
+    ({"w": _rows(2, 10)[:1]}, _want(0, 10, 10), "cover 15 of the 30"),  # a shard missing
+    ({"w": [*_rows(2, 10), OldShard(5, 0, (10, 3), "float32", (4, 0), (2, 3))]},
+     _want(0, 10, 10), "more than once"),  # overlapping, unequal boxes
+])
+def test_what_cannot_be_assembled_is_named(old: dict, want: Want, why: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigurationError, match="cannot reshard") as info:
+        plan_reshard(old, {o: 0 for o in range(8)}, [{"w": want}])
+    assert "'w'" in str(info.value) and why in str(info.value)
+
+
+def test_plain_state_goes_to_the_same_rank_or_wraps_around() -> None:
+    assert [plain_owner(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert [plain_owner(r, 4) for r in range(2)] == [0, 1]
+
+
+def _inv(rank: int, *shards: tuple[int, int, int]) -> Inventory:
+    return Inventory(rank, "s", frozenset(shards))
+
+
+def test_find_latest_of_any_world_size_takes_the_newest_complete_one() -> None:
+    old4 = [(9, o, 4) for o in range(4)]
+    invs = [_inv(0, *old4[:2], (5, 0, 2)), _inv(1, *old4[2:], (5, 1, 2))]
+    assert choose_latest_any_world(invs, 2) == (9, 4)
+    partial = [_inv(0, *old4[:2], (5, 0, 2)), _inv(1, old4[2], (5, 1, 2))]  # owner 3 lost
+    assert choose_latest_any_world(partial, 2) == (5, 2)
+    tie = [_inv(0, (5, 0, 2), (5, 0, 1)), _inv(1, (5, 1, 2))]
+    assert choose_latest_any_world(tie, 2) == (5, 2)  # this world size wins a tie
+    assert choose_latest_any_world([_inv(0), _inv(1)], 2) == (-1, 2)
