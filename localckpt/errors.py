@@ -26,6 +26,11 @@ class ConfigurationError(CheckpointingError, ValueError):
     """An argument or setting is invalid (bad root, session id, keep_last, timeout...)."""
 
 
+class LayoutMismatchError(ConfigurationError):
+    """Saved DTensor shards do not lie where the DTensors of ``load(into=...)`` do (another mesh
+    or placements): loading them needs resharding (``LocalCheckpointManager(reshard=True)``)."""
+
+
 class InvalidIterationError(CheckpointingError, ValueError):
     """The iteration passed to ``save`` is negative, not an int, differs across ranks, or is not
     newer than the latest committed checkpoint."""
@@ -90,6 +95,7 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
     for cls in (
         CheckpointingError,
         ConfigurationError,
+        LayoutMismatchError,
         InvalidIterationError,
         WorldSizeMismatchError,
         UnsupportedFormatError,

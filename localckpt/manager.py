@@ -26,7 +26,12 @@ from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
 from .control.coverage import Inventory
-from .errors import CollectiveError, ConfigurationError
+from .errors import (
+    CollectiveError,
+    ConfigurationError,
+    CorruptShardError,
+    LayoutMismatchError,
+)
 from .gc_pause import gc_paused
 from .load.reshard import reshard_restore
 from .load.restore import find_latest, restore
@@ -43,6 +48,7 @@ from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
 logger = logging.getLogger(__name__)
 
 CkptID = tuple[int, int, str]
+RESHARD_ATTEMPTS = 4  # a resharding load that met corrupt copies lists again this many times
 
 
 class LocalCheckpointManager:
@@ -298,17 +304,34 @@ class LocalCheckpointManager:
                                           seconds, nbytes, self.session_id, time.time()))
 
         listed, self._listed = self._listed, None
-        if self._latest_world != self.world_size:
+        for attempt in range(1, RESHARD_ATTEMPTS + 1):
+            if self._latest_world == self.world_size:
+                break
+            try:
+                with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                    manifest, state = reshard_restore(
+                        self._ctx, self.latest_iteration, self._latest_world,
+                        listed or self._ctx.gather_inventories("load: inventory"), into)
+                    box["nbytes"] = manifest.data_nbytes
+                return state, (manifest.iteration, self.rank, self.session_id)
+            except CorruptShardError:  # agreed; the bad copy is quarantined: list again
+                if attempt == RESHARD_ATTEMPTS or self.find_latest() < 0:
+                    raise
+                listed, self._listed = self._listed, None
+        try:
+            with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
+                                                            fetched, listed, into)
+                box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
+        except LayoutMismatchError:  # agreed: the same world size on another mesh
+            if not self.reshard:
+                raise
             with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
                 manifest, state = reshard_restore(
-                    self._ctx, self.latest_iteration, self._latest_world,
-                    listed or self._ctx.gather_inventories("load: inventory"), into)
+                    self._ctx, self.latest_iteration, self.world_size,
+                    self._ctx.gather_inventories("load: inventory"), into)
                 box["nbytes"] = manifest.data_nbytes
             return state, (manifest.iteration, self.rank, self.session_id)
-        with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-            manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
-                                                        fetched, listed, into)
-            box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return state, (manifest.iteration, self.rank, self.session_id)

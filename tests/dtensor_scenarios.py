@@ -35,11 +35,12 @@ def _job(mesh: Any) -> tuple[Any, Any, Any, TokenLoader, AppState]:
     return model, optim, sched, loader, AppState(model, optim, sched, loader)
 
 
-def _manager(rank: int, base: str, metrics: Any = None) -> LocalCheckpointManager:
+def _manager(rank: int, base: str, metrics: Any = None, reshard: bool = False
+             ) -> LocalCheckpointManager:
     node = rank // 2
     return LocalCheckpointManager(Path(base) / f"node{node}", "fsdp", "node_spread",
                                   timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
-                                  metrics=metrics)
+                                  metrics=metrics, reshard=reshard)
 
 
 def _local_digest(state: Any) -> str:
@@ -131,6 +132,12 @@ def refusals(rank: int, world: int, base: str) -> dict[str, Any]:
     _, _, _, _, elsewhere = _job(other)
     with _manager(rank, base) as mgr:
         attempt("other_mesh", lambda: mgr.load(into={"app": elsewhere}))
+    with _manager(rank, base, reshard=True) as mgr:  # the same world, resharded
+        _, ckpt = mgr.load(into={"app": elsewhere})
+    out["resharded"] = list(ckpt)
+    out["resharded_identical"] = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(model.parameters(), elsewhere.model.parameters(), strict=True))
     _, _, _, _, fresh = _job(mesh)
     with _manager(rank, base) as mgr:
         _, ckpt = mgr.load(into={"app": fresh})
@@ -191,15 +198,26 @@ def elastic_save(rank: int, world: int, base: str) -> list[float]:
     return [_global_step(job, world) for _ in range(3)]
 
 
-def elastic_resume(rank: int, world: int, base: str) -> dict[str, Any]:
-    """A job of another world size resumes from iteration 3, trains 3 steps, saves at 6."""
+def elastic_resume(rank: int, world: int, base: str, corrupt: int = -1) -> dict[str, Any]:
+    """A job of another world size resumes from iteration 3, trains 3 steps, saves at 6.
+    ``corrupt``: the old owner whose copy on node0 gets a flipped byte first (-1: none)."""
+    if rank == 0 and corrupt >= 0:
+        shard = next((Path(base) / "node0" / "elastic" / "iter_0000000003").glob(
+            f"rank_{corrupt:05d}_of_*"))
+        chunk = shard / "data" / "c" / "0"
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    dist.barrier()
     job = _elastic_job(world)
     with _elastic_manager(rank, world, base) as mgr:
         latest = mgr.find_latest()
         state, ckpt = mgr.load(into={"app": job[4], "rank": -1})
+        quarantined = sorted(p.name for n in (0, 1) for p in
+                             (Path(base) / f"node{n}" / "elastic").glob(".quarantine-*"))
         resumed = [_global_step(job, world) for _ in range(3)]
         mgr.save({"app": job[4], "rank": rank}, 6)
         again = mgr.find_latest()
     return {"latest": latest, "ckpt": list(ckpt), "position": job[3].position - 3,
             "plain_from": state["rank"], "in_place": state["app"] is job[4],
-            "resumed": resumed, "again": again}
+            "resumed": resumed, "again": again, "quarantined": quarantined}

@@ -37,27 +37,30 @@ def test_dtensor_refusals_are_agreed_and_lose_nothing(tmp_path: Path, root: Path
         assert v["partial"].startswith("RankTypeError")
         assert "'grad_sum'" in v["partial"] and "partial (unreduced)" in v["partial"]
         assert v["no_into"].startswith("ConfigurationError") and "device mesh" in v["no_into"]
-        assert v["other_mesh"].startswith("ConfigurationError") and \
+        assert v["other_mesh"].startswith("LayoutMismatchError") and \
             "resharding" in v["other_mesh"] and "app/model/" in v["other_mesh"]
         assert v["identical"]
+        assert v["resharded"][0] == 2 and v["resharded_identical"]  # with reshard=True
     assert [v["after"][0] for v in values] == [2] * 4
     # The same error on every rank.
     for key in ("partial", "no_into", "other_mesh"):
         assert len({v[key].split(":")[0] for v in values}) == 1
 
 
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("before", "after", "corrupt"), [(4, 2, 1), (2, 4, -1)])
 def test_a_job_of_another_world_size_resumes_on_the_same_loss_curve(
-        tmp_path: Path, root: Path, before: int, after: int) -> None:
+        tmp_path: Path, root: Path, before: int, after: int, corrupt: int) -> None:
     """FSDP2 x TP saved by `before` ranks on a (before/2, 2) mesh, loaded by `after` ranks on an
     (after/2, 2) mesh with reshard=True: every rank's DTensor shards are assembled from the old
     ranks' boxes, its plain state is old rank (rank % before)'s, and training goes on with the
-    losses of the uninterrupted run of the same global batch (up to the reduction order)."""
+    losses of the uninterrupted run of the same global batch (up to the reduction order). With
+    ``corrupt``, node0's copy of that old owner's shard is damaged: it is quarantined and the
+    replica on node1 serves instead."""
     saved = run_ranks(dtensor_scenarios.elastic_save, before, tmp_path, str(root),
                       deadline=180)
     assert all(r.ok for r in saved), [r.message for r in saved if not r.ok]
     reference = saved[0].value
-    resumed = run_ranks(dtensor_scenarios.elastic_resume, after, tmp_path, str(root),
+    resumed = run_ranks(dtensor_scenarios.elastic_resume, after, tmp_path, str(root), corrupt,
                         deadline=180)
     assert all(r.ok for r in resumed), [r.message for r in resumed if not r.ok]
     for rank, r in enumerate(resumed):
@@ -66,3 +69,4 @@ def test_a_job_of_another_world_size_resumes_on_the_same_loss_curve(
         assert v["position"] == 3 and v["plain_from"] == rank % before
         assert v["resumed"] == pytest.approx(reference, rel=1e-5), (v["resumed"], reference)
         assert v["again"] == 6  # and it checkpoints again, at its own world size
+        assert len(v["quarantined"]) == (corrupt >= 0), v["quarantined"]

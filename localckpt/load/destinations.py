@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..dtensors import DTensorLayout, mesh_key, wrap
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
 
@@ -178,11 +178,11 @@ def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None
         shown = "; ".join(destinations.mismatched[:3])
         more = f" (and {len(destinations.mismatched) - 3} more)" \
             if len(destinations.mismatched) > 3 else ""
-        raise ConfigurationError(
+        raise LayoutMismatchError(
             f"load(into=...): {len(destinations.mismatched)} saved tensors do not fit the "
-            f"layout of `into`: {shown}{more}. Loading onto another mesh or world size needs "
-            "resharding, which localckpt does not do yet; build the model on the mesh it was "
-            "saved from")
+            f"layout of `into`: {shown}{more}. Loading onto another mesh needs resharding: "
+            "LocalCheckpointManager(reshard=True), or build the model on the mesh it was saved "
+            "from")
     with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
         for i, t in destinations.copied.items():
             t.copy_(tensors[i])
@@ -214,10 +214,10 @@ class Rewrap:
                 f"localckpt knows the device mesh; `into` has meshes {have or 'none'}")
         coordinate = tuple(mesh.get_coordinate() or ())
         if coordinate != layout.coordinate:
-            raise ConfigurationError(
+            raise LayoutMismatchError(
                 f"load: {path!r} was saved at mesh coordinate {list(layout.coordinate)}, this "
                 f"rank is at {list(coordinate)} of that mesh; loading it elsewhere needs "
-                "resharding, which localckpt does not do yet")
+                "resharding: LocalCheckpointManager(reshard=True)")
         return wrap(local, layout, mesh, repr(path))
 
     def stateful(self, path: str, value: Any) -> Any:

@@ -14,12 +14,15 @@ Collective, in three agreed steps and one transfer, on the library's groups:
 4. **build**: every rank copies its pieces into its DTensors' local shards and builds its state
    dict (Stateful objects restored) from its plain owner's structure.
 
-Not yet: a corrupt old copy is an error here (no quarantine and re-plan as in the same-world
-load), and a serving rank holds the old shards it serves in memory while it packs.
+A copy that fails its checks is quarantined by the rank that read it and the load raises
+CorruptShardError on every rank; the manager then lists again and retries (another holder's copy,
+or an older iteration). Not yet: a serving rank holds the old shards it serves in memory while it
+packs (the same-world load streams).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from typing import Any
@@ -31,11 +34,13 @@ from ..control.collectives import collective_error
 from ..control.context import Context
 from ..control.coverage import Inventory
 from ..control.reshard import OldShard, Piece, Want, plain_owner, plan_reshard
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from .destinations import Destinations, Into, Rewrap
+
+logger = logging.getLogger(__name__)
 
 
 def _entry_tensor(manifest: ShardManifest, buffer: torch.Tensor, i: int) -> torch.Tensor:
@@ -65,13 +70,24 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     servers = {o: min(holders[o]) for o in range(old_world)}  # complete: find_latest said so
     target = Into(into)
 
+    def checked(owner: int, read: Any) -> Any:
+        """``read(ref)`` of this rank's copy of ``owner``'s shard; a copy that fails its checks
+        is quarantined (and the error raised)."""
+        ref = ctx.store.ref(iteration, owner, old_world)
+        try:
+            return read(ref)
+        except CorruptShardError as exc:
+            moved = ctx.store.quarantine(ref)
+            logger.warning("rank %d: load: %s; this copy was quarantined to %s", rank, exc, moved)
+            raise
+
     def describe() -> dict[str, Any]:
         fault_point("load_retrieval", rank, iteration)
         wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
                      list(t.layout.offset), list(t.tensor.shape)]
                  for p, t in (target.paths() or {}).items() if t.layout is not None}
-        manifests = {str(o): ctx.store.read_manifest(ctx.store.ref(iteration, o, old_world))
-                     .to_json_dict() for o, server in servers.items() if server == rank}
+        manifests = {str(o): checked(o, ctx.store.read_manifest).to_json_dict()
+                     for o, server in servers.items() if server == rank}
         return {"wants": wants, "manifests": manifests}
 
     described = ctx.group.exchange(f"{step}: layouts", describe)
@@ -101,7 +117,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     sent: list[torch.Tensor] = []
 
     def pack() -> int:
-        buffers = {o: ctx.store.read(ctx.store.ref(iteration, o, old_world))[1]
+        buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for p in pieces if p.src == rank})}
         parts = []
         for dst in range(world):
