@@ -160,10 +160,11 @@ class LocalCheckpointManager:
                             data_group, topology, placement, store, metrics_,
                             self._job_identity)
         self._save = SavePath(self._ctx, keep_last, busy)
+        self._save.any_world = reshard
         self._warned_foreign: set[int] = set()
         self.reshard = reshard
         self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
-        self._latest_world = self.world_size  # of the job that saved latest_iteration
+        self._found = (-1, self.world_size)  # find_latest's (iteration, world size it was saved at)
         self._write_back: WriteBack | None = None  # the last load's, until waited for
 
     # ------------------------------------------------------------------ lifecycle
@@ -231,7 +232,6 @@ class LocalCheckpointManager:
         """
         self._listed = None  # the disk changes: a load must list again
         self.wait_for_write_back()
-        self._latest_world = self.world_size
         return self._save.save(state_dict, iteration, is_async)
 
     def find_latest(self) -> int:
@@ -246,10 +246,10 @@ class LocalCheckpointManager:
         self.wait_for_write_back()
         self._save.settle()
         with self._ctx.timed("find_latest", -1) as box, gc_paused():
-            self.latest_iteration, self._latest_world, self._listed = find_latest(
-                self._ctx, self.reshard)
+            self.latest_iteration, world, self._listed = find_latest(self._ctx, self.reshard)
+            self._found = (self.latest_iteration, world)
             box["iteration"] = self.latest_iteration
-        if self.latest_iteration >= 0 and self._latest_world == self.world_size:
+        if self.latest_iteration >= 0 and world == self.world_size:
             # Parsed once: load finds it in the store's manifest cache.
             store = self._ctx.store
             ref = store.ref(self.latest_iteration, self.rank, self.world_size)
@@ -303,16 +303,22 @@ class LocalCheckpointManager:
             self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, self.latest_iteration,
                                           seconds, nbytes, self.session_id, time.time()))
 
+        if self._saved_by() != self.world_size and self._listed is None:
+            self.find_latest()  # fresh listings to plan who serves which old shard from
         listed, self._listed = self._listed, None
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
-            if self._latest_world == self.world_size:
+            old_world = self._saved_by()
+            if old_world == self.world_size:
                 break
+            assert listed is not None, "find_latest listed just before"
             try:
                 with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                    manifest, state = reshard_restore(
-                        self._ctx, self.latest_iteration, self._latest_world,
-                        listed or self._ctx.gather_inventories("load: inventory"), into)
+                    manifest, state = reshard_restore(self._ctx, self.latest_iteration,
+                                                      old_world, listed, into)
                     box["nbytes"] = manifest.data_nbytes
+                if self.rank == 0:
+                    logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
+                                manifest.iteration, old_world, self.world_size)
                 return state, (manifest.iteration, self.rank, self.session_id)
             except CorruptShardError:  # agreed; the bad copy is quarantined: list again
                 if attempt == RESHARD_ATTEMPTS or self.find_latest() < 0:
@@ -346,6 +352,12 @@ class LocalCheckpointManager:
         if any(self._ctx.placement.holders):  # a piece is at most the shard, at most this
             self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
         return nbytes
+
+    def _saved_by(self) -> int:
+        """The world size of the job that saved ``latest_iteration``: find_latest's answer while
+        it still names that iteration, else this job's (a save of this job set it)."""
+        iteration, world = self._found
+        return world if iteration == self.latest_iteration else self.world_size
 
     def wait_for_write_back(self) -> None:
         """Block until the last ``load``'s write-back is over: the shards a replaced node must

@@ -200,9 +200,11 @@ def elastic_save(rank: int, world: int, base: str) -> list[float]:
 
 def elastic_resume(rank: int, world: int, base: str, corrupt: int = -1) -> dict[str, Any]:
     """A job of another world size resumes from iteration 3, trains 3 steps, saves at 6.
-    ``corrupt``: the old owner whose copy on node0 gets a flipped byte first (-1: none)."""
+    ``corrupt``: the old owner whose copy gets a flipped byte first (-1: none): the copy its
+    server reads (with every old shard on both nodes, owner o is served by rank o % world,
+    whose root is node o % 2 in a world of 2)."""
     if rank == 0 and corrupt >= 0:
-        shard = next((Path(base) / "node0" / "elastic" / "iter_0000000003").glob(
+        shard = next((Path(base) / f"node{corrupt % 2}" / "elastic" / "iter_0000000003").glob(
             f"rank_{corrupt:05d}_of_*"))
         chunk = shard / "data" / "c" / "0"
         data = bytearray(chunk.read_bytes())
@@ -221,3 +223,69 @@ def elastic_resume(rank: int, world: int, base: str, corrupt: int = -1) -> dict[
     return {"latest": latest, "ckpt": list(ckpt), "position": job[3].position - 3,
             "plain_from": state["rank"], "in_place": state["app"] is job[4],
             "resumed": resumed, "again": again, "quarantined": quarantined}
+
+
+def _mixed_state(world: int) -> dict[str, Any]:
+    """DTensors of mixed dtypes on a 1-D mesh (uneven shards, a replicated one, a 0-dim one)
+    and plain scalars of mixed widths: what a resharding load must place byte-exactly."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh1d(world)
+    g = torch.Generator().manual_seed(5)
+    full = {"w16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+            "w32": torch.randn(7, generator=g), "w64": torch.randn(6, 2, generator=g).double(),
+            "rep": torch.arange(3, dtype=torch.int32), "zero": torch.tensor(2.5)}
+    state: dict[str, Any] = {k: distribute_tensor(v, mesh, [Replicate()] if k in ("rep", "zero")
+                                                   else [Shard(0)]) for k, v in full.items()}
+    state |= {"s32": torch.tensor(1.5), "i64": torch.tensor(7), "flag": torch.tensor(True)}
+    return state
+
+
+def _mesh1d(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def _mixed_manager(base: str) -> LocalCheckpointManager:
+    return LocalCheckpointManager(Path(base) / "root", "mixed", None, timeout=30,
+                                  chunk_nbytes=4096, node_id="one", reshard=True)
+
+
+def mixed_save(rank: int, world: int, base: str) -> None:
+    with _mixed_manager(base) as mgr:
+        mgr.save({**_mixed_state(world), "rank": rank}, 3)
+
+
+def mixed_load(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Load the mixed state saved by another world size into zeros on this one; then a
+    rejected save must not lose the loadable checkpoint, and a save not newer than the loaded
+    iteration is refused (it would be shadowed by it on the next start)."""
+    from torch.distributed.tensor import DTensor
+
+    want = _mixed_state(world)
+    into = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
+                                   shape=v.shape, stride=v.stride())
+                if isinstance(v, DTensor) else torch.zeros_like(v)) for k, v in want.items()}
+    out: dict[str, Any] = {}
+    with _mixed_manager(base) as mgr:
+        try:
+            mgr.save({"x": torch.ones(1)}, -5)
+        except Exception as exc:
+            out["rejected"] = type(exc).__name__
+        state, ckpt = mgr.load(into={**into, "rank": -1})
+        out["ckpt"] = list(ckpt)
+        out["exact"] = {k: bool(torch.equal(
+            (state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]).view(-1)
+            .view(torch.uint8),
+            (v.full_tensor() if isinstance(v, DTensor) else v).view(-1).view(torch.uint8)))
+            for k, v in want.items()}
+        out["in_place"] = all(state[k] is into[k] for k in want if isinstance(want[k], DTensor))
+        out["plain_from"] = state["rank"]
+        try:
+            mgr.save({"x": torch.ones(1)}, 2)
+        except Exception as exc:
+            out["older"] = f"{type(exc).__name__}: {exc}"
+        mgr.save({"x": torch.ones(1)}, 4)
+        out["after"] = mgr.find_latest()
+    return out

@@ -70,3 +70,20 @@ def test_a_job_of_another_world_size_resumes_on_the_same_loss_curve(
         assert v["resumed"] == pytest.approx(reference, rel=1e-5), (v["resumed"], reference)
         assert v["again"] == 6  # and it checkpoints again, at its own world size
         assert len(v["quarantined"]) == (corrupt >= 0), v["quarantined"]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (4, 3)])
+def test_mixed_dtypes_and_uneven_shards_reshard_byte_exactly(
+        tmp_path: Path, root: Path, before: int, after: int) -> None:
+    saved = run_ranks(dtensor_scenarios.mixed_save, before, tmp_path, str(root), deadline=120)
+    assert all(r.ok for r in saved), [r.message for r in saved if not r.ok]
+    loaded = run_ranks(dtensor_scenarios.mixed_load, after, tmp_path, str(root), deadline=120)
+    assert all(r.ok for r in loaded), [r.message for r in loaded if not r.ok]
+    for rank, r in enumerate(loaded):
+        v = r.value
+        assert v["rejected"] == "InvalidIterationError"
+        assert v["ckpt"] == [3, rank, "mixed"] and v["in_place"]
+        assert all(v["exact"].values()), v["exact"]
+        assert v["plain_from"] == rank % before
+        assert v["older"].startswith("InvalidIterationError") and "newer than" in v["older"]
+        assert v["after"] == 4

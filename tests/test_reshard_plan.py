@@ -85,3 +85,13 @@ def test_find_latest_of_any_world_size_takes_the_newest_complete_one() -> None:
     tie = [_inv(0, (5, 0, 2), (5, 0, 1)), _inv(1, (5, 1, 2))]
     assert choose_latest_any_world(tie, 2) == (5, 2)  # this world size wins a tie
     assert choose_latest_any_world([_inv(0), _inv(1)], 2) == (-1, 2)
+
+
+def test_old_shards_are_served_by_their_holders_in_turn() -> None:
+    from localckpt.control.reshard import choose_servers
+
+    everywhere = {o: [0, 1] for o in range(4)}  # 4 -> 2 ranks, every node holds all
+    assert choose_servers(everywhere, 4) == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert choose_servers({0: [3, 5], 1: [3, 5], 2: [5]}, 3) == {0: 3, 1: 5, 2: 5}
+    with pytest.raises(ConfigurationError, match=r"old owners \[1\]"):
+        choose_servers({0: [0], 1: []}, 2)

@@ -132,12 +132,14 @@ def other_world_shards(inventories: Sequence[Inventory], world_size: int) -> dic
 
 
 def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
-                  world_size: int) -> int:
+                  world_size: int, any_world: bool = False) -> int:
     """Check a save request gathered from every rank; return the iteration to save.
 
     Raises InvalidIterationError (not an int, negative, too wide for the directory name,
-    different across ranks, not newer than the latest complete checkpoint of this world size),
-    or ConfigurationError (different session ids). Shards of other world sizes never block it.
+    different across ranks, not newer than the latest complete checkpoint of this world size,
+    or with ``any_world`` of any world size: a job that reshards would otherwise load that one
+    instead of this), or ConfigurationError (different session ids). Otherwise shards of other
+    world sizes never block it.
     """
     check_sessions(inventories)
     distinct = sorted({repr(i) for i in iterations})
@@ -154,7 +156,8 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
         raise InvalidIterationError(
             f"iteration: expected at most {MAX_ITERATION} (10 digits in the directory name), "
             f"got {iteration}; nothing was written")
-    latest = choose_latest(inventories, world_size)
+    latest = choose_latest_any_world(inventories, world_size)[0] if any_world \
+        else choose_latest(inventories, world_size)
     if iteration <= latest:
         raise InvalidIterationError(
             f"iteration: expected a value newer than the latest committed checkpoint {latest}, got "

@@ -61,6 +61,24 @@ class Piece:
     size: Shape
 
 
+def choose_servers(holders: Mapping[int, Sequence[int]], old_world: int) -> dict[int, int]:
+    """Old owner -> the new rank that reads its shard and sends from it: among the ranks
+    holding it, the one serving the fewest so far (the old owner's own rank number first), so
+    the reads spread over the job instead of landing on the lowest rank. ConfigurationError
+    naming the owners no rank holds."""
+    missing = [o for o in range(old_world) if not holders.get(o)]
+    if missing:
+        raise ConfigurationError(f"no rank of this job holds the shards of old owners "
+                                 f"{missing[:8]}: the iteration is no longer complete")
+    load: dict[int, int] = {}
+    servers = {}
+    for o in range(old_world):
+        server = min(holders[o], key=lambda r: (load.get(r, 0), r != o, r))
+        servers[o] = server
+        load[server] = load.get(server, 0) + 1
+    return servers
+
+
 def plain_owner(rank: int, old_world: int) -> int:
     """The old rank whose non-DTensor state (RNG, data position, plain tensors) new ``rank``
     takes: the same rank when it existed, else ``rank % old_world``."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..control.collectives import collective_error
 from ..control.context import Context
 from ..control.coverage import Inventory
-from ..control.reshard import OldShard, Piece, Want, plain_owner, plan_reshard
+from ..control.reshard import OldShard, Piece, Want, choose_servers, plain_owner, plan_reshard
 from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
@@ -67,7 +67,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         for it, owner, w in inv.shards:
             if it == iteration and w == old_world:
                 holders[owner].append(inv.rank)
-    servers = {o: min(holders[o]) for o in range(old_world)}  # complete: find_latest said so
+    servers = choose_servers(holders, old_world)
     target = Into(into)
 
     def checked(owner: int, read: Any) -> Any:
@@ -180,7 +180,9 @@ def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, Sh
             if p.src != src or p.dst != rank:
                 continue
             n = nbytes(p)
-            data = received[pos:pos + n]
+            # its own storage: a piece's offset in the buffer fits its dtype's alignment only
+            # by chance (a float32 scalar before an int64 one)
+            data = received[pos:pos + n].clone()
             pos += n
             e = manifests[p.owner].tensors[p.entry]
             dtype = dtype_from_name(e.dtype)
@@ -188,8 +190,8 @@ def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, Sh
                 local = targets[p.path].tensor
                 with torch.no_grad():
                     _box(local, p.dst_start, p.size).copy_(data.view(dtype).view(p.size))
-            else:  # each in its own storage, as a load returns them
-                plain[p.entry] = data.view(dtype).view(e.shape).clone()
+            else:  # in its own storage, as a load returns them
+                plain[p.entry] = data.view(dtype).view(e.shape)
     dtensors = {i: targets[manifest.tensors[i].key_path].dtensor for i in manifest.layouts}
     tensors = [targets[e.key_path].tensor if i in manifest.layouts else plain[i]
                for i, e in enumerate(manifest.tensors)]

@@ -72,6 +72,7 @@ class SavePath:
         self.latest_iteration = -1
         self._arena = StagingArena()
         self._inflight: SaveJob | None = None
+        self.any_world = False  # reshard=True: a save must be newer than any world's latest
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool) -> AsyncRequest | None:
         """See :meth:`LocalCheckpointManager.save`. Collective."""
@@ -189,7 +190,8 @@ class SavePath:
         gathered = ctx.group.exchange("save: stage and validate", stage)
         # Every rank reaches the same verdicts from the same gathered input.
         inventories = decode_inventories([g["inventory"] for g in gathered])
-        validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size)
+        validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
+                      self.any_world)
         plan = save_plan(ctx.placement, ctx.topology, iteration)
         needed = [int(g["nbytes"]) for g in gathered]
         writes = list(needed)
