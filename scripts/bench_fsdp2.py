@@ -8,6 +8,8 @@ Both sides do the same work: a save of ``{"app": app}`` that has returned is on 
 synchronous, no replication, so the same bytes as DCP, by the job's one manager, its staging
 memory reserved); a load is into a freshly built job's
 objects (DCP: ``dcp.load({"app": app})``; localckpt: ``find_latest`` + ``load(into=...)``).
+Then both load the same checkpoint onto another mesh of the same ranks, (world, 1): FSDP2 over
+all of them, no tensor parallelism (localckpt: ``reshard=True``; DCP reshards by itself).
 Raw limits from the same job: memcpy, tmpfs write (fresh file + fsync) and read into
 preallocated memory of one rank's bytes.
 """
@@ -106,6 +108,20 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
         timer.run("dcp_load", lambda f=fresh: dcp.load({"app": f}, checkpoint_id=str(dcp_dir)))
         del fresh
     saver.close()
+    # Resharding: the same state loaded onto another mesh of the same ranks, (world, 1): FSDP2
+    # over all ranks, no tensor parallelism (localckpt with reshard=True; DCP reshards itself).
+    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    for _ in range(repeats):
+        fresh = _job(other, sizes)
+        with LocalCheckpointManager(root, "bench", None, timeout=900, node_id=f"node{node}",
+                                    io_threads=config.get("io_threads", 2),
+                                    reshard=True) as mgr:
+            timer.run("localckpt_load_resharded",
+                      lambda m=mgr, f=fresh: (m.find_latest(), m.load(into={"app": f})))
+        fresh = _job(other, sizes)
+        timer.run("dcp_load_resharded",
+                  lambda f=fresh: dcp.load({"app": f}, checkpoint_id=str(dcp_dir)))
+        del fresh
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps({"nbytes": nbytes, "tensors": tensors,

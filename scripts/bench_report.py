@@ -113,6 +113,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "fsdp2_load_to_raw_read": ratio("localckpt_load_into", "tmpfs_read"),
         "dcp_fsdp2_save_to_raw_write": ratio("dcp_save", "tmpfs_write_fresh"),
         "dcp_fsdp2_load_to_raw_read": ratio("dcp_load", "tmpfs_read"),
+        "fsdp2_reshard_to_dcp": ratio("localckpt_load_resharded", "dcp_load_resharded"),
     }
     return {**row, "label": label(row), "GBps_per_rank": gbps,
             "ratios": {k: v for k, v in ratios.items() if v is not None}}
@@ -263,12 +264,16 @@ def fsdp2_section(rows: list[dict[str, Any]], ca: dict[str, Any]) -> str:
            "`AppState` (`get_state_dict` / `set_state_dict`) for both. Save: `save({'app': app})`"
            " synchronous, no replicas (localckpt) against `dcp.save` (both on tmpfs when they "
            "return; localckpt also checksums, fsyncs and commits atomically). Load: a freshly "
-           "built job's objects, `find_latest` + `load(into=...)` against `dcp.load`. Times in "
+           "built job's objects, `find_latest` + `load(into=...)` against `dcp.load`. "
+           "Resharded: the same checkpoint loaded by the same 4 ranks onto a (dp=4, tp=1) mesh "
+           "(localckpt with `reshard=True`: its normal load stops at the first manifest, then "
+           "the resharding load moves the intersecting boxes; DCP reshards by itself). Times in "
            "ms; ratios are times (below 1: localckpt is faster).\n",
            "| configuration | bytes per rank (tensors) | localckpt save (÷ DCP; ÷ raw write) | "
            "DCP save (÷ raw write) | localckpt load (÷ DCP; ÷ raw read) | DCP load (÷ raw "
-           "read) | measured by |",
-           "|---|---:|---:|---:|---:|---:|---|"]
+           "read) | localckpt load onto a (4, 1) mesh, resharded (÷ DCP) | DCP load onto it | "
+           "measured by |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         q = row["ratios"]
         out.append(
@@ -279,6 +284,8 @@ def fsdp2_section(rows: list[dict[str, Any]], ca: dict[str, Any]) -> str:
             f"{_ms(row, 'localckpt_load_into')} ({_f(q.get('fsdp2_load_to_dcp'))}; "
             f"{_f(q.get('fsdp2_load_to_raw_read'))}) | {_ms(row, 'dcp_load')} "
             f"({_f(q.get('dcp_fsdp2_load_to_raw_read'))}) | "
+            f"{_ms(row, 'localckpt_load_resharded')} ({_f(q.get('fsdp2_reshard_to_dcp'))}) | "
+            f"{_ms(row, 'dcp_load_resharded')} | "
             f"`{row.get('command', '')}` {row.get('date', '')} |")
     return "\n".join(out)
 

@@ -168,7 +168,9 @@ def main() -> None:
     loader = TokenLoader(seed=7, dp_rank=mesh["dp"].get_local_rank())
     app = AppState(model, optim, sched, loader)
 
-    # localckpt: one manager per job, node-local root, replicas on another node.
+    # localckpt: one manager per job, node-local root, replicas on another node. Add
+    # reshard=True to resume on another world size (docs/fsdp2.md: DTensors are reassembled,
+    # plain state such as the loader's comes from old rank rank % old_world_size).
     node = rank * args.nodes // world
     mgr = LocalCheckpointManager(args.root.format(node=node), "fsdp2-example",
                                  "node_spread" if args.nodes > 1 else None,

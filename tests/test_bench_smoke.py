@@ -19,7 +19,8 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     assert set(rows) == {("uniform", 2, 1), ("uniform", 2, 2), ("uniform", 4, 2),
                          ("small", 2, 2), ("transformer", 2, 2), ("fsdp2", 4, 1)}
     fsdp2 = rows["fsdp2", 4, 1]
-    for phase in ("localckpt_save", "localckpt_load_into", "dcp_save", "dcp_load"):
+    for phase in ("localckpt_save", "localckpt_load_into", "dcp_save", "dcp_load",
+                  "localckpt_load_resharded", "dcp_load_resharded"):
         assert len(fsdp2["samples_s"][phase]) == 2 and fsdp2["median_s"][phase] > 0, phase
     assert fsdp2["ratios"]["fsdp2_save_to_dcp"] > 0 and fsdp2["ratios"]["fsdp2_load_to_dcp"] > 0
     replicated = rows["uniform", 4, 2]

@@ -171,9 +171,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     return Destinations(direct, copied, dtensors, mismatched)
 
 
-def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
-    """Copy each loaded tensor into the caller's tensor that could not be read into. Raises
-    ConfigurationError first if a saved DTensor shard does not fit ``into``'s."""
+def check_layouts(destinations: Destinations) -> None:
+    """LayoutMismatchError if a saved DTensor shard does not lie where ``into``'s does."""
     if destinations.mismatched:
         shown = "; ".join(destinations.mismatched[:3])
         more = f" (and {len(destinations.mismatched) - 3} more)" \
@@ -183,6 +182,12 @@ def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None
             f"layout of `into`: {shown}{more}. Loading onto another mesh needs resharding: "
             "LocalCheckpointManager(reshard=True), or build the model on the mesh it was saved "
             "from")
+
+
+def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
+    """Copy each loaded tensor into the caller's tensor that could not be read into. Raises
+    LayoutMismatchError first if a saved DTensor shard does not fit ``into``'s."""
+    check_layouts(destinations)
     with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
         for i, t in destinations.copied.items():
             t.copy_(tensors[i])

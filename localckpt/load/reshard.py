@@ -42,6 +42,8 @@ from .destinations import Destinations, Into, Rewrap
 
 logger = logging.getLogger(__name__)
 
+ALIGN = 64  # bytes: every piece starts at a multiple of this in the send and receive buffers
+
 
 def _entry_tensor(manifest: ShardManifest, buffer: torch.Tensor, i: int) -> torch.Tensor:
     e = manifest.tensors[i]
@@ -90,7 +92,9 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                      for o, server in servers.items() if server == rank}
         return {"wants": wants, "manifests": manifests}
 
+    started = time.monotonic()
     described = ctx.group.exchange(f"{step}: layouts", describe)
+    laid_out = time.monotonic()
     manifests = {int(o): ShardManifest.from_json_dict(doc, f"shard {o} of {step}")
                  for d in described for o, doc in d["manifests"].items()}
     old: dict[str, list[OldShard]] = defaultdict(list)
@@ -109,30 +113,40 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                    for i, e in enumerate(manifests[q].tensors) if i not in manifests[q].layouts]
 
     def nbytes(p: Piece) -> int:
+        """The piece's bytes, padded to ALIGN so every piece starts aligned in the buffers
+        (its dtype can be viewed in place there)."""
         e = manifests[p.owner].tensors[p.entry]
         if not p.size and p.entry not in manifests[p.owner].layouts:
-            return e.nbytes
-        return dtype_from_name(e.dtype).itemsize * int(torch.Size(p.size).numel())
+            n = e.nbytes
+        else:
+            n = dtype_from_name(e.dtype).itemsize * int(torch.Size(p.size).numel())
+        return -(-n // ALIGN) * ALIGN
 
+    send_splits = [sum(nbytes(p) for p in pieces if p.src == rank and p.dst == d)
+                   for d in range(world)]
     sent: list[torch.Tensor] = []
 
     def pack() -> int:
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for p in pieces if p.src == rank})}
-        parts = []
+        out = torch.empty(sum(send_splits), dtype=torch.uint8)
+        pos = 0
         for dst in range(world):
             for p in pieces:
                 if p.src == rank and p.dst == dst:
                     t = _entry_tensor(manifests[p.owner], buffers[p.owner], p.entry)
                     if p.entry in manifests[p.owner].layouts:
                         t = _box(t, p.src_start, p.size)
-                    parts.append(t.contiguous().view(-1).view(torch.uint8))
-        sent.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
-        return int(sent[0].numel())
+                    # one copy, from the read shard straight into the send buffer
+                    out[pos:pos + t.numel() * t.element_size()].view(t.dtype).view(
+                        t.shape).copy_(t)
+                    pos += nbytes(p)
+        sent.append(out)
+        return pos
 
+    planned = time.monotonic()
     ctx.group.exchange(f"{step}: read", pack)
-    send_splits = [sum(nbytes(p) for p in pieces if p.src == rank and p.dst == d)
-                   for d in range(world)]
+    read = time.monotonic()
     recv_splits = [sum(nbytes(p) for p in pieces if p.src == s and p.dst == rank)
                    for s in range(world)]
     received = torch.empty(sum(recv_splits), dtype=torch.uint8)
@@ -141,21 +155,25 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         received = sent[0]
     else:
         group.check_usable(f"{step}: transfer")
-        started = time.monotonic()
+        begun = time.monotonic()
         try:
             dist.all_to_all_single(received, sent[0], recv_splits, send_splits,
                                    group=group.group)
         except RuntimeError as exc:
-            err = collective_error(f"{step}: transfer", exc, time.monotonic() - started,
+            err = collective_error(f"{step}: transfer", exc, time.monotonic() - begun,
                                    group.timeout)
             group.mark_broken(err)
             ctx.group.mark_broken(err)
             raise err from exc
     sent.clear()
+    moved = time.monotonic()
     built: list[tuple[ShardManifest, Any]] = []
     ctx.group.exchange(f"{step}: build", lambda: built.append(
         _build(manifests[plain_owner(rank, old_world)], pieces, manifests, received, target,
                rank, nbytes)))
+    logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
+                 "build %.3fs", rank, laid_out - started, planned - laid_out, read - planned,
+                 moved - read, time.monotonic() - moved)
     return built[0]
 
 
@@ -179,19 +197,16 @@ def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, Sh
         for p in pieces:
             if p.src != src or p.dst != rank:
                 continue
-            n = nbytes(p)
-            # its own storage: a piece's offset in the buffer fits its dtype's alignment only
-            # by chance (a float32 scalar before an int64 one)
-            data = received[pos:pos + n].clone()
-            pos += n
             e = manifests[p.owner].tensors[p.entry]
             dtype = dtype_from_name(e.dtype)
             if p.entry in manifests[p.owner].layouts:
-                local = targets[p.path].tensor
-                with torch.no_grad():
-                    _box(local, p.dst_start, p.size).copy_(data.view(dtype).view(p.size))
+                data = received[pos:pos + dtype.itemsize * int(torch.Size(p.size).numel())]
+                with torch.no_grad():  # pieces start ALIGN-aligned: viewed in place
+                    _box(targets[p.path].tensor, p.dst_start, p.size).copy_(
+                        data.view(dtype).view(p.size))
             else:  # in its own storage, as a load returns them
-                plain[p.entry] = data.view(dtype).view(e.shape)
+                plain[p.entry] = received[pos:pos + e.nbytes].clone().view(dtype).view(e.shape)
+            pos += nbytes(p)
     dtensors = {i: targets[manifest.tensors[i].key_path].dtensor for i in manifest.layouts}
     tensors = [targets[e.key_path].tensor if i in manifest.layouts else plain[i]
                for i, e in enumerate(manifest.tensors)]

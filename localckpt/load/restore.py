@@ -60,7 +60,7 @@ from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
-from .destinations import Destinations, Into, Rewrap, fill_copied, match
+from .destinations import Destinations, Into, Rewrap, check_layouts, fill_copied, match
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,15 @@ class _Round:
         """The caller's CPU tensors the own shard's entries are read into (see match)."""
         self.destinations = match(manifest, self.into.paths())
         return self.destinations.direct
+
+    def choose_or_refuse(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
+        """:meth:`choose` for a read from this rank's disk, which stops before reading any data
+        when the shard lies elsewhere than ``into``'s DTensors (LayoutMismatchError: a
+        resharding load takes over)."""
+        direct = self.choose(manifest)
+        assert self.destinations is not None
+        check_layouts(self.destinations)
+        return direct
 
     @property
     def fetches(self) -> ExchangePlan:
@@ -180,7 +189,7 @@ def _verify_sources(ctx: Context, rnd: _Round,
         try:
             if built is not None:  # the common case: only its own shard, for itself
                 try:
-                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose)
+                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose_or_refuse)
                 except CorruptShardError as exc:
                     _blame_destination(ctx, rnd, shard, exc)
                     raise
@@ -206,7 +215,8 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
     reading: Future[Loaded] | None = None
     if any(t.src == rank == t.dst for t in rnd.plan.reads):
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
-        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard), rnd.choose)
+        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard),
+                                rnd.choose_or_refuse)
         reader.shutdown(wait=False)
     receivers: dict[tuple[int, int], TensorReceiver] = {}
 
