@@ -27,8 +27,9 @@ class ConfigurationError(CheckpointingError, ValueError):
 
 
 class LayoutMismatchError(ConfigurationError):
-    """Saved DTensor shards do not lie where the DTensors of ``load(into=...)`` do (another mesh
-    or placements): loading them needs resharding (``LocalCheckpointManager(reshard=True)``)."""
+    """Inside ``load``: saved DTensor shards do not lie where the DTensors of ``into`` do
+    (another mesh or placements), or are replicas another rank stored; the manager then loads
+    through the resharding path. Not raised to callers of ``load``."""
 
 
 class InvalidIterationError(CheckpointingError, ValueError):

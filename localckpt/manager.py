@@ -34,7 +34,7 @@ from .errors import (
 )
 from .gc_pause import gc_paused
 from .load.reshard import reshard_restore
-from .load.restore import find_latest, restore
+from .load.restore import find_latest, restore, write_back_after
 from .load.write_back import WriteBack
 from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
 from .save.async_calls import AsyncRequest
@@ -78,7 +78,11 @@ class LocalCheckpointManager:
         reshard: let ``find_latest`` and ``load`` use checkpoints saved by a job of another
             world size (an elastic restart): DTensor leaves are reassembled onto this job's
             layout, plain per-rank state is that of old rank ``rank % old_world_size`` (see
-            docs/fsdp2.md). Off: such checkpoints are ignored (and reported).
+            docs/fsdp2.md). Off: such checkpoints are ignored (and reported). At the same world
+            size DTensors are always reassembled onto ``into``'s mesh when it differs.
+        dedupe_replicated: store a replicated DTensor shard (a Replicate placement: HSDP,
+            tensor-parallel norms) once per replica group, by one member chosen per leaf, not by
+            every rank (see localckpt.save.dedupe; ``load`` assembles the others' from it).
 
     Construction is collective when torch.distributed is initialised (it creates two gloo groups
     from the default group and runs one exchange); without it the manager runs as a world of
@@ -92,7 +96,7 @@ class LocalCheckpointManager:
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
                  strict: bool = False, allow_unsafe_root: bool = False,
-                 reshard: bool = False) -> None:
+                 reshard: bool = False, dedupe_replicated: bool = True) -> None:
         # Arguments: the same on every rank, so checked before any collective.
         metrics_ = as_metrics(metrics)
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
@@ -110,6 +114,9 @@ class LocalCheckpointManager:
             raise ConfigurationError(f"chunk_nbytes: expected an int >= 4096, got {chunk_nbytes!r}")
         if type(reshard) is not bool:
             raise ConfigurationError(f"reshard: expected a bool, got {reshard!r}")
+        if type(dedupe_replicated) is not bool:
+            raise ConfigurationError(
+                f"dedupe_replicated: expected a bool, got {dedupe_replicated!r}")
         if type(io_threads) is not int or io_threads < 1:
             raise ConfigurationError(f"io_threads: expected an int >= 1, got {io_threads!r}")
         root = Path(root_local_ckpt_dir)
@@ -161,6 +168,7 @@ class LocalCheckpointManager:
                             self._job_identity)
         self._save = SavePath(self._ctx, keep_last, busy)
         self._save.any_world = reshard
+        self._save.dedupe_replicated = dedupe_replicated
         self._warned_foreign: set[int] = set()
         self.reshard = reshard
         self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
@@ -329,15 +337,14 @@ class LocalCheckpointManager:
                 manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
                                                             fetched, listed, into)
                 box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
-        except LayoutMismatchError:  # agreed: the same world size on another mesh
-            if not self.reshard:
-                raise
+        except LayoutMismatchError:  # agreed: another mesh, or replicas stored elsewhere
+            inventories = self._ctx.gather_inventories("load: inventory")
             with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                manifest, state = reshard_restore(
-                    self._ctx, self.latest_iteration, self.world_size,
-                    self._ctx.gather_inventories("load: inventory"), into)
+                manifest, state = reshard_restore(self._ctx, self.latest_iteration,
+                                                  self.world_size, inventories, into)
                 box["nbytes"] = manifest.data_nbytes
-            return state, (manifest.iteration, self.rank, self.session_id)
+            # a replaced node gets its copies back, as after any load
+            self._write_back = write_back_after(self._ctx, manifest.iteration, inventories)
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return state, (manifest.iteration, self.rank, self.session_id)

@@ -289,3 +289,87 @@ def mixed_load(rank: int, world: int, base: str) -> dict[str, Any]:
         mgr.save({"x": torch.ones(1)}, 4)
         out["after"] = mgr.find_latest()
     return out
+
+
+def _hsdp_job() -> tuple[Any, ...]:
+    """HSDP: FSDP2 over a (replicate=2, shard=2) mesh; every parameter and optimizer state is
+    Replicate on dim 0, Shard(0) on dim 1."""
+    from fsdp2_example import TinyTransformer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    loader = GlobalLoader(dist.get_rank(), dist.get_world_size())
+    return model, optim, sched, loader, AppState(model, optim, sched, loader)  # type: ignore[arg-type]
+
+
+def _hsdp_manager(rank: int, base: str, session: str, dedupe: bool) -> LocalCheckpointManager:
+    node = rank // 2
+    return LocalCheckpointManager(Path(base) / f"node{node}", session, "node_spread",
+                                  timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
+                                  dedupe_replicated=dedupe)
+
+
+def hsdp_dedupe(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Save HSDP state with and without dedupe (bytes per rank), train on (the reference), then
+    wipe node 1 and load the deduplicated checkpoint into a fresh job: identical state, the
+    same losses."""
+    from localckpt.save import dedupe
+
+    dedupe.MIN_NBYTES = 0  # this model's shards are tiny
+    job = _hsdp_job()
+    for _ in range(2):
+        _global_step(job, world)
+    saved = _local_digest(job[4].state_dict())
+    sizes = {}
+    for session, on in (("dedupe", True), ("full", False)):
+        with _hsdp_manager(rank, base, session, on) as mgr:
+            mgr.save({"app": job[4]}, 2)
+            store = mgr._ctx.store
+            sizes[session] = store.read_manifest(store.ref(2, rank, world)).data_nbytes
+    reference = [_global_step(job, world) for _ in range(2)]
+    dist.barrier()
+    if rank == 2:
+        shutil.rmtree(Path(base) / "node1")
+    dist.barrier()
+    job = _hsdp_job()
+    with _hsdp_manager(rank, base, "dedupe", True) as mgr:
+        state, ckpt = mgr.load(into={"app": job[4]})
+        mgr.wait_for_write_back()
+    return {"sizes": sizes, "ckpt": list(ckpt), "in_place": state["app"] is job[4],
+            "identical": _local_digest(job[4].state_dict()) == saved,
+            "resumed": [_global_step(job, world) for _ in range(2)],
+            "reference": reference}
+
+
+def non_spmd_replicas(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 1 alone holds a replicated DTensor whose keeper would be rank 0: the save is refused
+    on every rank (nothing written), and saves without it go on."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from localckpt.save import dedupe
+
+    dedupe.MIN_NBYTES = 0
+    mesh = _mesh1d(world)
+    both = DTensor.from_local(torch.arange(4.0), mesh, [Replicate()], run_check=False)
+    state: dict[str, Any] = {"both": both}
+    if rank == 1:  # crc32("odd1") % 2 == 0: rank 0 would be its keeper
+        state["odd1"] = DTensor.from_local(torch.ones(3), mesh, [Replicate()], run_check=False)
+    out: dict[str, Any] = {}
+    with _mixed_manager(base) as mgr:
+        mgr.save({"both": both}, 1)
+        try:
+            mgr.save(state, 2)
+        except Exception as exc:
+            out["refused"] = f"{type(exc).__name__}: {exc}"
+        out["latest"] = mgr.find_latest()
+        mgr.save({"both": both}, 3)
+        out["after"] = mgr.find_latest()
+    return out

@@ -332,3 +332,33 @@ def test_a_custom_tensor_aware_state_dict_with_a_bad_structure_is_refused_at_sav
         mgr.save(Custom({"w": torch.ones(2)}), 1)
     with LocalCheckpointManager(root, "s") as mgr:
         assert mgr.find_latest() == -1
+
+
+def test_a_replica_stored_elsewhere_is_checked_like_a_shard() -> None:
+    def parsed(replica: Any, nbytes: int = 0, shape: tuple[int, ...] = (0,)) -> ShardManifest:
+        m = ShardManifest(
+            session_id="s", iteration=3, owner_rank=2, world_size=4,
+            tensors=(TensorEntry("model/w", "float32", shape, 0, nbytes, "cpu"),),
+            hollow={"dict": [["w", {"DT": {"T": 0, "layout": LAYOUT.to_json(),
+                                           "replica": replica}}]]},
+            container="plain", data_nbytes=nbytes, chunk_nbytes=128, chunk_count=1,
+            chunk_crc32c=(1,), created_unix=1.0)
+        return ShardManifest.from_json_dict(json.loads(json.dumps(m.to_json_dict())), "shard-x")
+
+    assert parsed([4, 8]).replicas == {0: (4, 8)}
+    for bad, why in (([4], "replica shape"), ([14, 8], "does not fit"), ([4, -1], "replica")):
+        with pytest.raises(CorruptShardError, match=why):
+            parsed(bad)
+    with pytest.raises(CorruptShardError, match="stored elsewhere"):
+        parsed([4, 8], nbytes=128, shape=(4, 8))
+
+
+def test_replicated_leaves_spread_over_their_group_and_a_missing_keeper_is_named() -> None:
+    from localckpt.save.dedupe import keeper_index, missing_replicas
+
+    keepers = [keeper_index(f"model/layers.{i}.norm.weight", 4) for i in range(64)]
+    assert {k: keepers.count(k) for k in range(4)} == {k: keepers.count(k) for k in range(4)}
+    assert min(keepers.count(k) for k in range(4)) >= 8  # no member left out
+    assert missing_replicas([[1, 2], [3]], [{"1": [3]}, {"0": [1, 2]}]) == []
+    assert missing_replicas([[1], [3]], [{}, {"0": [1, 2]}]) == [
+        "rank 1 left 1 replicated shards to rank 0, which does not store them"]

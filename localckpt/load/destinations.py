@@ -87,6 +87,7 @@ class Destinations:
     copied: dict[int, torch.Tensor] = field(default_factory=dict)
     dtensors: dict[int, Any] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)  # replicas another rank stored
 
     @property
     def placed(self) -> dict[int, torch.Tensor]:
@@ -119,8 +120,9 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
     at another place than ``into``'s goes to ``mismatched``."""
     direct: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    elsewhere = [manifest.tensors[i].key_path for i in manifest.replicas]
     if not by_path:
-        return Destinations(direct)
+        return Destinations(direct, elsewhere=elsewhere)
     copied: dict[int, torch.Tensor] = {}
     dtensors: dict[int, Any] = {}
     mismatched: list[str] = []
@@ -131,7 +133,7 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
         seen[e.key_path] = seen.get(e.key_path, 0) + 1
     for i, e in enumerate(manifest.tensors):
         target = by_path.get(e.key_path)
-        if target is None or seen[e.key_path] > 1:
+        if target is None or seen[e.key_path] > 1 or i in manifest.replicas:
             continue
         why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
         if why is not None:
@@ -168,20 +170,24 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
         direct[i] = None
         copied.pop(i, None)
         dtensors.pop(i, None)
-    return Destinations(direct, copied, dtensors, mismatched)
+    return Destinations(direct, copied, dtensors, mismatched, elsewhere)
 
 
 def check_layouts(destinations: Destinations) -> None:
-    """LayoutMismatchError if a saved DTensor shard does not lie where ``into``'s does."""
+    """LayoutMismatchError if a saved DTensor shard does not lie where ``into``'s does, or is
+    a replica another rank of its group stored (the manager then reshards)."""
+    if destinations.elsewhere:
+        raise LayoutMismatchError(
+            f"load: {len(destinations.elsewhere)} replicated DTensor shards of this rank were "
+            f"stored by another member of their replica group (e.g. "
+            f"{destinations.elsewhere[0]!r}): they are loaded from there")
     if destinations.mismatched:
         shown = "; ".join(destinations.mismatched[:3])
         more = f" (and {len(destinations.mismatched) - 3} more)" \
             if len(destinations.mismatched) > 3 else ""
         raise LayoutMismatchError(
             f"load(into=...): {len(destinations.mismatched)} saved tensors do not fit the "
-            f"layout of `into`: {shown}{more}. Loading onto another mesh needs resharding: "
-            "LocalCheckpointManager(reshard=True), or build the model on the mesh it was saved "
-            "from")
+            f"layout of `into`: {shown}{more}; they are loaded through resharding")
 
 
 def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
@@ -200,6 +206,7 @@ class Rewrap:
                  destinations: Destinations | None) -> None:
         self.manifest, self.into = manifest, into
         self.dtensors = destinations.dtensors if destinations is not None else {}
+        self.resharding = False  # set by the resharding load: no further fallback
 
     def dtensor(self, i: int, local: torch.Tensor) -> Any:
         """The DTensor entry i becomes: the caller's (its local shard filled), else ``local``
@@ -218,11 +225,16 @@ class Rewrap:
                 "with the model's and optimizer's state (or the objects themselves) so "
                 f"localckpt knows the device mesh; `into` has meshes {have or 'none'}")
         coordinate = tuple(mesh.get_coordinate() or ())
+        if coordinate != layout.coordinate and self.resharding:
+            raise ConfigurationError(
+                f"load: `into` has no DTensor at {path!r}, and this rank's place on the mesh "
+                f"changed ({list(layout.coordinate)} -> {list(coordinate)}): pass the state "
+                "with its DTensors (an optimizer's through get_state_dict) so localckpt knows "
+                "the new layout")
         if coordinate != layout.coordinate:
             raise LayoutMismatchError(
                 f"load: {path!r} was saved at mesh coordinate {list(layout.coordinate)}, this "
-                f"rank is at {list(coordinate)} of that mesh; loading it elsewhere needs "
-                "resharding: LocalCheckpointManager(reshard=True)")
+                f"rank is at {list(coordinate)} of that mesh: it is loaded through resharding")
         return wrap(local, layout, mesh, repr(path))
 
     def stateful(self, path: str, value: Any) -> Any:

@@ -100,11 +100,20 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     old: dict[str, list[OldShard]] = defaultdict(list)
     for o, m in sorted(manifests.items()):
         for i, layout in m.layouts.items():
+            if i in m.replicas:  # another member of its replica group stored it
+                continue
             e = m.tensors[i]
             old[e.key_path].append(OldShard(o, i, layout.global_shape, e.dtype, layout.offset,
                                             e.shape))
     wants = [{p: Want(tuple(g), dt, tuple(off), tuple(shape))
               for p, (g, dt, off, shape) in d["wants"].items()} for d in described]
+    if old_world == world:  # a leaf `into` has no DTensor for (a fresh optimizer's state):
+        for r, mine in enumerate(wants):  # the rank's own saved box, wrapped on into's mesh
+            m = manifests[r]
+            for i, layout in m.layouts.items():
+                e = m.tensors[i]
+                mine.setdefault(e.key_path, Want(layout.global_shape, e.dtype, layout.offset,
+                                                 m.replicas.get(i, e.shape)))
     pieces = plan_reshard(old, servers, wants)  # the same verdict on every rank
     # Plain state: every non-DTensor entry of each rank's plain owner, whole.
     for dst in range(world):
@@ -170,7 +179,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     built: list[tuple[ShardManifest, Any]] = []
     ctx.group.exchange(f"{step}: build", lambda: built.append(
         _build(manifests[plain_owner(rank, old_world)], pieces, manifests, received, target,
-               rank, nbytes)))
+               rank, nbytes, old_world == world)))
     logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
                  "build %.3fs", rank, laid_out - started, planned - laid_out, read - planned,
                  moved - read, time.monotonic() - moved)
@@ -178,20 +187,31 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
 
 
 def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, ShardManifest],
-           received: torch.Tensor, target: Into, rank: int, nbytes: Any
+           received: torch.Tensor, target: Into, rank: int, nbytes: Any, same_world: bool
            ) -> tuple[ShardManifest, Any]:
     """Copy the received pieces into this rank's DTensors and plain tensors, then rebuild its
-    state dict from ``manifest`` (its plain owner's)."""
+    state dict from ``manifest`` (its plain owner's). At the same world size a DTensor leaf
+    ``into`` has none for is received into a fresh tensor and wrapped on ``into``'s mesh."""
     targets = target.paths() or {}
-    missing = [e.key_path for i, e in enumerate(manifest.tensors)
-               if i in manifest.layouts and (targets.get(e.key_path) is None
-                                            or targets[e.key_path].layout is None)]
+    shards: dict[str, torch.Tensor] = {}  # DTensor leaf -> the local shard the pieces go to
+    missing = []
+    for i in manifest.layouts:
+        e = manifest.tensors[i]
+        mine = targets.get(e.key_path)
+        if mine is not None and mine.layout is not None:
+            shards[e.key_path] = mine.tensor
+        elif same_world:
+            shards[e.key_path] = torch.empty(manifest.replicas.get(i, e.shape),
+                                             dtype=dtype_from_name(e.dtype))
+        else:
+            missing.append(e.key_path)
     if missing:
         raise ConfigurationError(
             f"load: resharding needs a DTensor in load(into=...) at every DTensor leaf of the "
             f"checkpoint; `into` has none at {missing[:5]}"
             f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
     plain: dict[int, torch.Tensor] = {}
+    placed: dict[int, torch.Tensor] = {}
     pos = 0
     for src in sorted({p.src for p in pieces if p.dst == rank}):
         for p in pieces:
@@ -202,19 +222,31 @@ def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, Sh
             if p.entry in manifests[p.owner].layouts:
                 data = received[pos:pos + dtype.itemsize * int(torch.Size(p.size).numel())]
                 with torch.no_grad():  # pieces start ALIGN-aligned: viewed in place
-                    _box(targets[p.path].tensor, p.dst_start, p.size).copy_(
+                    _box(shards[p.path], p.dst_start, p.size).copy_(
                         data.view(dtype).view(p.size))
-            else:  # in its own storage, as a load returns them
-                plain[p.entry] = received[pos:pos + e.nbytes].clone().view(dtype).view(e.shape)
+            else:  # into ``into``'s tensor at its path when it fits, else its own storage
+                data = received[pos:pos + e.nbytes].view(dtype).view(e.shape)
+                mine = targets.get(e.key_path)
+                if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
+                        and tuple(mine.tensor.shape) == tuple(e.shape):
+                    with torch.no_grad():
+                        mine.tensor.copy_(data)
+                    plain[p.entry] = placed[p.entry] = mine.tensor
+                else:
+                    plain[p.entry] = data.clone()
             pos += nbytes(p)
-    dtensors = {i: targets[manifest.tensors[i].key_path].dtensor for i in manifest.layouts}
-    tensors = [targets[e.key_path].tensor if i in manifest.layouts else plain[i]
+    tensors = [shards[e.key_path] if i in manifest.layouts else plain[i]
                for i, e in enumerate(manifest.tensors)]
+    dtensors = {}  # the caller's DTensors; the others are wrapped on into's mesh (Rewrap)
+    for i in manifest.layouts:
+        mine = targets.get(manifest.tensors[i].key_path)
+        if mine is not None and mine.layout is not None:
+            placed[i], dtensors[i] = tensors[i], mine.dtensor
     rewrap = Rewrap(manifest, target, Destinations([None] * len(tensors), dtensors=dtensors))
+    rewrap.resharding = True
     state = rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
-        [e.device for e in manifest.tensors], manifest.container == "plain",
-        {i: tensors[i] for i in manifest.layouts}, manifest.layouts, rewrap.dtensor,
-        rewrap.restorer)
+        [e.device for e in manifest.tensors], manifest.container == "plain", placed,
+        manifest.layouts, rewrap.dtensor, rewrap.restorer)
     rewrap.check_restored()
     return manifest, state

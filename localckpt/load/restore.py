@@ -343,6 +343,18 @@ def restore(ctx: Context, iteration: int,
         return built[0][0], built[0][1], write_back
 
 
+def write_back_after(ctx: Context, iteration: int, inventories: list[Inventory]
+                     ) -> WriteBack | None:
+    """The write-back of ``iteration`` (every rank's and every node's copies, as the placement
+    wants them) started in the background after a load that did not plan one itself (a
+    resharding load at this world size); None when nothing is missing."""
+    rnd = plan_round(ctx, iteration, inventories)
+    if not rnd.plan.exchange.rounds:
+        return None
+    return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
+                     _transfer_seconds(ctx, rnd.plan.exchange, {}))
+
+
 def _transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) -> float:
     """How long a rank with little to do may wait for the others' part of ``plan``: every
     piece on the wire, and its handling on arrival, is bounded by the timeout."""

@@ -51,6 +51,7 @@ from ..storage.manifest import (
 from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
+from .dedupe import Deduped, dedupe, missing_replicas
 from .job import SaveJob
 from .staging import StagingArena, plan_layout
 
@@ -73,6 +74,8 @@ class SavePath:
         self._arena = StagingArena()
         self._inflight: SaveJob | None = None
         self.any_world = False  # reshard=True: a save must be newer than any world's latest
+        self.dedupe_replicated = True
+        self._checked_replicas: list[int] | None = None  # every rank's digest, last checked
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool) -> AsyncRequest | None:
         """See :meth:`LocalCheckpointManager.save`. Collective."""
@@ -96,7 +99,8 @@ class SavePath:
         """Size and pre-fault the staging arena for saves of ``state_dict``; returns the bytes
         one such save stages. Not collective. A save in flight keeps its own buffer alive."""
         tasd = as_tensor_aware(state_dict)
-        chunk_nbytes, chunk_count = chunking(plan_layout(tasd.tensors).nbytes,
+        tensors = dedupe(tasd).tensors if self.dedupe_replicated else tasd.tensors
+        chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
         self._arena.reserve(nbytes)
@@ -148,13 +152,16 @@ class SavePath:
 
         def stage() -> dict[str, Any]:
             tasd = as_tensor_aware(state_dict)
-            layout = plan_layout(tasd.tensors)
+            deduped = dedupe(tasd) if self.dedupe_replicated else \
+                Deduped(list(tasd.tensors), tasd.hollow_structure())
+            staged["deduped"] = deduped
+            layout = plan_layout(deduped.tensors)
             chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
             ctx.store.wait_for_deletions()  # the previous save's retention frees space
             ctx.store.remove_quarantined()  # corrupt copies a load set aside
             st = os.statvfs(ctx.root)
             fault_point("staging", ctx.rank, iteration)
-            payload = self._arena.stage(tasd.tensors, layout, chunk_nbytes * chunk_count)
+            payload = self._arena.stage(deduped.tensors, layout, chunk_nbytes * chunk_count)
             names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
             entries = tuple(
                 TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
@@ -162,9 +169,9 @@ class SavePath:
                             shape=tuple(t.shape), offset=off, nbytes=size,
                             device=names.get(t.device) or names.setdefault(t.device,
                                                                            str(t.device)))
-                for t, path, off, size in zip(tasd.tensors, tasd.key_paths, layout.offsets,
+                for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
                                               layout.sizes, strict=True))
-            hollow = tasd.hollow_structure()
+            hollow = deduped.hollow
             statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
             if statefuls is None:  # a user's implementation: refuse what no load could decode
                 try:
@@ -185,13 +192,15 @@ class SavePath:
                     "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                            chunk_count),
                     "free": st.f_bavail * st.f_frsize, "chunks": chunk_count,
-                    "pieces": piece_count(chunk_nbytes, chunk_count)}
+                    "pieces": piece_count(chunk_nbytes, chunk_count),
+                    "replicas": deduped.digest}
 
         gathered = ctx.group.exchange("save: stage and validate", stage)
         # Every rank reaches the same verdicts from the same gathered input.
         inventories = decode_inventories([g["inventory"] for g in gathered])
         validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
                       self.any_world)
+        self._check_replicas([int(g["replicas"]) for g in gathered], staged["deduped"])
         plan = save_plan(ctx.placement, ctx.topology, iteration)
         needed = [int(g["nbytes"]) for g in gathered]
         writes = list(needed)
@@ -206,6 +215,27 @@ class SavePath:
         return SaveJob(iteration, staged["manifest"], staged["payload"],
                        plan if plan.transfers else None, metrics=ctx.metrics,
                        wait_steps=steps)
+
+    def _check_replicas(self, digests: list[int], deduped: Deduped) -> None:
+        """Every replicated shard a rank skipped is stored by the rank it named (see
+        :mod:`localckpt.save.dedupe`), checked when some rank's replicated leaves changed since
+        the last check: one more exchange then. ConfigurationError on every rank otherwise."""
+        if not any(digests) or digests == self._checked_replicas:
+            return
+        def report() -> dict[str, Any]:
+            return {"provided": deduped.provided,
+                    "expected": {str(k): v for k, v in deduped.expected.items()}}
+
+        reports = self.ctx.group.exchange("save: replicated shards", report)
+        missing = missing_replicas([r["provided"] for r in reports],
+                                   [r["expected"] for r in reports])
+        if missing:
+            raise ConfigurationError(
+                "save: replicated DTensor shards would be stored by no rank: "
+                f"{'; '.join(missing[:4])}. The members of a replica group must hold the same "
+                "DTensor leaves; else LocalCheckpointManager(dedupe_replicated=False). Nothing "
+                "was written")
+        self._checked_replicas = digests
 
     # ------------------------------------------------------------------ 4. finalize
 

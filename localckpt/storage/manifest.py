@@ -107,6 +107,14 @@ class ShardManifest:
         return check_hollow(self.hollow, len(self.tensors), "manifest")
 
     @functools.cached_property
+    def replicas(self) -> dict[int, tuple[int, ...]]:
+        """Tensor index -> the shape of a replicated DTensor shard this rank did not store
+        (another member of its replica group did; see localckpt.save.dedupe)."""
+        found: dict[int, tuple[int, ...]] = {}
+        check_hollow(self.hollow, len(self.tensors), "manifest", found)
+        return found
+
+    @functools.cached_property
     def encoded(self) -> bytes:
         """``to_json_dict()`` as JSON bytes, built once per manifest: the commit writes these
         bytes and replication sends them (tens of ms each for 10,000 tensors)."""
@@ -249,27 +257,36 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise bad(f"tensors {a} and {b} overlap at byte {start}")
-    layouts = check_hollow(m.hollow, len(m.tensors), where)
+    replicas: dict[int, tuple[int, ...]] = {}
+    layouts = check_hollow(m.hollow, len(m.tensors), where, replicas)
     for i, layout in layouts.items():
         e = m.tensors[i]
-        if len(e.shape) != len(layout.global_shape) or any(
-                o + n > g for o, n, g in zip(layout.offset, e.shape, layout.global_shape,
+        shape = replicas.get(i, e.shape)
+        if i in replicas and e.nbytes:
+            raise bad(f"tensor {i} ({e.key_path}) is a replica stored elsewhere, with "
+                      f"{e.nbytes} bytes here")
+        if len(shape) != len(layout.global_shape) or any(
+                o + n > g for o, n, g in zip(layout.offset, shape, layout.global_shape,
                                              strict=True)):
-            raise bad(f"tensor {i} ({e.key_path}): a shard of shape {list(e.shape)} at offset "
+            raise bad(f"tensor {i} ({e.key_path}): a shard of shape {list(shape)} at offset "
                       f"{list(layout.offset)} does not fit its DTensor's "
                       f"{list(layout.global_shape)}")
     m.__dict__["layouts"] = layouts
+    m.__dict__["replicas"] = replicas
 
 
 MAX_HOLLOW_DEPTH = 100  # decoding recurses; state dicts are a handful of levels deep
 
 
-def check_hollow(hollow: Any, count: int, where: str) -> dict[int, DTensorLayout]:
+def check_hollow(hollow: Any, count: int, where: str,
+                 replicas: dict[int, tuple[int, ...]] | None = None
+                 ) -> dict[int, DTensorLayout]:
     """Check the hollow structure against its grammar (see :mod:`localckpt.state_dict`): every
     node well formed, every ``{"T": i}`` / ``{"DT": ...}`` naming one of the ``count`` tensors
     (each tensor once), every DTensor layout well formed, nesting at most MAX_HOLLOW_DEPTH deep;
     so decoding a manifest that parsed cannot fail. Returns the layouts by tensor index, in
-    order. CorruptShardError naming ``where`` otherwise."""
+    order; ``replicas`` gets the shard shapes of replicas stored elsewhere (``"replica"``).
+    CorruptShardError naming ``where`` otherwise."""
     def bad(what: str) -> CorruptShardError:
         return CorruptShardError(f"{where}: inconsistent manifest: {what}")
 
@@ -300,12 +317,20 @@ def check_hollow(hollow: Any, count: int, where: str) -> dict[int, DTensorLayout
             if tag == "T":
                 tensor(value, plain)
             elif tag == "DT":
-                if type(value) is not dict or set(value) != {"T", "layout"}:
+                if type(value) is not dict or not {"T", "layout"} <= set(value) <= {
+                        "T", "layout", "replica"}:
                     raise ValueError(f"DTensor node {str(value)[:100]}")
                 i = tensor(value["T"], layouts)
                 if i in plain:
                     raise ValueError(f"tensor {i} is both a plain tensor and a DTensor shard")
                 layouts[i] = DTensorLayout.from_json(value["layout"])
+                if "replica" in value:
+                    shape = value["replica"]
+                    if type(shape) is not list or len(shape) != len(layouts[i].global_shape) \
+                            or any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
+                        raise ValueError(f"replica shape {str(shape)[:100]}")
+                    if replicas is not None:
+                        replicas[i] = tuple(shape)
             elif tag == "f":
                 float.fromhex(value)
             elif tag == "c":
