@@ -30,7 +30,9 @@ from .errors import (
     CollectiveError,
     ConfigurationError,
     CorruptShardError,
+    IncompleteCheckpointError,
     LayoutMismatchError,
+    NoCheckpointError,
 )
 from .gc_pause import gc_paused
 from .load.reshard import reshard_restore
@@ -293,13 +295,15 @@ class LocalCheckpointManager:
 
         With ``reshard=True`` and a checkpoint saved by a job of another world size, every
         DTensor leaf needs a DTensor in ``into`` (its layout says what this rank holds now);
-        plain state is that of old rank ``rank % old_world_size``; see docs/fsdp2.md.
+        plain state is that of old rank ``rank % old_world_size``; see docs/fsdp2.md. At this
+        world size, DTensors of ``into`` on another mesh, and replicated shards another member
+        of their group stored, are assembled the same way (plain state from the rank's own).
 
         Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
         rank's TypeError when its ``into`` has a leaf ``save`` would refuse; ConfigurationError
-        for a saved DTensor ``into`` gives no mesh for, or lays out otherwise (resharding onto
-        another mesh or world size is not done yet); the failing rank's error from a Stateful's
+        for a saved DTensor ``into`` gives no mesh (or, resharding, no layout) for, or whose old
+        boxes do not cover the new one; the failing rank's error from a Stateful's
         ``load_state_dict``.
         """
         self.wait_for_write_back()
@@ -311,40 +315,17 @@ class LocalCheckpointManager:
             self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, self.latest_iteration,
                                           seconds, nbytes, self.session_id, time.time()))
 
-        if self._saved_by() != self.world_size and self._listed is None:
-            self.find_latest()  # fresh listings to plan who serves which old shard from
+        if self._saved_by() != self.world_size:  # another world size (reshard=True)
+            manifest, state = self._load_resharded(into)
+            return state, (manifest.iteration, self.rank, self.session_id)
         listed, self._listed = self._listed, None
-        for attempt in range(1, RESHARD_ATTEMPTS + 1):
-            old_world = self._saved_by()
-            if old_world == self.world_size:
-                break
-            assert listed is not None, "find_latest listed just before"
-            try:
-                with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                    manifest, state = reshard_restore(self._ctx, self.latest_iteration,
-                                                      old_world, listed, into)
-                    box["nbytes"] = manifest.data_nbytes
-                if self.rank == 0:
-                    logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
-                                manifest.iteration, old_world, self.world_size)
-                return state, (manifest.iteration, self.rank, self.session_id)
-            except CorruptShardError:  # agreed; the bad copy is quarantined: list again
-                if attempt == RESHARD_ATTEMPTS or self.find_latest() < 0:
-                    raise
-                listed, self._listed = self._listed, None
         try:
             with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
                 manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
                                                             fetched, listed, into)
                 box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
-        except LayoutMismatchError:  # agreed: another mesh, or replicas stored elsewhere
-            inventories = self._ctx.gather_inventories("load: inventory")
-            with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                manifest, state = reshard_restore(self._ctx, self.latest_iteration,
-                                                  self.world_size, inventories, into)
-                box["nbytes"] = manifest.data_nbytes
-            # a replaced node gets its copies back, as after any load
-            self._write_back = write_back_after(self._ctx, manifest.iteration, inventories)
+        except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
+            manifest, state = self._load_resharded(into)
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return state, (manifest.iteration, self.rank, self.session_id)
@@ -359,6 +340,37 @@ class LocalCheckpointManager:
         if any(self._ctx.placement.holders):  # a piece is at most the shard, at most this
             self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
         return nbytes
+
+    def _load_resharded(self, into: Any) -> tuple[ShardManifest, Any]:
+        """The resharding load of the newest complete iteration (any world size with
+        ``reshard``), listing afresh; a copy that failed its checks (quarantined) or a shard gone
+        since the listing makes it list and plan again, at most RESHARD_ATTEMPTS times. At this
+        world size the write-back of a replaced node starts after it."""
+        for attempt in range(1, RESHARD_ATTEMPTS + 1):
+            if self._listed is None:
+                self.find_latest()
+            listed, self._listed = self._listed, None
+            if self.latest_iteration < 0 or listed is None:
+                raise NoCheckpointError(f"load: no complete checkpoint of session "
+                                        f"{self.session_id!r} is left to load")
+            old_world = self._saved_by()
+            try:
+                with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                    manifest, state = reshard_restore(self._ctx, self.latest_iteration,
+                                                      old_world, listed, into)
+                    box["nbytes"] = manifest.data_nbytes
+            except (CorruptShardError, IncompleteCheckpointError):  # agreed; list again
+                if attempt == RESHARD_ATTEMPTS:
+                    raise
+                continue
+            if old_world == self.world_size:  # a replaced node gets its copies back
+                self._write_back = write_back_after(self._ctx, manifest.iteration, listed)
+            elif self.rank == 0:
+                logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
+                            manifest.iteration, old_world, self.world_size)
+            self.latest_iteration = manifest.iteration
+            return manifest, state
+        raise AssertionError("unreachable")
 
     def _saved_by(self) -> int:
         """The world size of the job that saved ``latest_iteration``: find_latest's answer while

@@ -206,6 +206,7 @@ class Walk:
     statefuls: dict[str, Any] = field(default_factory=dict)  # outermost ones, by key path
     within: int = 0  # how many Stateful objects the walk is inside
     open: set[int] = field(default_factory=set)  # ids of the Statefuls being walked (cycles)
+    dtensor_paths: set[str] = field(default_factory=set)
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -218,7 +219,12 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     kind = type(obj)
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):
-            layout = DTensorLayout.of(obj, _path_str(path))
+            where = _path_str(path)
+            if where in walk.dtensor_paths:  # resharding and dedupe find leaves by key path
+                raise TypeError(f"two DTensors at state dict key {where!r} (keys whose str() "
+                                "joined by '/' coincide): a DTensor's key path must be unique")
+            walk.dtensor_paths.add(where)
+            layout = DTensorLayout.of(obj, where)
             local: torch.Tensor = obj._local_tensor  # type: ignore[attr-defined]  # the very
             # storage, which load(into=...) reads into
             _check_tensor(local, path)

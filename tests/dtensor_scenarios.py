@@ -333,7 +333,9 @@ def hsdp_dedupe(rank: int, world: int, base: str) -> dict[str, Any]:
         with _hsdp_manager(rank, base, session, on) as mgr:
             mgr.save({"app": job[4]}, 2)
             store = mgr._ctx.store
-            sizes[session] = store.read_manifest(store.ref(2, rank, world)).data_nbytes
+            own = store.read_manifest(store.ref(2, rank, world))
+            sizes[session] = own.data_nbytes
+            sizes[f"{session}_version"] = own.format_version
     reference = [_global_step(job, world) for _ in range(2)]
     dist.barrier()
     if rank == 2:
@@ -373,3 +375,56 @@ def non_spmd_replicas(rank: int, world: int, base: str) -> dict[str, Any]:
         mgr.save({"both": both}, 3)
         out["after"] = mgr.find_latest()
     return out
+
+
+def dedupe_corrupt(rank: int, world: int, base: str, strategy: str | None) -> dict[str, Any]:
+    """Two replicated leaves, each stored by one of 2 ranks (one node each); iterations 1 and 2
+    kept; rank 0's copy of iteration 2 damaged. The load reads it only through the resharding
+    path: it must quarantine it and take the replica (``strategy``), or iteration 1 (None)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from localckpt.save import dedupe
+
+    dedupe.MIN_NBYTES = 0
+    mesh = _mesh1d(world)
+
+    def state(it: int) -> dict[str, Any]:  # crc32 % 2: "odd1" -> rank 0, "odd" -> rank 1
+        return {k: DTensor.from_local(torch.full((64,), float(it * 10 + j)), mesh,
+                                      [Replicate()], run_check=False)
+                for j, k in enumerate(("odd1", "odd"))}
+
+    def manager() -> LocalCheckpointManager:
+        return LocalCheckpointManager(Path(base) / f"node{rank}", "dc", strategy, keep_last=2,
+                                      timeout=30, chunk_nbytes=4096, node_id=f"node{rank}")
+
+    with manager() as mgr:
+        mgr.save(state(1), 1)
+        mgr.save(state(2), 2)
+    dist.barrier()
+    if rank == 0:
+        chunk = next((Path(base) / "node0" / "dc" / "iter_0000000002").glob(
+            "rank_00000_of_*")) / "data" / "c" / "0"
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    dist.barrier()
+    into = {k: DTensor.from_local(torch.zeros(64), mesh, [Replicate()], run_check=False)
+            for k in ("odd1", "odd")}
+    with manager() as mgr:
+        loaded, ckpt = mgr.load(into=into)
+    return {"ckpt": list(ckpt),
+            "values": {k: sorted(set(v.to_local().tolist())) for k, v in loaded.items()}}
+
+
+def duplicate_dtensor_paths(rank: int, world: int, base: str) -> str:
+    """Two DTensors whose key paths coincide ("a/b" and "a" -> "b"): refused by save."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = _mesh1d(world)
+    leaf = DTensor.from_local(torch.ones(4), mesh, [Replicate()], run_check=False)
+    with _mixed_manager(base) as mgr:
+        try:
+            mgr.save({"a/b": leaf, "a": {"b": leaf * 2}}, 1)
+        except TypeError as exc:
+            return str(exc)
+    return "saved"

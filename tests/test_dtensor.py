@@ -96,6 +96,9 @@ def test_replicated_shards_are_stored_once_per_replica_group(tmp_path: Path,
     results = run_ranks(dtensor_scenarios.hsdp_dedupe, 4, tmp_path, str(root), deadline=180)
     assert all(r.ok for r in results), [r.message for r in results if not r.ok]
     values = [r.value for r in results]
+    # a shard that leaves replicas to another rank is format version 3: older readers refuse it
+    assert {v["sizes"]["dedupe_version"] for v in values} == {3}
+    assert {v["sizes"]["full_version"] for v in values} == {2}
     stored = sum(v["sizes"]["dedupe"] for v in values)
     full = sum(v["sizes"]["full"] for v in values)
     assert 0.3 * full < stored < 0.7 * full, (stored, full)
@@ -112,3 +115,21 @@ def test_a_replicated_shard_no_member_would_store_fails_the_save(tmp_path: Path,
     for v in (r.value for r in results):
         assert v["refused"].startswith("ConfigurationError") and "rank 1 left 1" in v["refused"]
         assert v["latest"] == 1 and v["after"] == 3
+
+
+@pytest.mark.parametrize(("strategy", "iteration"), [("node_spread", 2), (None, 1)])
+def test_a_corrupt_keeper_copy_falls_back_like_any_corrupt_copy(
+        tmp_path: Path, root: Path, strategy: str | None, iteration: int) -> None:
+    results = run_ranks(dtensor_scenarios.dedupe_corrupt, 2, tmp_path, str(root), strategy,
+                        deadline=120)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    for rank, r in enumerate(results):
+        assert r.value["ckpt"] == [iteration, rank, "dc"]
+        assert r.value["values"] == {"odd1": [iteration * 10.0], "odd": [iteration * 10.0 + 1]}
+
+
+def test_two_dtensors_at_one_key_path_are_refused(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(dtensor_scenarios.duplicate_dtensor_paths, 2, tmp_path, str(root),
+                        deadline=60)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    assert all("two DTensors at state dict key 'a/b'" in r.value for r in results)

@@ -8,7 +8,7 @@ import pytest
 
 from localckpt.control.coverage import Inventory, choose_latest_any_world
 from localckpt.control.reshard import OldShard, Want, plain_owner, plan_reshard
-from localckpt.errors import ConfigurationError
+from localckpt.errors import ConfigurationError, IncompleteCheckpointError
 
 
 def _rows(owners: int, rows: int, cols: int = 3) -> list[OldShard]:
@@ -93,5 +93,5 @@ def test_old_shards_are_served_by_their_holders_in_turn() -> None:
     everywhere = {o: [0, 1] for o in range(4)}  # 4 -> 2 ranks, every node holds all
     assert choose_servers(everywhere, 4) == {0: 0, 1: 1, 2: 0, 3: 1}
     assert choose_servers({0: [3, 5], 1: [3, 5], 2: [5]}, 3) == {0: 3, 1: 5, 2: 5}
-    with pytest.raises(ConfigurationError, match=r"old owners \[1\]"):
+    with pytest.raises(IncompleteCheckpointError, match=r"old owners \[1\]"):
         choose_servers({0: [0], 1: []}, 2)

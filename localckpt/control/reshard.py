@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, IncompleteCheckpointError
 
 Shape = tuple[int, ...]
 
@@ -64,12 +64,12 @@ class Piece:
 def choose_servers(holders: Mapping[int, Sequence[int]], old_world: int) -> dict[int, int]:
     """Old owner -> the new rank that reads its shard and sends from it: among the ranks
     holding it, the one serving the fewest so far (the old owner's own rank number first), so
-    the reads spread over the job instead of landing on the lowest rank. ConfigurationError
-    naming the owners no rank holds."""
+    the reads spread over the job instead of landing on the lowest rank.
+    IncompleteCheckpointError naming the owners no rank holds."""
     missing = [o for o in range(old_world) if not holders.get(o)]
     if missing:
-        raise ConfigurationError(f"no rank of this job holds the shards of old owners "
-                                 f"{missing[:8]}: the iteration is no longer complete")
+        raise IncompleteCheckpointError(f"no rank of this job holds the shards of old owners "
+                                        f"{missing[:8]}: the iteration is no longer complete")
     load: dict[int, int] = {}
     servers = {}
     for o in range(old_world):

@@ -99,6 +99,10 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                  for d in described for o, doc in d["manifests"].items()}
     old: dict[str, list[OldShard]] = defaultdict(list)
     for o, m in sorted(manifests.items()):
+        paths = [m.tensors[i].key_path for i in m.layouts]
+        if len(set(paths)) != len(paths):
+            raise ConfigurationError(f"load: shard {o} of {step} names a DTensor key path "
+                                     "twice; it cannot be resharded")
         for i, layout in m.layouts.items():
             if i in m.replicas:  # another member of its replica group stored it
                 continue

@@ -63,8 +63,8 @@ def keeper_index(path: str, replicas: int) -> int:
     return zlib.crc32(path.encode()) % replicas
 
 
-def _box_hash(path: str, offset: Sequence[int], shape: Sequence[int]) -> int:
-    return zlib.crc32(f"{path}|{list(offset)}|{list(shape)}".encode())
+def _box_hash(path: str, offset: Sequence[int], local: torch.Tensor) -> int:
+    return zlib.crc32(f"{path}|{list(offset)}|{list(local.shape)}|{local.dtype}".encode())
 
 
 def dedupe(tasd: TensorAwareStateDict) -> Deduped:
@@ -86,7 +86,7 @@ def dedupe(tasd: TensorAwareStateDict) -> Deduped:
         for d in dims:
             place = place * layout.mesh_shape[d] + layout.coordinate[d]
         keep = keeper_index(path, count)
-        box = _box_hash(path, layout.offset, local.shape)
+        box = _box_hash(path, layout.offset, local)
         if place == keep:
             out.provided.append(box)
             continue

@@ -178,8 +178,10 @@ class SavePath:
                     check_hollow(hollow, len(entries), "hollow_structure()")
                 except CorruptShardError as exc:
                     raise TypeError(str(exc)) from None
-            # Version 1 readers read what needs no DTensor or Stateful node.
-            version = 2 if tasd.layouts or statefuls else 1
+            # The lowest version that describes it: older readers read what they can, and
+            # refuse (not misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept
+            # by another rank.
+            version = 3 if deduped.expected else 2 if tasd.layouts or statefuls else 1
             staged["manifest"] = ShardManifest(
                 session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
                 world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,

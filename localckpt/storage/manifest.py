@@ -2,9 +2,11 @@
 
 The manifest is stored in the zarr group's attributes under ``"localckpt"`` together with a CRC-32C
 of its canonical JSON form, so a flipped byte in the manifest is detected like one in the data.
-Format history: version 1; version 2 (this one) adds DTensor (``{"DT": ...}``) and Stateful
-(``{"S": ...}``) nodes to the hollow structure. A reader reads both and rejects any other
-version with :class:`UnsupportedFormatError` rather than guessing.
+Format history: version 1; version 2 adds DTensor (``{"DT": ...}``) and Stateful (``{"S": ...}``)
+nodes to the hollow structure; version 3 (this one) DTensor nodes whose replicated shard another
+rank stored (``"replica"``). A writer uses the lowest version that describes the shard; a reader
+reads all three and rejects any other version with :class:`UnsupportedFormatError` rather than
+guessing.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
