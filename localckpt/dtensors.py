@@ -14,6 +14,7 @@ pays for it.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import torch
 _SHARD = re.compile(r"S\(([0-9]{1,4})\)")
 _STRIDED = re.compile(r"SS\(([0-9]{1,4}),([0-9]{1,9})\)")
 _LIMIT = 1 << 62  # bound on every recorded size, stride and offset
+_LAYOUTS: dict[Any, DTensorLayout] = {}  # see DTensorLayout.of
 
 
 def is_dtensor(obj: Any) -> bool:
@@ -95,7 +97,19 @@ class DTensorLayout:
     @classmethod
     def of(cls, dt: Any, where: str) -> DTensorLayout:
         """The layout of DTensor ``dt`` as this rank holds it. TypeError (naming ``where``) for
-        a placement a checkpoint cannot hold, or a rank outside the DTensor's mesh."""
+        a placement a checkpoint cannot hold, or a rank outside the DTensor's mesh. Computed
+        once per mesh, shape, stride and placements: a save describes every leaf, on the
+        training thread."""
+        key = (dt.device_mesh, tuple(dt.shape), tuple(dt.stride()), tuple(dt.placements))
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _LAYOUTS[key] = cls._compute(dt, where)
+            if len(_LAYOUTS) > 65536:  # meshes come and go in tests, not in a job
+                _LAYOUTS.clear()
+        return layout
+
+    @classmethod
+    def _compute(cls, dt: Any, where: str) -> DTensorLayout:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         mesh = dt.device_mesh
@@ -109,6 +123,11 @@ class DTensorLayout:
         return cls(tuple(dt.shape), tuple(dt.stride()), tuple(mesh.shape),
                    tuple(names) if names is not None else None, placements,
                    tuple(int(c) for c in coordinate), tuple(int(o) for o in offset))
+
+    @functools.cached_property
+    def json(self) -> dict[str, Any]:
+        """:meth:`to_json`, built once (shared by every node of this layout; never mutated)."""
+        return self.to_json()
 
     def to_json(self) -> dict[str, Any]:
         return {"global_shape": list(self.global_shape),

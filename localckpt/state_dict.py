@@ -230,7 +230,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
             _check_tensor(local, path)
             i = walk.add(local, path)
             walk.dtensors[i], walk.layouts[i] = obj, layout
-            return {"DT": {"T": i, "layout": layout.to_json()}}
+            return {"DT": {"T": i, "layout": layout.json}}
         _check_tensor(obj, path)
         return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
@@ -278,10 +278,13 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
     becomes, by tensor index; ``stateful(key_path, value)``: what each ``{"S": ...}`` node and
     each dict becomes (default: its value), called for the outermost ones only, with a value
     whose nested Stateful nodes are plain state dicts. Raises ``ValueError`` on a malformed node
-    or a DTensor node ``dtensors`` lacks."""
+    or a DTensor node ``dtensors`` lacks. Key paths are tracked only for ``stateful`` (a plain
+    load of many small tensors would pay for them)."""
     if node is None or type(node) in (bool, int, str):
         return node
     if type(node) is list:
+        if stateful is None:
+            return [decode_hollow(v, tensors, dtensors) for v in node]
         return [decode_hollow(v, tensors, dtensors, stateful, (*path, i))
                 for i, v in enumerate(node)]
     if type(node) is dict and len(node) == 1:
@@ -293,8 +296,7 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
         if tag == "DT":
             i = value.get("T") if type(value) is dict else None
             if dtensors is None or type(i) is not int or i not in dtensors:
-                raise ValueError(f"hollow structure: no DTensor for tensor {i!r} at "
-                                 f"{_path_str(path)!r}")
+                raise ValueError(f"hollow structure: no DTensor for tensor {i!r}")
             return dtensors[i]
         if tag == "S":
             inner = decode_hollow(value, tensors, dtensors, None, path)
@@ -306,9 +308,15 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
         if tag == "b":
             return base64.b64decode(value.encode("ascii"), validate=True)
         if tag == "tuple":
+            if stateful is None:
+                return tuple([decode_hollow(v, tensors, dtensors) for v in value])
             return tuple(decode_hollow(v, tensors, dtensors, stateful, (*path, i))
                          for i, v in enumerate(value))
         if tag in ("dict", "odict"):
+            if stateful is None:
+                pairs = [(decode_hollow(k, tensors), decode_hollow(v, tensors, dtensors))
+                         for k, v in value]
+                return OrderedDict(pairs) if tag == "odict" else dict(pairs)
             pairs = []
             for k, v in value:
                 key = decode_hollow(k, tensors)

@@ -129,39 +129,44 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         """The piece's bytes, padded to ALIGN so every piece starts aligned in the buffers
         (its dtype can be viewed in place there)."""
         e = manifests[p.owner].tensors[p.entry]
-        if not p.size and p.entry not in manifests[p.owner].layouts:
+        if p.entry not in manifests[p.owner].layouts:  # plain state: the whole entry
             n = e.nbytes
         else:
             n = dtype_from_name(e.dtype).itemsize * int(torch.Size(p.size).numel())
         return -(-n // ALIGN) * ALIGN
 
-    send_splits = [sum(nbytes(p) for p in pieces if p.src == rank and p.dst == d)
-                   for d in range(world)]
+    # this rank's pieces, in plan order: sent per destination, received per source
+    outgoing: dict[int, list[Piece]] = defaultdict(list)
+    incoming: dict[int, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        if p.src == rank:
+            outgoing[p.dst].append(p)
+        if p.dst == rank:
+            incoming[p.src].append(p)
+    send_splits = [sum(map(nbytes, outgoing[d])) for d in range(world)]
+    recv_splits = [sum(map(nbytes, incoming[s])) for s in range(world)]
     sent: list[torch.Tensor] = []
 
     def pack() -> int:
         buffers = {o: checked(o, ctx.store.read)[1]
-                   for o in sorted({p.owner for p in pieces if p.src == rank})}
+                   for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
         pos = 0
         for dst in range(world):
-            for p in pieces:
-                if p.src == rank and p.dst == dst:
-                    t = _entry_tensor(manifests[p.owner], buffers[p.owner], p.entry)
-                    if p.entry in manifests[p.owner].layouts:
-                        t = _box(t, p.src_start, p.size)
-                    # one copy, from the read shard straight into the send buffer
-                    out[pos:pos + t.numel() * t.element_size()].view(t.dtype).view(
-                        t.shape).copy_(t)
-                    pos += nbytes(p)
+            for p in outgoing[dst]:
+                t = _entry_tensor(manifests[p.owner], buffers[p.owner], p.entry)
+                if p.entry in manifests[p.owner].layouts:
+                    t = _box(t, p.src_start, p.size)
+                # one copy, from the read shard straight into the send buffer
+                out[pos:pos + t.numel() * t.element_size()].view(t.dtype).view(
+                    t.shape).copy_(t)
+                pos += nbytes(p)
         sent.append(out)
         return pos
 
     planned = time.monotonic()
     ctx.group.exchange(f"{step}: read", pack)
     read = time.monotonic()
-    recv_splits = [sum(nbytes(p) for p in pieces if p.src == s and p.dst == rank)
-                   for s in range(world)]
     received = torch.empty(sum(recv_splits), dtype=torch.uint8)
     group = ctx.data_group
     if group.group is None:
@@ -182,17 +187,17 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     moved = time.monotonic()
     built: list[tuple[ShardManifest, Any]] = []
     ctx.group.exchange(f"{step}: build", lambda: built.append(
-        _build(manifests[plain_owner(rank, old_world)], pieces, manifests, received, target,
-               rank, nbytes, old_world == world)))
+        _build(manifests[plain_owner(rank, old_world)], incoming, manifests, received, target,
+               nbytes, old_world == world)))
     logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
                  "build %.3fs", rank, laid_out - started, planned - laid_out, read - planned,
                  moved - read, time.monotonic() - moved)
     return built[0]
 
 
-def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, ShardManifest],
-           received: torch.Tensor, target: Into, rank: int, nbytes: Any, same_world: bool
-           ) -> tuple[ShardManifest, Any]:
+def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
+           manifests: dict[int, ShardManifest], received: torch.Tensor, target: Into,
+           nbytes: Any, same_world: bool) -> tuple[ShardManifest, Any]:
     """Copy the received pieces into this rank's DTensors and plain tensors, then rebuild its
     state dict from ``manifest`` (its plain owner's). At the same world size a DTensor leaf
     ``into`` has none for is received into a fresh tensor and wrapped on ``into``'s mesh."""
@@ -217,10 +222,8 @@ def _build(manifest: ShardManifest, pieces: list[Piece], manifests: dict[int, Sh
     plain: dict[int, torch.Tensor] = {}
     placed: dict[int, torch.Tensor] = {}
     pos = 0
-    for src in sorted({p.src for p in pieces if p.dst == rank}):
-        for p in pieces:
-            if p.src != src or p.dst != rank:
-                continue
+    for src in sorted(incoming):  # the receive buffer holds each source's pieces in turn
+        for p in incoming[src]:
             e = manifests[p.owner].tensors[p.entry]
             dtype = dtype_from_name(e.dtype)
             if p.entry in manifests[p.owner].layouts:

@@ -67,11 +67,12 @@ def _box_hash(path: str, offset: Sequence[int], local: torch.Tensor) -> int:
     return zlib.crc32(f"{path}|{list(offset)}|{list(local.shape)}|{local.dtype}".encode())
 
 
-def dedupe(tasd: TensorAwareStateDict) -> Deduped:
+def dedupe(tasd: TensorAwareStateDict, enabled: bool = True) -> Deduped:
     """The tensors and structure a save of ``tasd`` writes, replicated shards kept by one member
-    of their group (see the module docstring). Not collective."""
+    of their group (see the module docstring); all of them unless ``enabled``. Not
+    collective."""
     tensors = list(tasd.tensors)
-    if type(tasd) is not BasicTensorAwareStateDict or not tasd.layouts:
+    if not enabled or type(tasd) is not BasicTensorAwareStateDict or not tasd.layouts:
         return Deduped(tensors, tasd.hollow_structure())
     out = Deduped(tensors, tasd.hollow_structure())
     skipped: dict[int, list[int]] = {}

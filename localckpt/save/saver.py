@@ -99,7 +99,7 @@ class SavePath:
         """Size and pre-fault the staging arena for saves of ``state_dict``; returns the bytes
         one such save stages. Not collective. A save in flight keeps its own buffer alive."""
         tasd = as_tensor_aware(state_dict)
-        tensors = dedupe(tasd).tensors if self.dedupe_replicated else tasd.tensors
+        tensors = dedupe(tasd, self.dedupe_replicated).tensors
         chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
@@ -152,8 +152,7 @@ class SavePath:
 
         def stage() -> dict[str, Any]:
             tasd = as_tensor_aware(state_dict)
-            deduped = dedupe(tasd) if self.dedupe_replicated else \
-                Deduped(list(tasd.tensors), tasd.hollow_structure())
+            deduped = dedupe(tasd, self.dedupe_replicated)
             staged["deduped"] = deduped
             layout = plan_layout(deduped.tensors)
             chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
