@@ -154,6 +154,8 @@ class LocalCheckpointManager:
                                        strict, self.rank)
             store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                chunk_nbytes=chunk_nbytes)
+            group.use_nodes(topology.node_of)
+            data_group.use_nodes(topology.node_of)
         except BaseException:
             for lock in locks:
                 lock.release()

@@ -97,7 +97,7 @@ def one_size(world: int, repeats: int) -> dict[str, Any]:
     row["find_latest"] = {"seconds": s, "peak_mib": mib}
 
     lost = inventories_json(topo, placement.holders, lost_node=0)
-    invs = [Inventory.from_json(d) for d in lost]
+    invs = [Inventory.from_json(d, r) for r, d in enumerate(lost)]
 
     def retrieval() -> Any:
         it = ITERATIONS - 1

@@ -31,16 +31,17 @@ def scratch(prefix: str) -> Path:
 
 
 def spawn_ranks(fn: Callable[..., None], nprocs: int, args: tuple[Any, ...],
-                prefix: str) -> dict[str, Any]:
-    """Run ``fn(rank, store_path, roots_dir, result_path, *args)`` on ``nprocs`` spawned ranks;
-    returns the JSON rank 0 wrote to ``result_path``."""
+                prefix: str, start_method: str = "spawn") -> dict[str, Any]:
+    """Run ``fn(rank, store_path, roots_dir, result_path, *args)`` on ``nprocs`` new ranks
+    (``start_method``: forkserver shares the imported modules' pages, for many ranks); returns
+    the JSON rank 0 wrote to ``result_path``."""
     import torch.multiprocessing as mp
 
     work = scratch(prefix)
     try:
         result = work / "result.json"
         mp.start_processes(fn, args=(str(work / "store"), str(work / "roots"), str(result),
-                                     *args), nprocs=nprocs, start_method="spawn")
+                                     *args), nprocs=nprocs, start_method=start_method)
         return dict(json.loads(result.read_text()))
     finally:
         shutil.rmtree(work, ignore_errors=True)

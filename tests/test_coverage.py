@@ -97,7 +97,7 @@ def test_capacity_counts_every_rank_writing_to_a_node() -> None:
 
 def test_inventory_json_round_trip() -> None:
     i = inv(3, (1, 3, 8), (1, 5, 8), (2, 3, 8))
-    assert Inventory.from_json(i.to_json()) == i
+    assert Inventory.from_json(i.to_json(), 3) == i
 
 
 def test_choose_latest_for_16k_ranks_and_10_iterations_is_fast() -> None:
@@ -116,7 +116,7 @@ def test_node_mates_listing_the_same_shards_share_one_decoded_set() -> None:
     docs = [inv(0, *full).to_json(), inv(1, *partial).to_json(), inv(2, *full).to_json(),
             inv(3, *full).to_json()]
     decoded = decode_inventories(docs)
-    assert decoded == [Inventory.from_json(d) for d in docs]
+    assert decoded == [Inventory.from_json(d, r) for r, d in enumerate(docs)]
     assert [i.rank for i in decoded] == [0, 1, 2, 3]
     assert decoded[2].shards is decoded[3].shards  # equal neighbours: decoded once
     assert decoded[0].shards is not decoded[1].shards

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -31,6 +31,7 @@ from ..errors import (
     describe_failure,
     error_from_failures,
 )
+from .leaders import LeaderExchange
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +56,7 @@ class CheckpointGroup:
         self._broken: CollectiveError | None = None
         self._closed = False
         self.group: dist.ProcessGroup | None = None
+        self._leaders: LeaderExchange | None = None  # set once the nodes are known
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
@@ -71,6 +73,20 @@ class CheckpointGroup:
             except (RuntimeError, ValueError) as exc:  # already torn down with the default group
                 logger.debug("destroying localckpt group: %s", exc)
         self.group = None
+
+    def use_nodes(self, node_of: Sequence[int]) -> None:
+        """Gather through node leaders from now on (see :mod:`localckpt.control.leaders`):
+        ``node_of[r]`` is rank r's node. Not collective, but every rank must call it with the
+        same list between the same two collectives of this group."""
+        if self.group is not None and len(node_of) == self.world_size:
+            self._leaders = LeaderExchange(self.group, self.rank, node_of)
+
+    def learn_nodes(self, node_name: str) -> None:
+        """Collective: gather every rank's node name, then :meth:`use_nodes`. Raises like
+        :meth:`all_gather_bytes`."""
+        names = self.all_gather_bytes(node_name.encode(), "nodes of the job")
+        index: dict[bytes, int] = {}
+        self.use_nodes([index.setdefault(n, len(index)) for n in names])
 
     def check_usable(self, what: str) -> None:
         """Raise CollectiveError if the group was closed or broke earlier."""
@@ -144,13 +160,27 @@ class CheckpointGroup:
             with contextlib.suppress(RuntimeError):
                 work.wait(timeout=timedelta(seconds=1))
 
-    def all_gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
-        """Every rank's ``payload``, in rank order. Blocks until all ranks called it or the
-        timeout passed (CollectiveTimeoutError); a lost peer raises CollectiveError."""
+    def all_gather_bytes(self, payload: bytes, what: str, seconds: float | None = None
+                         ) -> list[bytes]:
+        """Every rank's ``payload``, in rank order. Blocks until all ranks called it or
+        ``seconds`` (default: the group's timeout) passed (CollectiveTimeoutError); a lost peer
+        raises CollectiveError. Once the nodes are known, equal payloads of one node are one
+        object."""
         self.check_usable(what)
         if self.group is None:
             return [payload]
         started = time.monotonic()
+        bound = self.timeout if seconds is None else seconds
+        if self._leaders is not None:
+            try:
+                return self._leaders.all_gather(payload, bound)
+            except RuntimeError as exc:
+                err = collective_error(what, exc, time.monotonic() - started, bound)
+                self.mark_broken(err)
+                raise err from exc
+        if seconds is not None and seconds > self.timeout:
+            self._wait_for_all(what, seconds)
+            started = time.monotonic()
         try:
             # Round 1: a fixed slot carrying the length and, when it fits, the payload itself,
             # so small exchanges (validation, done?) cost one collective. Everyone sees every
@@ -209,13 +239,15 @@ class CheckpointGroup:
         except Exception as exc:
             local_exc = exc
             doc = {"step": step, "error": describe_failure(exc)}
-        if wait is not None and wait > self.timeout and self.group is not None:
-            self._wait_for_all(step, wait)
         try:
-            gathered = [json.loads(b) for b in self.all_gather_bytes(
-                json.dumps(doc, allow_nan=False).encode(), step)]
+            payloads = self.all_gather_bytes(json.dumps(doc, allow_nan=False).encode(), step,
+                                             wait if wait is not None and wait > self.timeout
+                                             else None)
         except CollectiveError as exc:
             raise exc from local_exc
+        parsed: dict[int, Any] = {}  # a node's equal payloads are one object: parsed once
+        gathered = [parsed[id(b)] if id(b) in parsed else parsed.setdefault(id(b), json.loads(b))
+                    for b in payloads]
         steps = [str(d.get("step")) for d in gathered]
         if len(set(steps)) > 1:
             by_step: dict[str, list[int]] = {}

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from replication.topology import local_node_name
+
 from ..control.collectives import CheckpointGroup
 from ..errors import (
     CollectiveTimeoutError,
@@ -97,15 +99,20 @@ class AsyncCallsQueue:
     """Runs scheduled requests in order on one persistent background thread.
 
     Construction is collective when torch.distributed is initialised: it creates the queue's own
-    gloo group (``timeout`` bounds every collective). At interpreter exit, requests still running
+    gloo group (``timeout`` bounds every collective) and gathers each rank's node (``node_id``,
+    else $LOCALCKPT_NODE_ID, else the hostname, as the manager's), through whose lowest rank
+    its agreements then go. At interpreter exit, requests still running
     are waited for (their local work completes, e.g. the shard is committed); finalization needs
     every rank and is left to the next run's ``find_latest``.
     """
 
-    def __init__(self, persistent: bool = True, timeout: float = 300.0) -> None:
+    def __init__(self, persistent: bool = True, timeout: float = 300.0,
+                 node_id: str | None = None) -> None:
         if not persistent:
             logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
         self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")
+        # Agreements then go through node leaders (node_id as LocalCheckpointManager's).
+        self._group.learn_nodes(local_node_name(node_id))
         self._timeout = timeout
         self._calls: list[_Call] = []
         self._next = 0

@@ -1,0 +1,75 @@
+"""Rank programs for tests/test_leaders.py: the node-leader all-gather of CheckpointGroup on real
+gloo ranks (run by dist_harness.run_ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from localckpt.control.collectives import CheckpointGroup
+from localckpt.control.leaders import FRAME
+
+
+def payload(rank: int, size: int) -> bytes:
+    return bytes((rank * 7 + i) % 251 for i in range(size))
+
+
+def gather_sizes(rank: int, world: int, node_of: list[int], rounds: list[list[int]]
+                 ) -> list[bool]:
+    """One all_gather_bytes per round, rank r sending ``payload(r, round[r])``: whether each
+    round gave every rank's payload in rank order."""
+    group = CheckpointGroup(20.0)
+    group.use_nodes(node_of)
+    ok = []
+    for sizes in rounds:
+        got = group.all_gather_bytes(payload(rank, sizes[rank]), "test")
+        ok.append(got == [payload(r, sizes[r]) for r in range(world)])
+    group.close()
+    return ok
+
+
+def exchange_with_a_failing_rank(rank: int, world: int, node_of: list[int]) -> dict[str, Any]:
+    """exchange() through leaders: rank 2's local step raises; then an exchange that works."""
+    group = CheckpointGroup(20.0)
+    group.use_nodes(node_of)
+
+    def local() -> int:
+        if rank == 2:
+            raise ValueError("rank two failed")
+        return rank
+
+    out: dict[str, Any] = {}
+    try:
+        group.exchange("step one", local)
+    except Exception as exc:
+        out["error"] = [type(exc).__name__, str(exc)]
+    out["after"] = group.exchange("step two", lambda: {"rank": rank, "blob": "x" * 3000})
+    group.close()
+    return out
+
+
+def peer_vanishes(rank: int, world: int, node_of: list[int], victim: int, timeout: float,
+                  hang: bool, hold: float) -> dict[str, Any]:
+    """One exchange works; then ``victim`` exits (or, with ``hang``, stays away past the timeout)
+    and the others exchange again: the error and how long it took. Each rank then lives on for
+    ``hold`` seconds."""
+    group = CheckpointGroup(timeout)
+    group.use_nodes(node_of)
+    group.all_gather_bytes(b"warm", "first")
+    if rank == victim:
+        if not hang:
+            os._exit(3)
+        time.sleep(timeout * 1.5)
+    started = time.monotonic()
+    try:
+        group.all_gather_bytes(b"x" * (FRAME * 2), "second")
+    except Exception as exc:
+        out = {"error": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
+               "seconds": time.monotonic() - started}
+    else:
+        out = {"error": None, "seconds": time.monotonic() - started}
+    # Stay alive (as a job handling the error would): a rank that exits closes its connections,
+    # which would wake its peers whether or not the exchange told them.
+    time.sleep(hold)
+    return out
