@@ -428,3 +428,62 @@ def test_the_receive_ring_is_reserved_whole() -> None:
     ring.reserve(1000)
     assert all(ring.slot(k, 1000).numel() == 1000 and not ring.slot(k, 1000).any()
                for k in range(ring.slots))
+
+
+class BlockedDeletions:
+    """The reaper's rmtree, held until :meth:`release` (or a safety timer) lets it go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import shutil
+        import threading
+        self.gate, self.done = threading.Event(), threading.Event()
+        real = shutil.rmtree
+
+        def held(path: Any, *args: Any, **kwargs: Any) -> None:
+            self.gate.wait(30)
+            real(path, *args, **kwargs)
+            self.done.set()
+
+        monkeypatch.setattr(store_module.shutil, "rmtree", held)
+        self.timer = threading.Timer(20, self.gate.set)
+        self.timer.start()
+
+    def release(self) -> None:
+        self.gate.set()
+        self.timer.cancel()
+
+
+def test_a_save_does_not_wait_for_the_previous_retention(root: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    with LocalCheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        blocked = BlockedDeletions(monkeypatch)
+        mgr.save(make_state(0, 2), 2)  # its retention hides iteration 1 and deletes it: held
+        mgr.save(make_state(0, 3), 3)
+        returned_while_held = not blocked.gate.is_set()
+        blocked.release()
+        assert returned_while_held  # the training thread never waited on the reaper
+        assert mgr.find_latest() == 3
+    assert iterations_on_disk(root) == [3]
+
+
+def test_a_save_that_fits_only_once_retention_freed_space_waits_for_it(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os as os_module
+    import threading
+    with LocalCheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(make_state(0, 1), 1)
+        blocked = BlockedDeletions(monkeypatch)
+        mgr.save(make_state(0, 2), 2)
+        real_statvfs = os_module.statvfs
+        full = SimpleNamespace(f_bavail=16, f_frsize=4096, f_blocks=1024)  # 64 KiB free
+
+        def statvfs(path: Any) -> Any:
+            return real_statvfs(path) if blocked.done.is_set() else full
+
+        monkeypatch.setattr(store_module.os, "statvfs", statvfs)
+        threading.Timer(0.3, blocked.release).start()
+        mgr.save(make_state(0, 3), 3)  # no room until iteration 1's deletion is done
+        assert blocked.done.is_set()
+        monkeypatch.undo()
+        assert mgr.find_latest() == 3

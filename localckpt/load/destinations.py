@@ -131,17 +131,25 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     seen: dict[str, int] = {}
     for e in manifest.tensors:
         seen[e.key_path] = seen.get(e.key_path, 0) + 1
+    # Per entry only what differs: this runs once per tensor, 10,000 times for a small-tensor
+    # state dict (the dtype and device lookups are cached, a contiguous tensor's extent is its
+    # size).
+    dtypes: dict[str, torch.dtype] = {}
+    replicas = manifest.replicas
     for i, e in enumerate(manifest.tensors):
         target = by_path.get(e.key_path)
-        if target is None or seen[e.key_path] > 1 or i in manifest.replicas:
+        if target is None or seen[e.key_path] > 1 or i in replicas:
             continue
-        why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
-        if why is not None:
-            mismatched.append(why)
-            continue
+        if layouts or target.layout is not None:
+            why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
+            if why is not None:
+                mismatched.append(why)
+                continue
         t = target.tensor
-        if t.layout != torch.strided or t.is_nested or t.device.type == "meta" \
-                or t.dtype != dtype_from_name(e.dtype) or tuple(t.shape) != tuple(e.shape):
+        dtype = dtypes.get(e.dtype) or dtypes.setdefault(e.dtype, dtype_from_name(e.dtype))
+        device = t.device.type
+        if t.layout != torch.strided or t.is_nested or device == "meta" \
+                or t.dtype != dtype or t.shape != e.shape:
             if target.dtensor is not None:
                 mismatched.append(f"{e.key_path!r}: the local shard is {e.dtype} of shape "
                                   f"{list(e.shape)}; `into`'s is {t.dtype} of shape "
@@ -149,15 +157,17 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
             continue
         if target.dtensor is not None:
             dtensors[i] = target.dtensor
-        if t.device.type == "cpu" and e.nbytes and t.is_contiguous() and not t.is_conj() \
-                and not t.is_neg():
+        contiguous = t.is_contiguous()
+        if device == "cpu" and e.nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
         else:
             copied[i] = t
-        if t.device.type == "cpu" and t.numel():
+        if device == "cpu" and e.nbytes:
             # the memory it spans, views and strides included (tied weights, a view of another)
-            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-            spans.append((t.data_ptr(), t.data_ptr() + extent * t.element_size(), i))
+            extent = t.numel() if contiguous else 1 + sum(
+                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            start = t.data_ptr()
+            spans.append((start, start + extent * t.element_size(), i))
     spans.sort()
     shared: set[int] = set()
     reach, last = -1, -1

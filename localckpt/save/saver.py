@@ -36,6 +36,7 @@ from ..errors import (
     ConfigurationError,
     CorruptShardError,
     IncompleteCheckpointError,
+    InsufficientSpaceError,
     error_from_failures,
 )
 from ..gc_pause import gc_paused
@@ -156,7 +157,10 @@ class SavePath:
             staged["deduped"] = deduped
             layout = plan_layout(deduped.tensors)
             chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
-            ctx.store.wait_for_deletions()  # the previous save's retention frees space
+            # The previous save's retention may still be deleting on the reaper thread: not
+            # waited for here (it is the stall's largest part with keep_last=1), only when the
+            # space it frees is needed (below).
+            reaping = ctx.store.deletions_pending()
             ctx.store.remove_quarantined()  # corrupt copies a load set aside
             st = os.statvfs(ctx.root)
             fault_point("staging", ctx.rank, iteration)
@@ -192,7 +196,8 @@ class SavePath:
                     "inventory": ctx.inventory().to_json(),
                     "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                            chunk_count),
-                    "free": st.f_bavail * st.f_frsize, "chunks": chunk_count,
+                    "free": st.f_bavail * st.f_frsize, "reaping": reaping,
+                    "chunks": chunk_count,
                     "pieces": piece_count(chunk_nbytes, chunk_count),
                     "replicas": deduped.digest}
 
@@ -207,7 +212,7 @@ class SavePath:
         writes = list(needed)
         for t in plan.transfers:
             writes[t.dst] += needed[t.src]
-        check_capacity(writes, [int(g["free"]) for g in gathered], ctx.topology.node_of)
+        self._check_capacity(writes, gathered)
         # A rank writes its chunks, then takes part in the replica rounds, each as long as the
         # longest transfer in it: the bound of what a fast rank may wait for in finalize.
         pieces = [int(g["pieces"]) for g in gathered]
@@ -216,6 +221,26 @@ class SavePath:
         return SaveJob(iteration, staged["manifest"], staged["payload"],
                        plan if plan.transfers else None, metrics=ctx.metrics,
                        wait_steps=steps)
+
+    def _check_capacity(self, writes: list[int], gathered: list[dict[str, Any]]) -> None:
+        """InsufficientSpaceError on every rank unless each node has room for what its ranks
+        write. When space is short while some rank's reaper still deletes an older iteration,
+        every rank (deciding alike from the gathered input) waits for its deletions and the
+        free space is gathered again: one more exchange, only then."""
+        node_of = self.ctx.topology.node_of
+        try:
+            check_capacity(writes, [int(g["free"]) for g in gathered], node_of)
+        except InsufficientSpaceError:
+            if not any(g["reaping"] for g in gathered):
+                raise
+            def free_after_deletions() -> int:
+                self.ctx.store.wait_for_deletions()
+                st = os.statvfs(self.ctx.root)
+                return st.f_bavail * st.f_frsize
+
+            free = self.ctx.group.exchange("save: free space after retention",
+                                           free_after_deletions)
+            check_capacity(writes, [int(f) for f in free], node_of)
 
     def _check_replicas(self, digests: list[int], deduped: Deduped) -> None:
         """Every replicated shard a rank skipped is stored by the rank it named (see

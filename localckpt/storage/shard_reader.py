@@ -20,6 +20,7 @@ from ..errors import CorruptShardError
 from .manifest import ShardManifest
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
+_WINDOW = 1 << 20  # bytes read and checksummed at a time (well inside a core's L2 cache)
 
 
 def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
@@ -35,13 +36,23 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
 
     def one(i: int) -> None:
         path = chunk_dir / str(i)
-        pieces = _pieces(targets, starts, i * size, (i + 1) * size)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise unreadable(path, exc, "chunk file") from exc
+        crc, got = 0, 0
         try:
-            got = _preadv_all(fd, list(pieces), 0)
+            # A window at a time, its CRC taken while its bytes are still in the cache: a
+            # second pass over a whole chunk from memory costs half as much again as the read.
+            for lo in range(0, size, _WINDOW):
+                hi = min(lo + _WINDOW, size)
+                pieces = _pieces(targets, starts, i * size + lo, i * size + hi)
+                n = _preadv_all(fd, list(pieces), lo)
+                got += n
+                if n != hi - lo:
+                    break
+                for piece in pieces:
+                    crc = crc32c.crc32c(piece, crc)
             trailer = os.pread(fd, 5, size)
         except OSError as exc:
             raise unreadable(path, exc, "chunk file") from exc
@@ -51,9 +62,6 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
             raise CorruptShardError(
                 f"{path}: expected {size + 4} bytes, file has {got + len(trailer)}"
                 f"{'+' if len(trailer) > 4 else ''} (truncated or overwritten)")
-        crc = 0
-        for piece in pieces:
-            crc = crc32c.crc32c(piece, crc)
         stored = int.from_bytes(trailer, "little")
         if crc != stored or crc != manifest.chunk_crc32c[i]:
             raise CorruptShardError(

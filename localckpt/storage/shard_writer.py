@@ -29,6 +29,7 @@ from .manifest import ShardManifest
 logger = logging.getLogger(__name__)
 
 _WRITE_BLOCK = 1 << 30  # one os.write stays under the kernel's 2 GiB per-call cap
+_CRC_WINDOW = 1 << 20  # bytes checksummed then written at a time (inside a core's L2 cache)
 
 
 def array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
@@ -58,15 +59,31 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[written:]
 
 
-def _write_file(path: Path, data: bytes | memoryview, trailer: bytes = b"") -> None:
+def _write_file(path: Path, data: bytes | memoryview) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         _write_all(fd, memoryview(data))
-        if trailer:
-            _write_all(fd, memoryview(trailer))
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_chunk(path: Path, chunk: memoryview) -> int:
+    """Write ``chunk`` and its CRC-32C trailer to a new file; returns the CRC. A block at a
+    time, checksummed just before it is written: the write then reads it from the cache, not a
+    second time from memory (a tenth of a fresh tmpfs write for the whole chunk at once)."""
+    crc = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        for start in range(0, len(chunk), _CRC_WINDOW):
+            block = chunk[start: start + _CRC_WINDOW]
+            crc = crc32c.crc32c(block, crc)
+            _write_all(fd, block)
+        _write_all(fd, memoryview(crc.to_bytes(4, "little")))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return int(crc)
 
 
 def trash_name(path: Path, writer_rank: int) -> Path:
@@ -125,9 +142,7 @@ class ShardWriter:
             if index == 0:
                 fault_point("local_write" if own else "replica_receive", self._writer_rank,
                             self.manifest.iteration)
-            crc = int(crc32c.crc32c(chunk))
-            _write_file(path, chunk, crc.to_bytes(4, "little"))
-            return crc
+            return _write_chunk(path, chunk)
 
         try:
             self._futures[index] = self._pool.submit(write)

@@ -142,6 +142,11 @@ class ShardStore:
         for f in pending:
             f.result()
 
+    def deletions_pending(self) -> bool:
+        """Whether a ``background=True`` deletion is still running or queued (the space it
+        frees is not in ``statvfs`` yet)."""
+        return any(not f.done() for f in self._reaping)
+
     def _in_background(self, fn: Callable[[], None]) -> None:
         def run() -> None:
             try:
