@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -146,8 +147,11 @@ def markdown(result: dict[str, Any], cmd: str) -> str:
         cpu = row["save_cpu"]["median"] / result["cores"]
         phases.append(f"| {row['world']} | {ms('save')} | {ms('save_write')} | "
                       f"{ms('save_replicate')} | {ms('save_finalize')} | {cpu * 1e3:.1f} ms |")
-    return "\n".join([*lines, "", "Where a tiny save's time goes (the slowest rank per phase):",
-                      "", *phases]) + "\n"
+    notes = [
+        "", "Where a tiny save's time goes (the slowest rank per phase; the last column is the "
+        "CPU time every rank's process used during the save, all threads, divided by this "
+        "machine's cores: with every rank on these cores the save cannot end sooner).", ""]
+    return "\n".join([*lines, *notes, *phases]) + "\n"
 
 
 def main() -> None:
@@ -166,7 +170,6 @@ def main() -> None:
             start_method="forkserver")
         rows.append({"world": world, **{k: summary(v) for k, v in samples.items()}})
         print(f"{world} ranks: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    import platform
     result = {"per_node": per_node, "cores": os.cpu_count() or 1, "repeats": repeats, "rows": rows,
               "machine": f"{os.cpu_count()} cores, {platform.machine()}, torch "
                          f"{torch.__version__}"}

@@ -143,7 +143,8 @@ Each configuration is a fresh job of gloo ranks on 2 simulated nodes (loopback, 
 per node). Every figure is the median of {r['repeats']} runs of an operation done by **all ranks at
 once** (time of the slowest rank), and is compared with the raw limit measured the same way, in
 the same job. GB/s are per rank (10⁹ bytes). F is the replication factor (`node_spread`).
-Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md).
+Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md); the control plane
+with 8-64 real processes: [benchmarks-control.md](benchmarks-control.md).
 """]
     if plot is not None:
         out.append(f"![throughput per rank against size]({plot.name})\n")

@@ -79,3 +79,16 @@ def test_cuda_bench_runs_or_says_why_not_and_its_section_renders(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     section = (tmp_path / "benchmarks.md").read_text().split("## CUDA staging")[1]
     assert "NVIDIA" in section and "| small |" in section
+
+
+def test_bench_control_quick_writes_report(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_control.py"),
+                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "benchmarks-control.json").read_text())["rows"]
+    assert [r["world"] for r in rows] == [4]
+    for figure in ("find_latest", "save", "raw_all_gather", "raw_save", "save_write",
+                   "save_replicate", "save_finalize"):
+        assert rows[0][figure]["median"] > 0, figure
+    assert "Control plane" in (tmp_path / "benchmarks-control.md").read_text()
