@@ -73,3 +73,31 @@ def peer_vanishes(rank: int, world: int, node_of: list[int], victim: int, timeou
     # which would wake its peers whether or not the exchange told them.
     time.sleep(hold)
     return out
+
+
+def leader_fails_with_memory_error(rank: int, world: int, node_of: list[int], hold: float
+                                   ) -> dict[str, Any]:
+    """One exchange works; in the second, rank 0 (a leader) runs out of memory while building
+    its node's message. Its peers must hear of it at once; its group must be unusable after."""
+    from localckpt.control import leaders
+
+    group = CheckpointGroup(20.0)
+    group.use_nodes(node_of)
+    group.all_gather_bytes(b"warm", "first")
+    if rank == 0:
+        def no_memory(*args: Any) -> bytes:
+            raise MemoryError("injected")
+        leaders.encode_node = no_memory  # type: ignore[assignment]
+    started = time.monotonic()
+    out: dict[str, Any] = {}
+    try:
+        group.all_gather_bytes(b"x", "second")
+    except BaseException as exc:
+        out["error"] = [c.__name__ for c in type(exc).__mro__]
+    out["seconds"] = time.monotonic() - started
+    try:
+        group.all_gather_bytes(b"y", "third")
+    except BaseException as exc:
+        out["after"] = type(exc).__name__
+    time.sleep(hold)
+    return out

@@ -6,6 +6,7 @@ timeout when a peer died)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import leader_scenarios as sc
 import pytest
@@ -79,3 +80,43 @@ def test_a_peer_that_stays_away_times_out_every_rank_once(tmp_path: Path) -> Non
         assert r.ok, r.message
         assert r.value["error"] is not None and "CollectiveError" in r.value["error"], r.value
         assert r.value["seconds"] < 2.0 * 2.5, r.value  # bounded by the timeout, not a hang
+
+
+def test_a_leader_failing_with_another_exception_tells_its_peers_and_breaks_its_group(
+        tmp_path: Path) -> None:
+    results = run_ranks(sc.leader_fails_with_memory_error, 4, tmp_path, [0, 0, 1, 1], 6.0)
+    assert results[0].ok, results[0].message
+    assert "MemoryError" in results[0].value["error"]  # raised as it is
+    assert results[0].value["after"] == "CollectiveError"  # and the group is unusable
+    for r in results[1:]:
+        assert r.ok, r.message
+        assert "CollectiveError" in r.value["error"], r.value
+        assert r.value["seconds"] < 4, r.value  # told, not left to wait out the bound
+
+
+class FakeWork:
+    def __init__(self, completed: bool) -> None:
+        self.completed, self.timeouts = completed, []  # type: ignore[var-annotated]
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.timeouts.append(timeout)
+        return True
+
+
+def test_a_wait_never_asks_gloo_for_a_zero_timeout_and_a_completed_work_is_never_late() -> None:
+    import time
+    from datetime import timedelta
+
+    from localckpt.control.leaders import _wait
+
+    soon = FakeWork(completed=False)
+    _wait(soon, time.monotonic() + 0.0001)  # type: ignore[arg-type]
+    assert soon.timeouts[0] >= timedelta(milliseconds=1)  # 0 would mean gloo's whole timeout
+    done = FakeWork(completed=True)
+    _wait(done, time.monotonic() - 1)  # type: ignore[arg-type]  # past the deadline: no error
+    assert done.timeouts == [None]
+    with pytest.raises(RuntimeError, match="timed out"):
+        _wait(FakeWork(completed=False), time.monotonic() - 1)  # type: ignore[arg-type]

@@ -178,6 +178,10 @@ class CheckpointGroup:
                 err = collective_error(what, exc, time.monotonic() - started, bound)
                 self.mark_broken(err)
                 raise err from exc
+            except BaseException as exc:  # out of memory, an interrupt: raised as it is, but
+                # the peers were told and this group cannot realign: later calls raise
+                self.mark_broken(collective_error(what, exc, time.monotonic() - started, bound))
+                raise
         if seconds is not None and seconds > self.timeout:
             self._wait_for_all(what, seconds)
             started = time.monotonic()

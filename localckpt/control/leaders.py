@@ -55,60 +55,73 @@ class LeaderExchange:
         self.node = next(m for m in self.nodes if rank in m)
         self.leader = self.node[0]
         self.leaders = [m[0] for m in self.nodes]
-        self._aborts: list[tuple[torch.Tensor, dist.Work | None]] = []  # kept until the end
+        # sends not known to have completed, with their tensors (see _post)
+        self._posted: list[tuple[object, object]] = []
 
     def all_gather(self, payload: bytes, seconds: float) -> list[bytes]:
         """Every rank's ``payload`` in rank order (equal payloads of one node are one object).
         Raises RuntimeError (PeerAborted when another rank saw the failure) when a peer is lost
-        or any wait runs past ``seconds``."""
+        or any wait runs past ``seconds``; any other exception (out of memory, an interrupt)
+        is raised as it is, after telling the peers too."""
         deadline = time.monotonic() + seconds
+        try:
+            job = self._gather(payload, deadline)
+        except BaseException:
+            # Everyone this rank talks to, whether or not it already sent to them: a rank
+            # that finished reads the abort as the next exchange's message and fails at once.
+            # A member's peers are reached through its leader (which then fails itself).
+            if self.rank == self.leader:
+                self._abort([*self.node[1:], *(x for x in self.leaders if x != self.rank)])
+            raise
+        self._posted.clear()  # every send of this exchange completed
+        return decode_job(job, self.world_size)
+
+    def _gather(self, payload: bytes, deadline: float) -> bytes:
         if self.rank != self.leader:
             # Listen for the answer while sending: a send completes only once the leader takes
             # it, and a leader that failed before taking it sends an abort instead.
-            up = self._post(payload, self.leader)
+            up = self._post(_pack(payload), [self.leader])
             job = self._recv([self.leader], deadline)[0]
             for work in up:
                 _wait(work, deadline)
-            return decode_job(job, self.world_size)
+            return job
         others = [ldr for ldr in self.leaders if ldr != self.rank]
-        try:
-            node_payloads = [payload, *self._recv(self.node[1:], deadline)]
-            mine = encode_node(self.node, node_payloads)
-            across = [self._post(mine, ldr) for ldr in others]
-            blobs = dict(zip(others, self._recv(others, deadline), strict=True))
-            blobs[self.rank] = mine
-            job = encode_job([blobs[ldr] for ldr in self.leaders])
-            down = [self._post(job, m) for m in self.node[1:]]
-            for work in (w for works in across + down for w in works):
-                _wait(work, deadline)
-        except RuntimeError:
-            # Everyone this leader talks to, whether or not it already sent to them: a rank
-            # that finished reads the abort as the next exchange's message and fails at once.
-            self._abort([*self.node[1:], *others])
-            raise
-        return decode_job(job, self.world_size)
+        node_payloads = [payload, *self._recv(self.node[1:], deadline)]
+        mine = encode_node(self.node, node_payloads)
+        across = self._post(_pack(mine), others)  # one copy, read by every send
+        blobs = dict(zip(others, self._recv(others, deadline), strict=True))
+        blobs[self.rank] = mine
+        job = encode_job([blobs[ldr] for ldr in self.leaders])
+        down = self._post(_pack(job), self.node[1:])
+        for work in across + down:
+            _wait(work, deadline)
+        return job
 
     # ------------------------------------------------------------------ messages
 
-    def _post(self, payload: bytes, peer: int) -> list[dist.Work]:
-        """Start sending ``payload`` to ``peer``: a frame, then the rest if it did not fit."""
-        frame = torch.zeros(FRAME, dtype=torch.uint8)
-        frame[:_HEADER] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-        inline = min(len(payload), FRAME - _HEADER)
-        if inline:
-            frame[_HEADER: _HEADER + inline] = torch.frombuffer(
-                bytearray(payload[:inline]), dtype=torch.uint8)
-        works = [dist.isend(frame, peer, group=self.group, tag=TAG)]
-        if len(payload) > inline:
-            rest = torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8)
-            works.append(dist.isend(rest, peer, group=self.group, tag=TAG))
-        return [w for w in works if w is not None]
+    def _post(self, packed: tuple[torch.Tensor, torch.Tensor | None], peers: Sequence[int]
+              ) -> list[dist.Work]:
+        """Start sending a :func:`_pack`ed payload to each of ``peers``. The tensors and the
+        handles are kept until the exchange succeeds: gloo drops a pending send whose handle is
+        collected, and holds every later message to that peer behind it."""
+        frame, rest = packed
+        works = []
+        for peer in peers:
+            works.append(dist.isend(frame, peer, group=self.group, tag=TAG))
+            if rest is not None:
+                works.append(dist.isend(rest, peer, group=self.group, tag=TAG))
+        posted = [w for w in works if w is not None]
+        self._posted.append((packed, posted))
+        return posted
 
     def _recv(self, peers: Sequence[int], deadline: float) -> list[bytes]:
         """One payload from each of ``peers``, received concurrently."""
         frames = [torch.empty(FRAME, dtype=torch.uint8) for _ in peers]
-        works = [dist.irecv(f, p, group=self.group, tag=TAG) for f, p in zip(frames, peers,
-                                                                              strict=True)]
+        works: list[dist.Work | None] = []
+        # kept (see _post): a receive left pending by a failure must not write into freed memory
+        self._posted.append((frames, works))
+        for frame, peer in zip(frames, peers, strict=True):
+            works.append(dist.irecv(frame, peer, group=self.group, tag=TAG))
         sizes, rests, tails = [], [], []
         for peer, frame, work in zip(peers, frames, works, strict=True):
             _wait(work, deadline)
@@ -119,6 +132,7 @@ class LeaderExchange:
             rest = torch.empty(max(0, size - (FRAME - _HEADER)), dtype=torch.uint8)
             rests.append(rest)
             tails.append(dist.irecv(rest, peer, group=self.group, tag=TAG) if len(rest) else None)
+            self._posted.append((rest, []))
         out = []
         for frame, size, rest, tail in zip(frames, sizes, rests, tails, strict=True):
             data = bytes(frame[_HEADER: _HEADER + min(size, FRAME - _HEADER)].numpy())
@@ -134,35 +148,56 @@ class LeaderExchange:
         peer would hold up the frames to the live ones."""
         frame = torch.zeros(FRAME, dtype=torch.uint8)
         frame[:_HEADER] = torch.tensor([_ABORT], dtype=torch.int64).view(torch.uint8)
+        works = []
         for peer in peers:
             with contextlib.suppress(RuntimeError):  # that one is gone: tell the others
-                self._aborts.append((frame, dist.isend(frame, peer, group=self.group, tag=TAG)))
+                works.append(dist.isend(frame, peer, group=self.group, tag=TAG))
+        self._posted.append((frame, [w for w in works if w is not None]))
+
+
+def _pack(payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A payload as its first message (the length, and the payload when it fits) and the rest
+    (None if it fit), built once whatever the number of destinations."""
+    frame = torch.zeros(FRAME, dtype=torch.uint8)
+    frame[:_HEADER] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    inline = min(len(payload), FRAME - _HEADER)
+    if inline:
+        frame[_HEADER: _HEADER + inline] = torch.frombuffer(bytearray(payload[:inline]),
+                                                            dtype=torch.uint8)
+    rest = None
+    if len(payload) > inline:
+        rest = torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8)
+    return frame, rest
 
 
 def _wait(work: dist.Work | None, deadline: float) -> None:
-    if work is not None:  # None only for a rank outside the group: never here
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError("timed out waiting for a peer")
-        work.wait(timeout=timedelta(seconds=left))
+    if work is None or work.is_completed():  # None only for a rank outside the group
+        if work is not None:
+            work.wait()  # raises the work's error, if it failed
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RuntimeError("timed out waiting for a peer")
+    # never under a millisecond: gloo takes a zero timeout for "the group's timeout"
+    work.wait(timeout=timedelta(seconds=max(left, 0.001)))
 
 
 # ---------------------------------------------------------------------- encodings
 
 def encode_node(ranks: Sequence[int], payloads: Sequence[bytes]) -> bytes:
-    """One node's payloads: ``[n][ranks][index of each rank's payload][m][lengths][bytes]``
-    (uint32), each distinct payload once."""
+    """One node's payloads: ``[n][ranks][index of each rank's payload]`` (uint32) ``[m]
+    [lengths]`` (uint64) ``[bytes]``, each distinct payload once."""
     distinct: dict[bytes, int] = {}
     index = [distinct.setdefault(p, len(distinct)) for p in payloads]
     blobs = list(distinct)
     n, m = len(ranks), len(blobs)
-    head = struct.pack(f"<I{n}I{n}II{m}I", n, *ranks, *index, m, *(len(b) for b in blobs))
+    head = struct.pack(f"<I{n}I{n}IQ{m}Q", n, *ranks, *index, m, *(len(b) for b in blobs))
     return head + b"".join(blobs)
 
 
 def encode_job(node_blobs: Sequence[bytes]) -> bytes:
-    """The leaders' node messages, each prefixed with its length."""
-    return b"".join(struct.pack("<I", len(b)) + b for b in node_blobs)
+    """The leaders' node messages, each prefixed with its length (uint64)."""
+    return b"".join(struct.pack("<Q", len(b)) + b for b in node_blobs)
 
 
 def decode_job(job: bytes, world_size: int) -> list[bytes]:
@@ -172,8 +207,8 @@ def decode_job(job: bytes, world_size: int) -> list[bytes]:
     view, at = memoryview(job), 0
     try:
         while at < len(view):
-            (size,) = struct.unpack_from("<I", view, at)
-            at += 4
+            (size,) = struct.unpack_from("<Q", view, at)
+            at += 8
             _decode_node(view[at: at + size], out)
             at += size
     except (struct.error, IndexError, ValueError) as exc:
@@ -187,9 +222,9 @@ def _decode_node(node: memoryview, out: list[bytes | None]) -> None:
     (n,) = struct.unpack_from("<I", node, 0)
     ranks_index = struct.unpack_from(f"<{2 * n}I", node, 4)
     at = 4 + 8 * n
-    (m,) = struct.unpack_from("<I", node, at)
-    lengths = struct.unpack_from(f"<{m}I", node, at + 4)
-    at += 4 + 4 * m
+    (m,) = struct.unpack_from("<Q", node, at)
+    lengths = struct.unpack_from(f"<{m}Q", node, at + 8)
+    at += 8 + 8 * m
     blobs = []
     for size in lengths:
         if at + size > len(node):

@@ -111,8 +111,11 @@ class AsyncCallsQueue:
         if not persistent:
             logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
         self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")
-        # Agreements then go through node leaders (node_id as LocalCheckpointManager's).
-        self._group.learn_nodes(local_node_name(node_id))
+        try:  # agreements then go through node leaders (node_id as LocalCheckpointManager's)
+            self._group.learn_nodes(local_node_name(node_id))
+        except BaseException:
+            self._group.close()
+            raise
         self._timeout = timeout
         self._calls: list[_Call] = []
         self._next = 0
