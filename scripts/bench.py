@@ -107,6 +107,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--io-threads", type=int, default=2, help="LocalCheckpointManager io_threads")
+    p.add_argument("--recycle-files", action="store_true",
+                   help="LocalCheckpointManager(recycle_files=True)")
     p.add_argument("--steps", nargs="+", default=["raw", "localckpt", "baselines"],
                    choices=["raw", "localckpt", "baselines"], help="what to measure")
     p.add_argument("--no-plot", action="store_true")
@@ -152,7 +154,7 @@ def main() -> int:
             print(f"skip {label}: {reason}", file=sys.stderr, flush=True)
             continue
         print(f"run  {label} ...", file=sys.stderr, flush=True)
-        config.update(io_threads=a.io_threads, steps=a.steps)
+        config.update(io_threads=a.io_threads, steps=a.steps, recycle_files=a.recycle_files)
         try:
             rows.append(run_config(config, case_args, a.repeats))
         except Exception as exc:  # e.g. a rank killed by the OOM killer: report, go on
@@ -164,7 +166,7 @@ def main() -> int:
         "machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "python": sys.version.split()[0], "root_fs": benchlib.SHM, "repeats": a.repeats,
         "memory_gib": round(available()[0] / GiB, 1), "case_args": case_args,
-        "io_threads": a.io_threads,
+        "io_threads": a.io_threads, "recycle_files": a.recycle_files,
         "date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - started,
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }

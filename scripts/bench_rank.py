@@ -130,7 +130,8 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
 
 
 def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
-                      factor: int, repeats: int, io_threads: int) -> None:
+                      factor: int, repeats: int, io_threads: int,
+                      recycle_files: bool = False) -> None:
     """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest and load
     from local disk by a new manager (a restart); with replicas, load after node 1 was wiped
     against raw read + transfer."""
@@ -140,7 +141,8 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
     strategy = make_strategy("node_spread", replication_factor=factor) if factor > 1 else None
     records: list[PhaseMetric] = []
     mgr = LocalCheckpointManager(root, "bench", strategy, timeout=900, node_id=f"node{node}",
-                                 metrics=records.append, io_threads=io_threads)
+                                 metrics=records.append, io_threads=io_threads,
+                                 recycle_files=recycle_files)
     queue = AsyncCallsQueue(timeout=900)
     # A fresh job: memory reserved (the arena and receive buffers touched), then its first save
     timer.run("reserve", lambda: mgr.reserve(case.state))
@@ -163,7 +165,8 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
         timer.add(figures)
         # As after a restart: a new manager, which has parsed no manifest yet.
         fresh = LocalCheckpointManager(root, "bench", strategy, timeout=900,
-                                       node_id=f"node{node}", io_threads=io_threads)
+                                       node_id=f"node{node}", io_threads=io_threads,
+                                       recycle_files=recycle_files)
         timer.run("find_latest", fresh.find_latest)
         timer.run("load_local", fresh.load)
         # as a restart that built its model first: into the caller's (warm) tensors
@@ -331,7 +334,7 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
         measure_raw(timer, case, rank, world, base, placement, topology, repeats)
     if "localckpt" in steps:
         measure_localckpt(timer, case, rank, world, base, factor, repeats,
-                          config.get("io_threads", 2))
+                          config.get("io_threads", 2), config.get("recycle_files", False))
     if "baselines" in steps:
         measure_baselines(timer, case, rank, world, base, factor, repeats)
     if rank == 0:

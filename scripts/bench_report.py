@@ -15,6 +15,9 @@ TARGETS = (
     ("stall_to_memcpy", "stall / memcpy", 1.25, "<=", "async save stall vs memcpy (time)"),
     ("write_to_raw_write", "raw write / local write", 0.85, ">=",
      "local write vs raw tmpfs write (throughput)"),
+    ("write_to_raw_overwrite", "raw overwrite / local write", 0.85, ">=",
+     "local write vs raw tmpfs overwrite of an existing file (throughput; met only with "
+     "recycle_files=True, see benchmarks-recycle/)"),
     ("replicate_to_raw_gloo", "raw send/recv / replication", 0.8, ">=",
      "replication vs raw gloo, same schedule (throughput)"),
     ("node_loss_to_raw", "restore / max(own read, replica read + transfer)", 1.3, "<=",
@@ -75,6 +78,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     ratios = {
         "stall_to_memcpy": ratio("stall", "memcpy"),
         "write_to_raw_write": ratio("tmpfs_write_fresh", "write"),
+        "write_to_raw_overwrite": ratio("tmpfs_write_in_place", "write"),
         "replicate_to_raw_gloo": ratio("gloo_save_schedule", "replicate"),
         "replicate_to_raw_gloo_and_write": ratio("gloo_save_schedule_and_write", "replicate"),
         "node_loss_to_raw": ratio("load_after_node_loss", "raw_overlapped_restore"),
@@ -144,7 +148,8 @@ per node). Every figure is the median of {r['repeats']} runs of an operation don
 once** (time of the slowest rank), and is compared with the raw limit measured the same way, in
 the same job. GB/s are per rank (10⁹ bytes). F is the replication factor (`node_spread`).
 Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md); the control plane
-with 8-64 real processes: [benchmarks-control.md](benchmarks-control.md).
+with 8-64 real processes: [benchmarks-control.md](benchmarks-control.md); saves with
+`recycle_files=True`: [benchmarks-recycle/benchmarks.md](benchmarks-recycle/benchmarks.md).
 """]
     if plot is not None:
         out.append(f"![throughput per rank against size]({plot.name})\n")

@@ -17,7 +17,8 @@ scenario says so). Then it checks the invariants (scripts/chaos_checks.py):
 - a failure every rank can agree on (a raise) never restarts the job: every rank sees each save
   end the same way, and exactly the broken saves fail;
 - nothing hangs: every scenario ends within its deadline;
-- no leftovers (``.tmp-*``, ``.trash-*``, ``.quarantine-*``) remain after the last save;
+- no leftovers (``.tmp-*``, ``.trash-*``, ``.quarantine-*``, recycled chunk files) remain after
+  the last save;
 - every node again holds every shard the placement puts on it (losing F-1 nodes is recovered).
 
 Usage:
@@ -123,6 +124,18 @@ def ci_scenarios() -> list[Scenario]:
                  "load_write_back:raise:rank=0:attempt=*",
                  wipe=True),
     ]
+    # Saves that write over retired chunk files (recycle_files=True): a kill and a raise
+    # mid-write, and a crash between the writes and the commit.
+    recycled = ("--recycle-files",)
+    kills += [
+        Scenario("kill rank writing over recycled files", "local_write", k,
+                 "local_write:kill:rank=0:iteration=29", args=recycled),
+        Scenario("crash before commit over recycled files", "before_commit", "leftovers",
+                 "before_commit:kill:rank=1:iteration=29", args=recycled),
+    ]
+    raises += [Scenario("raise on one rank writing over recycled files", "local_write", "raise",
+                        "local_write:raise:rank=1:iteration=29", expect_restart=False,
+                        expect_failed=(29,), args=recycled)]
     return kills + raises + [
         Scenario("one rank in find_latest while the other saves", "staging", "reorder",
                  args=("--desync-at-step", "29", "--desync-rank", "1")),

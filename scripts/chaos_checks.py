@@ -169,7 +169,8 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
         violations.append("final weights differ from the fault-free run")
     leftovers = [str(p) for p in [*work.glob(f"node*/{SESSION}/iter_*/.*"),
                                   *work.glob(f"node*/{SESSION}/.trash-*"),
-                                  *work.glob(f"node*/{SESSION}/.quarantine-*")]]
+                                  *work.glob(f"node*/{SESSION}/.quarantine-*"),
+                                  *work.glob(f"node*/{SESSION}/.recycle/*")]]
     if leftovers and not error:
         violations.append(f"leftovers after the last save: {leftovers}")
     # the newest iteration complete on disk (the last save may have failed alike, on purpose)

@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--repl", default="auto",
                         help="replication strategy name; auto: node_spread on 2+ nodes")
     parser.add_argument("--keep-last", type=int, default=1)
+    parser.add_argument("--recycle-files", action="store_true",
+                        help="LocalCheckpointManager(recycle_files=True)")
     parser.add_argument("--sync", action="store_true", help="blocking saves instead of async")
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="extra time per step (gives faults time to land mid-save)")
@@ -131,7 +133,7 @@ def main() -> None:
     fetched: list[int] = []
     mgr = LocalCheckpointManager(
         args.root.format(node=node), "demo", repl, keep_last=args.keep_last,
-        timeout=args.timeout, node_id=f"node{node}",
+        timeout=args.timeout, node_id=f"node{node}", recycle_files=args.recycle_files,
         metrics=lambda m: fetched.append(m.nbytes) if m.phase == "fetch_from_peer" else None)
     queue = AsyncCallsQueue(timeout=args.timeout)
     started = time.monotonic()

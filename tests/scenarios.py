@@ -133,14 +133,33 @@ def stall_then_exit(rank: int, world: int, base: str, slow_rank: int, sleep: flo
 
 def _replicated_manager(rank: int, base: str, strategy: str, kwargs: dict[str, Any],
                         ranks_per_node: int, keep_last: int = 1,
-                        metrics: Any = None) -> LocalCheckpointManager:
+                        metrics: Any = None, recycle_files: bool = False
+                        ) -> LocalCheckpointManager:
     from replication import make_strategy
 
     node = rank // ranks_per_node
     return LocalCheckpointManager(Path(base) / f"node{node}", "job",
                                   make_strategy(strategy, **kwargs), keep_last=keep_last,
                                   timeout=30, chunk_nbytes=8192, node_id=f"node{node}",
-                                  metrics=metrics)
+                                  metrics=metrics, recycle_files=recycle_files)
+
+
+def recycled_saves(rank: int, world: int, base: str, iterations: int) -> dict[str, Any]:
+    """Saves with recycle_files=True, 2 ranks per node sharing the node's pool, replicas
+    received into recycled files too; each iteration loaded back and compared."""
+    node_root = Path(base) / f"node{rank // 2}" / "job"
+    ok, reused = [], 0
+    with _replicated_manager(rank, base, "node_spread", {}, 2, recycle_files=True) as mgr:
+        for it in range(1, iterations + 1):
+            before = {p.stat().st_ino for p in (node_root / ".recycle").glob("*")} \
+                if (node_root / ".recycle").is_dir() else set()
+            mgr.save(make_state(rank, it, n=4), it)
+            now = {p.stat().st_ino for p in node_root.glob(f"iter_{it:010d}/*/data/c/*")}
+            reused += len(before & now)
+            loaded, ckpt_id = mgr.load()
+            ok.append(ckpt_id[0] == it and digest(loaded) == digest(make_state(rank, it, n=4)))
+            mgr._ctx.store.wait_for_deletions()
+    return {"ok": ok, "reused": reused}
 
 
 def replicated_save(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],

@@ -118,3 +118,15 @@ def test_failed_replica_receive_fails_the_save_on_every_rank(tmp_path: Path, roo
         assert "rank 3" in msg and "injected" in msg
         assert r.value["iters"] == ["iter_0000000001"]  # iteration 2 removed on every node
         assert r.value["latest"] == 1 and r.value["digest"] == r.value["expected"]
+
+
+def test_recycled_chunk_files_are_shared_by_a_node_and_survive_a_node_loss(
+        tmp_path: Path, root: Path) -> None:
+    results = run_ranks(scenarios.recycled_saves, 4, tmp_path, str(root), 4)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["ok"] == [True] * 4
+    assert sum(r.value["reused"] for r in results) > 0  # shards and replicas written over
+    shutil.rmtree(root / "node1")  # node 1 lost: its shards come back from node 0's replicas
+    for value in load_all(tmp_path, root, "node_spread", 2, 2):
+        assert value["latest"] == 4 and value["digest"] == value["expected"]

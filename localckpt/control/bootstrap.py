@@ -31,11 +31,13 @@ logger = logging.getLogger(__name__)
 
 
 def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsafe: bool,
-                   lock_wait: float) -> tuple[dict[str, Any], SessionLock]:
+                   lock_wait: float, recycle: bool = False
+                   ) -> tuple[dict[str, Any], SessionLock]:
     """This rank's part of the start exchange: create the root and the session directory (0700,
     durable), refuse them if unsafe (see :func:`localckpt.storage.fsutil.check_safe_dir`), take
-    the session's shared lock, and remove every writer's crash leftovers. Returns what the other
-    ranks need to know (node name, identity of the root) and the lock.
+    the session's shared lock, and remove every writer's crash leftovers (the pool of recycled
+    chunk files too, unless this job ``recycle``s: its first save then writes over them).
+    Returns what the other ranks need to know (node name, identity of the root) and the lock.
 
     Removing any writer's leftovers is safe only here: no rank of this job writes before this
     exchange completes, and ranks move between nodes when a node is replaced, so a leftover's
@@ -54,7 +56,7 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
     check_safe_dir(session, "session directory", allow_unsafe)
     lock = SessionLock(session, exclusive=False, wait=lock_wait)
     try:
-        remove_leftovers(session, None)
+        remove_leftovers(session, None, keep_recycled=recycle)
         st = os.stat(root)
     except BaseException:
         lock.release()

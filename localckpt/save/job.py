@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,9 @@ class SaveJob:
     # Units of work (chunks written, pieces on the wire along the replica schedule), each
     # bounded by the timeout, that the slowest rank may still have ahead when a fast one agrees.
     wait_steps: int = 2
+    # When its staging began (time.monotonic_ns): recycled files older than that and not
+    # written over by it are surplus once it is finalized (see storage/recycle.py).
+    started_ns: int = field(default_factory=time.monotonic_ns)
     metrics: Metrics = field(default_factory=Metrics)
 
     def mark_scheduled(self) -> None:

@@ -97,14 +97,20 @@ class SavePath:
                             preload_fn=job.mark_scheduled)
 
     def reserve(self, state_dict: Any) -> int:
-        """Size and pre-fault the staging arena for saves of ``state_dict``; returns the bytes
-        one such save stages. Not collective. A save in flight keeps its own buffer alive."""
+        """Size and pre-fault the staging arena for saves of ``state_dict`` (and, recycling
+        files, put the chunk files of its shard and of the replicas it receives in the pool);
+        returns the bytes one such save stages. Not collective. A save in flight keeps its own
+        buffer alive."""
         tasd = as_tensor_aware(state_dict)
         tensors = dedupe(tasd, self.dedupe_replicated).tensors
         chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
         self._arena.reserve(nbytes)
+        files = self.ctx.store.files
+        if files is not None:
+            held = sum(self.ctx.rank in h for h in self.ctx.placement.holders)
+            files.preallocate(chunk_count * (1 + held), chunk_nbytes + 4)
         return nbytes
 
     def close(self) -> None:
@@ -196,7 +202,8 @@ class SavePath:
                     "inventory": ctx.inventory().to_json(),
                     "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                            chunk_count),
-                    "free": st.f_bavail * st.f_frsize, "reaping": reaping,
+                    "free": st.f_bavail * st.f_frsize + ctx.store.recycled_nbytes(),
+                    "reaping": reaping,
                     "chunks": chunk_count,
                     "pieces": piece_count(chunk_nbytes, chunk_count),
                     "replicas": deduped.digest}
@@ -236,7 +243,7 @@ class SavePath:
             def free_after_deletions() -> int:
                 self.ctx.store.wait_for_deletions()
                 st = os.statvfs(self.ctx.root)
-                return st.f_bavail * st.f_frsize
+                return st.f_bavail * st.f_frsize + self.ctx.store.recycled_nbytes()
 
             free = self.ctx.group.exchange("save: free space after retention",
                                            free_after_deletions)
@@ -309,6 +316,7 @@ class SavePath:
             latest = choose_latest(inventories, ctx.world_size)
             if latest == iteration:
                 self.latest_iteration = iteration
+                ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self._retain(iteration, inventories)
                 return
             missing = [inv.rank for inv in inventories

@@ -104,12 +104,16 @@ def list_sessions(root: Path) -> list[str]:
     return sorted(out)
 
 
-def find_leftovers(session_path: Path, writer_rank: int | None = None) -> list[Path]:
+def find_leftovers(session_path: Path, writer_rank: int | None = None,
+                   keep_recycled: bool = False) -> list[Path]:
     """The temporary and trash directories (crash leftovers) of ``writer_rank`` (None: of every
-    writer) under ``session_path``."""
+    writer, and the pool of recycled chunk files unless ``keep_recycled``) under
+    ``session_path``."""
     tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
+    pool = writer_rank is None and not keep_recycled
     in_session = [Path(e.path) for e in _scandir(session_path)
-                  if e.name.startswith(".trash-") and tag in e.name]
+                  if (e.name.startswith(".trash-") and tag in e.name)
+                  or (pool and e.name == ".recycle")]  # storage/recycle.py
     return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
                          if _ITER_RE.fullmatch(it_entry.name)
                          for entry in _scandir(Path(it_entry.path))
@@ -122,11 +126,12 @@ def find_quarantined(session_path: Path) -> list[Path]:
                   if e.name.startswith(".quarantine-"))
 
 
-def remove_leftovers(session_path: Path, writer_rank: int | None) -> list[Path]:
+def remove_leftovers(session_path: Path, writer_rank: int | None,
+                     keep_recycled: bool = False) -> list[Path]:
     """Delete :func:`find_leftovers` and then empty iteration directories. Every writer's are
     only safe to remove while no rank of the job can be writing (before the manager's first
     collective completes). Tolerates ranks of one node doing this at the same time."""
-    removed = find_leftovers(session_path, writer_rank)
+    removed = find_leftovers(session_path, writer_rank, keep_recycled)
     remove_paths(session_path, removed)
     return removed
 

@@ -25,6 +25,7 @@ from ..ops.faults import fault_point
 from . import fsutil
 from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
 from .manifest import ShardManifest
+from .recycle import FilePool
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +69,23 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
         os.close(fd)
 
 
-def _write_chunk(path: Path, chunk: memoryview) -> int:
-    """Write ``chunk`` and its CRC-32C trailer to a new file; returns the CRC. A block at a
-    time, checksummed just before it is written: the write then reads it from the cache, not a
-    second time from memory (a tenth of a fresh tmpfs write for the whole chunk at once)."""
+def _write_chunk(path: Path, chunk: memoryview, files: FilePool | None) -> int:
+    """Write ``chunk`` and its CRC-32C trailer to a new file at ``path``, or over a retired
+    chunk file taken from ``files``; returns the CRC. A block at a time, checksummed just before
+    it is written: the write then reads it from the cache, not a second time from memory (a
+    tenth of a fresh tmpfs write for the whole chunk at once)."""
     crc = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    reused = files is not None and files.take(path)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | (0 if reused else os.O_CREAT | os.O_EXCL),
+                 FILE_MODE)
     try:
         for start in range(0, len(chunk), _CRC_WINDOW):
             block = chunk[start: start + _CRC_WINDOW]
             crc = crc32c.crc32c(block, crc)
             _write_all(fd, block)
         _write_all(fd, memoryview(crc.to_bytes(4, "little")))
+        if reused:  # a retired file may have been longer
+            os.ftruncate(fd, len(chunk) + 4)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -104,11 +110,12 @@ class ShardWriter:
     """
 
     def __init__(self, manifest: ShardManifest, final: Path, writer_rank: int,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, files: FilePool | None = None) -> None:
         self.manifest = manifest
         self.final = final
         self._writer_rank = writer_rank
         self._pool = pool
+        self._files = files  # retired chunk files to write over (see recycle.py)
         self._futures: dict[int, Future[int]] = {}
         self.tmp = final.parent / f".tmp-{final.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
         try:
@@ -142,7 +149,7 @@ class ShardWriter:
             if index == 0:
                 fault_point("local_write" if own else "replica_receive", self._writer_rank,
                             self.manifest.iteration)
-            return _write_chunk(path, chunk)
+            return _write_chunk(path, chunk, self._files)
 
         try:
             self._futures[index] = self._pool.submit(write)

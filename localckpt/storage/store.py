@@ -53,6 +53,7 @@ from .layout import (
     shard_path,
 )
 from .manifest import ShardManifest, dtype_from_name
+from .recycle import FilePool
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
 
@@ -112,7 +113,8 @@ class ShardStore:
     """
 
     def __init__(self, root: str | os.PathLike[str], session_id: str, writer_rank: int,
-                 io_threads: int = 2, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> None:
+                 io_threads: int = 2, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+                 recycle: bool = False) -> None:
         self.root = Path(root)
         self.session_id = session_id
         self.session_path = session_dir(self.root, session_id)
@@ -123,6 +125,8 @@ class ShardStore:
         # retention hands hidden shards to one thread instead of blocking a finalize on it.
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-reaper")
         self._reaping: list[Future[None]] = []
+        # With ``recycle``, deleted shards' chunk files are written over by later saves.
+        self.files = FilePool(self.session_path) if recycle else None
         # Manifests this process committed or parsed lately: find_latest and load read the same
         # one, and a restore reads back what it just received. A committed file never changes in
         # place (a commit renames a new directory), so (path, inode, mtime, size) names content.
@@ -130,8 +134,12 @@ class ShardStore:
         self._manifests_lock = threading.Lock()  # the save thread commits while others read
 
     def close(self) -> None:
-        """Waits for background deletions, then releases the threads."""
+        """Waits for background deletions (and removes the recycled files this process pooled
+        and nobody took: their pages are of no use once it saves no more), then releases the
+        threads."""
         self.wait_for_deletions()
+        if self.files is not None:
+            self.files.drain_own()
         self._reaper.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
@@ -141,6 +149,16 @@ class ShardStore:
         pending, self._reaping = self._reaping, []
         for f in pending:
             f.result()
+
+    def drain_recycled(self, before_ns: int) -> None:
+        """Delete, on the reaper thread, the recycled files that arrived before ``before_ns``
+        (the start of the save being finalized): those it did not write over."""
+        if self.files is not None:
+            self._in_background(partial(self.files.drain, before_ns))
+
+    def recycled_nbytes(self) -> int:
+        """Bytes of recycled files a save may write over (0 without recycling)."""
+        return self.files.nbytes() if self.files is not None else 0
 
     def deletions_pending(self) -> bool:
         """Whether a ``background=True`` deletion is still running or queued (the space it
@@ -174,7 +192,7 @@ class ShardStore:
     def begin_write(self, manifest: ShardManifest) -> ShardWriter:
         """Start writing the shard ``manifest`` describes; see :class:`ShardWriter`."""
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
-        return ShardWriter(manifest, final, self.writer_rank, self._pool)
+        return ShardWriter(manifest, final, self.writer_rank, self._pool, self.files)
 
     def commit(self, writer: ShardWriter) -> Path:
         """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
@@ -324,6 +342,9 @@ class ShardStore:
         remove_if_empty(ref.path.parent)
 
         def remove() -> None:
+            if self.files is not None:
+                with contextlib.suppress(OSError):  # what is not recycled is removed below
+                    self.files.add_chunks_of(trash)
             shutil.rmtree(trash, ignore_errors=True)
 
         if background:

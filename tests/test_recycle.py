@@ -1,0 +1,134 @@
+"""recycle_files=True: retention keeps the chunk files of deleted shards in the node root's pool
+and later saves write over them (localckpt/storage/recycle.py). Checked: files are really
+reused, every iteration loads bit-exact, the pool never holds more than one retired iteration,
+a save counts it as free space, a failure at every point of the commit keeps the retained
+iteration and leaves nothing behind, and the pool is emptied by close, the next start and gc."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from scenarios import digest, make_state
+
+from localckpt import LocalCheckpointManager
+from localckpt.ops import faults
+from localckpt.ops.faults import Fault
+from localckpt.storage import store as store_module
+from localckpt.storage.recycle import RECYCLE_DIR
+
+
+def big_state(iteration: int, mib: int = 3) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(iteration)
+    return {"w": torch.randn(mib << 18, generator=g), "step": iteration}
+
+
+def chunk_inodes(root: Path, iteration: int) -> set[int]:
+    return {p.stat().st_ino for p in root.glob(f"*/iter_{iteration:010d}/*/data/c/*")}
+
+
+def pooled(root: Path) -> list[Path]:
+    return sorted((root / RECYCLE_DIR).glob("*")) if (root / RECYCLE_DIR).is_dir() else []
+
+
+def manager(root: Path, **kwargs: Any) -> LocalCheckpointManager:
+    return LocalCheckpointManager(root, recycle_files=True, chunk_nbytes=1 << 20, **kwargs)
+
+
+def test_later_saves_write_over_the_chunk_files_of_deleted_shards(root: Path) -> None:
+    with manager(root, keep_last=1) as mgr:
+        mgr.save(big_state(1), 1)
+        first = chunk_inodes(root, 1)
+        mgr.save(big_state(2), 2)  # retention moves iteration 1's chunk files into the pool
+        mgr._ctx.store.wait_for_deletions()
+        session = next(root.iterdir())
+        assert len(pooled(session)) == len(first)
+        mgr.save(big_state(3), 3)
+        third = chunk_inodes(root, 3)
+        assert third == first  # the same files, written over
+        loaded, ckpt = mgr.load()
+    assert ckpt[0] == 3 and torch.equal(loaded["w"], big_state(3)["w"])
+    assert pooled(session) == []  # close empties the pool
+
+
+def test_the_pool_holds_at_most_one_retired_iteration_and_counts_as_free_space(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with manager(root, keep_last=1) as mgr:
+        mgr.save(big_state(1, mib=6), 1)
+        session = next(root.iterdir())
+        chunks = {1: len(chunk_inodes(root, 1))}
+        for it in range(2, 6):  # shards shrinking and growing: surplus files are drained
+            mib = 6 if it % 2 else 2
+            mgr.save(big_state(it, mib), it)
+            chunks[it] = len(chunk_inodes(root, it))
+            mgr._ctx.store.wait_for_deletions()
+            assert 0 < len(pooled(session)) <= chunks[it - 1], (it, chunks)
+            loaded, ckpt = mgr.load()
+            assert ckpt[0] == it and torch.equal(loaded["w"], big_state(it, mib)["w"])
+        # no room but the pool's: the save counts the pool as free and writes over it
+        pool_bytes = sum(p.stat().st_size for p in pooled(session))
+        assert pool_bytes > 0
+        real = os.statvfs
+        full = SimpleNamespace(f_bavail=0, f_frsize=4096, f_blocks=1024)
+        monkeypatch.setattr(store_module.os, "statvfs", lambda path: full)
+        mgr.save(big_state(9, mib=1), 9)
+        monkeypatch.setattr(store_module.os, "statvfs", real)
+        assert mgr.find_latest() == 9
+
+
+@pytest.mark.parametrize("point", ["local_write", "before_commit", "after_commit"])
+def test_a_failure_at_any_point_of_a_commit_over_recycled_files_keeps_the_retained_one(
+        root: Path, point: str) -> None:
+    with manager(root, keep_last=1) as mgr:
+        mgr.save(big_state(1), 1)
+        mgr.save(big_state(2), 2)
+        mgr._ctx.store.wait_for_deletions()
+        faults.arm(Fault(point, "raise", iteration=3))
+        try:
+            with pytest.raises(Exception, match=f"injected fault {point}:raise"):
+                mgr.save(big_state(3), 3)
+        finally:
+            faults.disarm()
+        assert mgr.find_latest() == 2
+        loaded, ckpt = mgr.load()
+        assert ckpt[0] == 2 and torch.equal(loaded["w"], big_state(2)["w"])
+        mgr.save(big_state(4), 4)  # and the next save works, over what is left in the pool
+        loaded, ckpt = mgr.load()
+        assert ckpt[0] == 4 and torch.equal(loaded["w"], big_state(4)["w"])
+    assert not list(root.glob("*/iter_*/.*"))  # no temporary or trash directories left
+
+
+def test_a_pool_left_by_a_crash_is_used_or_removed_by_the_next_start(root: Path) -> None:
+    mgr = manager(root, keep_last=1)
+    mgr.save(make_state(0, 1), 1)
+    mgr.save(make_state(0, 2), 2)
+    mgr._ctx.store.wait_for_deletions()
+    session = next(root.iterdir())
+    assert pooled(session)
+    mgr._ctx.store.files = None  # as if the process died: close() leaves the pool in place
+    mgr.close()
+    assert pooled(session)
+    left = {p.stat().st_ino for p in pooled(session)}
+    with manager(root, keep_last=1) as again:  # recycling on: its first save writes over them
+        again.save(make_state(0, 3), 3)
+        assert chunk_inodes(root, 3) & left
+    with LocalCheckpointManager(root) as again:  # recycling off: the pool is a leftover
+        assert not (session / RECYCLE_DIR).exists()
+        loaded, ckpt = again.load()
+    assert ckpt[0] == 3 and digest(loaded) == digest(make_state(0, 3))
+
+
+def test_reserve_puts_the_first_saves_chunk_files_in_the_pool(root: Path) -> None:
+    with manager(root, keep_last=1) as mgr:
+        mgr.reserve(big_state(1))
+        session = next(root.iterdir())
+        reserved = {p.stat().st_ino for p in pooled(session)}
+        assert len(reserved) == 3  # 3 MiB in 1 MiB chunks
+        mgr.save(big_state(1), 1)
+        assert chunk_inodes(root, 1) == reserved  # the fresh job's first save wrote over them
+        loaded, _ = mgr.load()
+        assert torch.equal(loaded["w"], big_state(1)["w"])
