@@ -166,7 +166,7 @@ class SavePath:
             # The previous save's retention may still be deleting on the reaper thread: not
             # waited for here (it is the stall's largest part with keep_last=1), only when the
             # space it frees is needed (below).
-            reaping = ctx.store.deletions_pending()
+            reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()
             ctx.store.remove_quarantined()  # corrupt copies a load set aside
             st = os.statvfs(ctx.root)
             fault_point("staging", ctx.rank, iteration)
@@ -202,8 +202,7 @@ class SavePath:
                     "inventory": ctx.inventory().to_json(),
                     "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                            chunk_count),
-                    "free": st.f_bavail * st.f_frsize + ctx.store.recycled_nbytes(),
-                    "reaping": reaping,
+                    "free": st.f_bavail * st.f_frsize, "reaping": reaping,
                     "chunks": chunk_count,
                     "pieces": piece_count(chunk_nbytes, chunk_count),
                     "replicas": deduped.digest}
@@ -231,9 +230,11 @@ class SavePath:
 
     def _check_capacity(self, writes: list[int], gathered: list[dict[str, Any]]) -> None:
         """InsufficientSpaceError on every rank unless each node has room for what its ranks
-        write. When space is short while some rank's reaper still deletes an older iteration,
-        every rank (deciding alike from the gathered input) waits for its deletions and the
-        free space is gathered again: one more exchange, only then."""
+        write. When space is short while some rank's reaper still deletes an older iteration
+        or recycled files hold space, every rank (deciding alike from the gathered input) waits
+        for its deletions, deletes the recycled files, and the free space is gathered again:
+        one more exchange, only then. (Recycled files are not counted as free: a save may not
+        take them all, and what it does not take is freed only after it.)"""
         node_of = self.ctx.topology.node_of
         try:
             check_capacity(writes, [int(g["free"]) for g in gathered], node_of)
@@ -242,8 +243,9 @@ class SavePath:
                 raise
             def free_after_deletions() -> int:
                 self.ctx.store.wait_for_deletions()
+                self.ctx.store.drain_all_recycled()
                 st = os.statvfs(self.ctx.root)
-                return st.f_bavail * st.f_frsize + self.ctx.store.recycled_nbytes()
+                return st.f_bavail * st.f_frsize
 
             free = self.ctx.group.exchange("save: free space after retention",
                                            free_after_deletions)

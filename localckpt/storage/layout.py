@@ -114,6 +114,9 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
     in_session = [Path(e.path) for e in _scandir(session_path)
                   if (e.name.startswith(".trash-") and tag in e.name)
                   or (pool and e.name == ".recycle")]  # storage/recycle.py
+    if writer_rank is None and keep_recycled:  # files a crash left half-made in the pool
+        in_session += [Path(e.path) for e in _scandir(session_path / ".recycle")
+                       if e.name.startswith(".")]
     return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
                          if _ITER_RE.fullmatch(it_entry.name)
                          for entry in _scandir(Path(it_entry.path))

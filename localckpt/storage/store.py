@@ -156,9 +156,14 @@ class ShardStore:
         if self.files is not None:
             self._in_background(partial(self.files.drain, before_ns))
 
-    def recycled_nbytes(self) -> int:
-        """Bytes of recycled files a save may write over (0 without recycling)."""
-        return self.files.nbytes() if self.files is not None else 0
+    def holds_recycled(self) -> bool:
+        """Whether recycled files hold space (never without recycling)."""
+        return self.files is not None and self.files.holds_any()
+
+    def drain_all_recycled(self) -> None:
+        """Delete every recycled file now (space is short; no rank of the node writes)."""
+        if self.files is not None:
+            self.files.drain()
 
     def deletions_pending(self) -> bool:
         """Whether a ``background=True`` deletion is still running or queued (the space it
