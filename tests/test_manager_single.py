@@ -117,8 +117,8 @@ def test_bad_replication_strategies_are_rejected_clearly(root: Path) -> None:
         LocalCheckpointManager(root, repl_strategy=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"expected one of \['clique'.*got 'mirror'"):
         LocalCheckpointManager(root, repl_strategy="mirror")
-    with pytest.raises(ValueError, match="needs at least 2 nodes, got 1"):
-        LocalCheckpointManager(root, repl_strategy="node_spread")
+    with pytest.raises(ConfigurationError, match=r"needs 2 nodes, the job has 1.*strict"):
+        LocalCheckpointManager(root, repl_strategy="node_spread", strict=True)
     with LocalCheckpointManager(root, repl_strategy="none") as mgr:  # same as None
         mgr.save({"w": torch.ones(2)}, 1)
         assert mgr.load()[0]["w"].sum() == 2
@@ -487,3 +487,14 @@ def test_a_save_that_fits_only_once_retention_freed_space_waits_for_it(
         assert blocked.done.is_set()
         monkeypatch.undo()
         assert mgr.find_latest() == 3
+
+
+def test_a_replicating_strategy_on_one_machine_warns_and_saves_without_replicas(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The README's snippet, run as it is on one machine (issue 20, item 5).
+    with caplog.at_level("WARNING", logger="localckpt"), \
+            LocalCheckpointManager(root, repl_strategy="node_spread") as mgr:
+        mgr.save(make_state(0, 1), 1)
+        loaded, ckpt = mgr.load()
+    assert ckpt[0] == 1 and digest(loaded) == digest(make_state(0, 1))
+    assert "needs 2 nodes, the job has 1" in caplog.text and "losing it loses" in caplog.text

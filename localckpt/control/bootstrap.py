@@ -13,6 +13,7 @@ from typing import Any
 
 from replication import (
     CliqueReplicationStrategy,
+    NodeSpreadReplicationStrategy,
     NoReplication,
     Placement,
     ReplicationStrategy,
@@ -85,10 +86,26 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
                    roots: list[tuple[int, int]], strict: bool, rank: int) -> Placement:
     """The placement of ``strategy`` (no holders without one). Pure: every rank reaches the same
     result. A strategy that leaves shards without a copy on another node is reported loudly
-    (rank 0 logs a warning) or, with ``strict``, raises ConfigurationError on every rank."""
+    (rank 0 logs a warning) or, with ``strict``, raises ConfigurationError on every rank. So is
+    one whose replication factor needs more nodes than the job has (one machine, a job shrunk
+    to fewer nodes): without ``strict`` each shard then gets a copy on every other node (none on
+    a single node), placed as node_spread places them."""
     hint = shared_roots_hint(topology, roots)
     if strategy is None or isinstance(strategy, NoReplication):
         return NoReplication().place(topology)
+    factor = getattr(strategy, "replication_factor", 0)
+    nodes = topology.num_nodes
+    if factor > 1 and nodes < factor and not hint:
+        message = (f"replication {strategy!r}: replication_factor {factor} needs {factor} "
+                   f"nodes, the job has {nodes}: each shard gets {nodes - 1} copies on other "
+                   "nodes instead" + (" (none: on one node, losing it loses every shard)"
+                                      if nodes == 1 else ""))
+        if strict:
+            raise ConfigurationError(f"{message}; strict=True refuses that")
+        if rank == 0:
+            logger.warning(message)
+        return (NodeSpreadReplicationStrategy(nodes).place(topology) if nodes > 1
+                else NoReplication().place(topology))
     try:
         placement = strategy.place(topology)
     except TopologyError as exc:
