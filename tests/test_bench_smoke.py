@@ -10,9 +10,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def run_script(name: str, *args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def test_bench_quick_writes_report(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = run_script("bench.py", "--quick", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "benchmarks.json").read_text())
     rows = {(r["case"], r["world"], r["factor"]): r for r in data["rows"]}
@@ -39,18 +43,15 @@ def test_bench_quick_writes_report(tmp_path: Path) -> None:
     assert "## Targets" in text and "transformer" in text and "localckpt against DCP" in text
     # the report renders again from the JSON alone (no re-run)
     again = tmp_path / "again"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--report-from",
-                           str(tmp_path / "benchmarks.json"), "--out", str(again), "--no-plot"],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_script("bench.py", "--report-from", str(tmp_path / "benchmarks.json"), "--out",
+                      str(again), "--no-plot", timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (again / "benchmarks.md").read_text().split("## Targets")[1] == \
         text.split("## Targets")[1]
 
 
 def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_planning.py"),
-                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=240)
+    proc = run_script("bench_planning.py", "--quick", "--out", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "benchmarks-planning.json").read_text())["rows"]
     assert [r["world"] for r in rows] == [64, 256]
@@ -61,9 +62,7 @@ def test_bench_planning_quick_writes_report(tmp_path: Path) -> None:
 def test_cuda_bench_runs_or_says_why_not_and_its_section_renders(tmp_path: Path) -> None:
     import torch
 
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cuda.py"), "--quick",
-                           "--out", str(tmp_path / "cuda")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_script("bench_cuda.py", "--quick", "--out", str(tmp_path / "cuda"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if torch.cuda.is_available():
         rows = json.loads((tmp_path / "cuda" / "benchmarks-cuda.json").read_text())["rows"]
@@ -73,18 +72,15 @@ def test_cuda_bench_runs_or_says_why_not_and_its_section_renders(tmp_path: Path)
     # The GPU figures recorded in docs/ are embedded in benchmarks.md by the CPU-side report.
     for name in ("benchmarks.json", "benchmarks-cuda.json"):
         (tmp_path / name).write_text((REPO / "docs" / name).read_text())
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--report-from",
-                           str(tmp_path / "benchmarks.json"), "--out", str(tmp_path),
-                           "--no-plot"], capture_output=True, text=True, timeout=60)
+    proc = run_script("bench.py", "--report-from", str(tmp_path / "benchmarks.json"), "--out",
+                      str(tmp_path), "--no-plot", timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     section = (tmp_path / "benchmarks.md").read_text().split("## CUDA staging")[1]
     assert "NVIDIA" in section and "| small |" in section
 
 
 def test_bench_control_quick_writes_report(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_control.py"),
-                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=240)
+    proc = run_script("bench_control.py", "--quick", "--out", str(tmp_path), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "benchmarks-control.json").read_text())["rows"]
     assert [r["world"] for r in rows] == [4]

@@ -146,13 +146,13 @@ def test_a_pooled_file_is_published_only_once_complete(root: Path,
     seen: list[int] = []
 
     def write(fd: int, data: Any) -> int:
-        seen.extend(size for _, size in pool._listing())  # every takeable file, now
+        seen.extend(size for _, size in list(pool._pooled()))  # every takeable file, now
         return real_write(fd, data)
 
     monkeypatch.setattr(recycle.os, "write", write)
     pool.preallocate(3, (2 << 20) + 4)
     monkeypatch.undo()
-    assert len(pool._listing()) == 3
+    assert len(list(pool._pooled())) == 3
     assert seen and all(size == (2 << 20) + 4 for size in seen)  # never a partial one
 
 

@@ -55,7 +55,7 @@ class LeaderExchange:
         self.node = next(m for m in self.nodes if rank in m)
         self.leader = self.node[0]
         self.leaders = [m[0] for m in self.nodes]
-        # sends not known to have completed, with their tensors (see _post)
+        # sends and receives not known to have completed, with their tensors (see _post)
         self._posted: list[tuple[object, object]] = []
 
     def all_gather(self, payload: bytes, seconds: float) -> list[bytes]:
@@ -146,8 +146,7 @@ class LeaderExchange:
         """Best effort, not waited for: tell ``peers`` (waiting on this leader's next message)
         that the exchange failed. Some may be gone or never listen; waiting on a send to a dead
         peer would hold up the frames to the live ones."""
-        frame = torch.zeros(FRAME, dtype=torch.uint8)
-        frame[:_HEADER] = torch.tensor([_ABORT], dtype=torch.int64).view(torch.uint8)
+        frame = _frame(_ABORT)
         works = []
         for peer in peers:
             with contextlib.suppress(RuntimeError):  # that one is gone: tell the others
@@ -155,11 +154,17 @@ class LeaderExchange:
         self._posted.append((frame, [w for w in works if w is not None]))
 
 
+def _frame(length: int) -> torch.Tensor:
+    """A first message announcing ``length`` bytes (negative: an abort), its inline part zero."""
+    frame = torch.zeros(FRAME, dtype=torch.uint8)
+    frame[:_HEADER] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
+    return frame
+
+
 def _pack(payload: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A payload as its first message (the length, and the payload when it fits) and the rest
     (None if it fit), built once whatever the number of destinations."""
-    frame = torch.zeros(FRAME, dtype=torch.uint8)
-    frame[:_HEADER] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    frame = _frame(len(payload))
     inline = min(len(payload), FRAME - _HEADER)
     if inline:
         frame[_HEADER: _HEADER + inline] = torch.frombuffer(bytearray(payload[:inline]),

@@ -27,6 +27,7 @@ _SHARD_RE = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
 #: The directory names have fixed widths (listing matches them exactly): 10 digits of iteration,
 #: 5 of rank and world size.
 MAX_ITERATION = 10**10 - 1
+RECYCLE_DIR = ".recycle"  # a session's pool of retired chunk files (see storage/recycle.py)
 MAX_WORLD_SIZE = 10**5 - 1
 _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid session id)
 
@@ -113,9 +114,9 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
     pool = writer_rank is None and not keep_recycled
     in_session = [Path(e.path) for e in _scandir(session_path)
                   if (e.name.startswith(".trash-") and tag in e.name)
-                  or (pool and e.name == ".recycle")]  # storage/recycle.py
+                  or (pool and e.name == RECYCLE_DIR)]
     if writer_rank is None and keep_recycled:  # files a crash left half-made in the pool
-        in_session += [Path(e.path) for e in _scandir(session_path / ".recycle")
+        in_session += [Path(e.path) for e in _scandir(session_path / RECYCLE_DIR)
                        if e.name.startswith(".")]
     return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
                          if _ITER_RE.fullmatch(it_entry.name)

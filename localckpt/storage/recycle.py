@@ -28,11 +28,12 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from .fsutil import make_private_dir
+from .layout import RECYCLE_DIR
 
-RECYCLE_DIR = ".recycle"
 _NAME = re.compile(r"[0-9]{20}-[0-9a-f]{12}")  # <arrival ns>-<uuid>: a complete pooled file
 _RESCAN_S = 0.05  # a listing older than this is taken again even if the mtime did not change
 
@@ -87,7 +88,7 @@ class FilePool:
         try:
             if not (self._usable() or make_private_dir(self.path) or self._usable()):
                 return
-            have = sum(1 for _, size in self._listing() if size >= nbytes)
+            have = sum(1 for _, size in self._pooled() if size >= nbytes)
             st = os.statvfs(self.path)
             room = (st.f_bavail * st.f_frsize) // 2 // max(nbytes, 1)  # half: the save's own
             block = memoryview(bytes(min(nbytes, 1 << 20)))
@@ -113,16 +114,15 @@ class FilePool:
             logger.warning("recycle_files: could not prepare files for the first save under %s "
                            "(%s); it writes new files", self.path, exc)
 
-    def _listing(self) -> list[tuple[str, int]]:
-        out = []
+    def _pooled(self) -> Iterator[tuple[str, int]]:
+        """(name, size) of every complete, singly linked pooled file."""
         with contextlib.suppress(FileNotFoundError), os.scandir(self.path) as entries:
             for entry in entries:
                 if _NAME.fullmatch(entry.name):
                     with contextlib.suppress(FileNotFoundError):
                         st = entry.stat(follow_symlinks=False)
                         if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                            out.append((entry.name, st.st_size))
-        return out
+                            yield entry.name, st.st_size
 
     def take(self, target: Path) -> bool:
         """Move one pooled file to ``target`` (which must not exist); False when there is none
@@ -160,12 +160,13 @@ class FilePool:
                 and now - self._scanned[1] < _RESCAN_S:
             return False
         self._scanned = (mtime, now)
-        self._names = sorted(name for name, _ in self._listing())
+        self._names = sorted(name for name, _ in self._pooled())
         return bool(self._names)
 
     def holds_any(self) -> bool:
-        """Whether some file is pooled (space that statvfs does not count as free)."""
-        return bool(self._listing())
+        """Whether some file is pooled (space that statvfs does not count as free). Asked by
+        every save on the training thread: it stops at the first file."""
+        return next(self._pooled(), None) is not None
 
     def drain_own(self) -> None:
         """Delete what this process put in the pool and nobody took (when it closes: other
