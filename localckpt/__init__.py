@@ -15,9 +15,11 @@ from .errors import (
     NoCheckpointError,
     RankFailureError,
     SessionInUseError,
+    UnsafeTypeError,
     UnsupportedFormatError,
     WorldSizeMismatchError,
 )
+from .leaves import add_safe_types
 from .manager import CkptID, LocalCheckpointManager
 from .ops.metrics import Metrics, PhaseMetric
 from .save.async_calls import AsyncCallsQueue, AsyncRequest
@@ -44,7 +46,9 @@ __all__ = [
     "RankFailureError",
     "SessionInUseError",
     "TensorAwareStateDict",
+    "UnsafeTypeError",
     "UnsupportedFormatError",
     "WorldSizeMismatchError",
     "__version__",
+    "add_safe_types",
 ]

@@ -26,6 +26,12 @@ class ConfigurationError(CheckpointingError, ValueError):
     """An argument or setting is invalid (bad root, session id, keep_last, timeout...)."""
 
 
+class UnsafeTypeError(CheckpointingError, TypeError):
+    """A checkpoint holds a dataclass or named tuple whose type ``load`` may not build: it is
+    neither registered with ``localckpt.add_safe_types`` nor the type of the object at the same
+    key path of ``load(into=...)``."""
+
+
 class LayoutMismatchError(ConfigurationError):
     """Inside ``load``: saved DTensor shards do not lie where the DTensors of ``into`` do
     (another mesh or placements), or are replicas another rank stored; the manager then loads
@@ -96,6 +102,7 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
     for cls in (
         CheckpointingError,
         ConfigurationError,
+        UnsafeTypeError,
         LayoutMismatchError,
         InvalidIterationError,
         WorldSizeMismatchError,

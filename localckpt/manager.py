@@ -26,6 +26,7 @@ from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
 from .control.coverage import Inventory
+from .control.retention import KeepPolicy
 from .errors import (
     CollectiveError,
     ConfigurationError,
@@ -64,6 +65,8 @@ class LocalCheckpointManager:
         repl_strategy: None (no replicas), a ReplicationStrategy, or the registered name of one
             built with its defaults (``replication.strategy_names()``).
         keep_last: complete iterations kept after a successful save (>= 1).
+        keep_every: also keep each complete iteration that is a multiple of this (None: none),
+            e.g. every 1000th for post-mortems. ``localckpt gc --keep-every`` keeps the same.
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
@@ -98,6 +101,7 @@ class LocalCheckpointManager:
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
                  repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
+                 keep_every: int | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
@@ -113,8 +117,7 @@ class LocalCheckpointManager:
                                      f"of {strategy_names()}, got {type(repl_strategy).__name__}")
         if busy not in ("wait", "skip"):
             raise ConfigurationError(f"busy: expected 'wait' or 'skip', got {busy!r}")
-        if type(keep_last) is not int or keep_last < 1:
-            raise ConfigurationError(f"keep_last: expected an int >= 1, got {keep_last!r}")
+        keep = KeepPolicy(keep_last, keep_every)  # ConfigurationError on a bad value
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
@@ -132,6 +135,7 @@ class LocalCheckpointManager:
         session_dir(root, session_id)  # a bad session id is a ConfigurationError
         self.root, self.session_id, self.keep_last, self.busy = root, session_id, keep_last, busy
         self.repl_strategy = strategy
+        self.node_id = node_id
         self.timeout = float(timeout)
         self.metrics = metrics_
 
@@ -177,7 +181,7 @@ class LocalCheckpointManager:
         self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
                             data_group, topology, placement, store, metrics_,
                             self._job_identity)
-        self._save = SavePath(self._ctx, keep_last, busy)
+        self._save = SavePath(self._ctx, keep, busy)
         self._save.any_world = reshard
         self._save.dedupe_replicated = dedupe_replicated
         self._warned_foreign: set[int] = set()

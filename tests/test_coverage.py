@@ -15,6 +15,7 @@ from localckpt.control.coverage import (
     shards_to_delete,
     validate_save,
 )
+from localckpt.control.retention import KeepPolicy
 from localckpt.errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 
 
@@ -82,7 +83,7 @@ def test_validate_save_accepts_newer_and_overwrites_of_partial_iterations() -> N
 def test_retention_keeps_newest_complete_and_deletes_own_others() -> None:
     invs = own(2, [1, 2, 3])
     invs[0] = inv(0, (1, 0, 2), (2, 0, 2), (3, 0, 2), (4, 0, 2), (3, 1, 2))
-    keep = retained_iterations(invs, 2, keep_last=2)
+    keep = retained_iterations(invs, 2, KeepPolicy(last=2))
     assert keep == {2, 3}
     # the partial iteration 4 goes too; everything outside `keep` in this root is pruned
     assert shards_to_delete(invs[0], keep, 2) == [(1, 0, 2), (4, 0, 2)]

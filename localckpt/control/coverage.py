@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
+from .retention import KeepPolicy
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
 
@@ -183,10 +184,10 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
 
 
 def retained_iterations(inventories: Sequence[Inventory], world_size: int,
-                        keep_last: int) -> set[int]:
-    """The ``keep_last`` newest complete iterations: every other shard of this world size in
-    a root may be deleted."""
-    return set(complete_iterations(inventories, world_size)[:keep_last])
+                        policy: KeepPolicy) -> set[int]:
+    """The complete iterations ``policy`` keeps: every other shard of this world size in a root
+    may be deleted."""
+    return policy.keep(complete_iterations(inventories, world_size))
 
 
 def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int) -> list[ShardKey]:

@@ -38,10 +38,12 @@ class Target:
     layout: DTensorLayout | None = None
 
 
-def targets_by_path(into: Any) -> tuple[dict[str, Target], dict[str, Any], dict[Any, Any]]:
+def targets_by_path(into: Any) -> tuple[dict[str, Target], dict[str, Any], dict[Any, Any],
+                                        dict[str, type]]:
     """The tensors of ``into`` (a state dict as ``save`` takes it) by key path (a path that
-    occurs twice is left out), its Stateful objects by key path, and its device meshes by
-    (shape, dim names). Raises TypeError on a leaf ``save`` would refuse."""
+    occurs twice is left out), its Stateful objects and Generators by key path, its device
+    meshes by (shape, dim names), and its dataclass and named tuple types by stored name.
+    Raises TypeError on a leaf ``save`` would refuse."""
     tasd = as_tensor_aware(into)
     dtensors = tasd.dtensors if isinstance(tasd, BasicTensorAwareStateDict) else {}
     out: dict[str, Target] = {}
@@ -56,8 +58,9 @@ def targets_by_path(into: Any) -> tuple[dict[str, Target], dict[str, Any], dict[
             meshes.setdefault(mesh_key(layout), dtensors[i].device_mesh)
     for path in twice:
         del out[path]
-    statefuls = tasd.statefuls if isinstance(tasd, BasicTensorAwareStateDict) else {}
-    return out, statefuls, meshes
+    if isinstance(tasd, BasicTensorAwareStateDict):
+        return out, tasd.statefuls, meshes, tasd.types
+    return out, {}, meshes, {}
 
 
 class Into:
@@ -69,10 +72,11 @@ class Into:
         self._paths: dict[str, Target] | None = None
         self.statefuls: dict[str, Any] = {}
         self.meshes: dict[Any, Any] = {}
+        self.types: dict[str, type] = {}
 
     def paths(self) -> dict[str, Target] | None:
         if self.state is not None and self._paths is None:
-            self._paths, self.statefuls, self.meshes = targets_by_path(self.state)
+            self._paths, self.statefuls, self.meshes, self.types = targets_by_path(self.state)
         return self._paths
 
 
@@ -249,11 +253,19 @@ class Rewrap:
 
     def stateful(self, path: str, value: Any) -> Any:
         """The Stateful object of ``into`` at ``path`` restored from ``value`` (its
-        ``load_state_dict``), or ``value`` when ``into`` has none there."""
+        ``load_state_dict``; a Generator's ``set_state``), or ``value`` when ``into`` has none
+        there."""
         obj = self.into.statefuls.get(path)
         if obj is None:
             return value
-        obj.load_state_dict(value)
+        if isinstance(obj, torch.Generator):
+            if not isinstance(value, torch.Generator):
+                raise ConfigurationError(
+                    f"load(into=...): {path!r} is a torch.Generator in `into`, the checkpoint "
+                    f"holds a {type(value).__name__} there")
+            obj.set_state(value.get_state())
+        else:
+            obj.load_state_dict(value)
         self.restored.add(path)
         return obj
 
@@ -264,8 +276,8 @@ class Rewrap:
         return self.stateful if self.into.statefuls else None
 
     def check_restored(self) -> None:
-        """ConfigurationError naming each Stateful object of ``into`` the checkpoint held no
-        state dict for (nothing restored it)."""
+        """ConfigurationError naming each Stateful object (or Generator) of ``into`` the
+        checkpoint held no state for (nothing restored it)."""
         missing = sorted(set(self.into.statefuls) - self.restored)
         if missing:
             raise ConfigurationError(

@@ -254,6 +254,6 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
     state = rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
         [e.device for e in manifest.tensors], manifest.container == "plain", placed,
-        manifest.layouts, rewrap.dtensor, rewrap.restorer)
+        manifest.layouts, rewrap.dtensor, rewrap.restorer, target.types)
     rewrap.check_restored()
     return manifest, state

@@ -377,7 +377,7 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
     state = rebuild_state_dict(
         manifest.hollow, tensors, [e.key_path for e in manifest.tensors],
         [e.device for e in manifest.tensors], manifest.container == "plain", placed,
-        manifest.layouts, rewrap.dtensor, rewrap.restorer)
+        manifest.layouts, rewrap.dtensor, rewrap.restorer, rnd.into.types)
     rewrap.check_restored()
     out.append((manifest, state))
 

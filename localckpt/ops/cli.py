@@ -3,8 +3,8 @@
     localckpt ls ROOT...            iterations, owners, copies, bytes; coverage across the roots
     localckpt inspect SHARD         manifest, tensor table, writer identity
     localckpt verify ROOT...        every committed shard's checksums (exit 1 on corruption)
-    localckpt gc ROOT... [--dry-run] leftovers, quarantined copies, iterations older than the
-                                    --keep-last newest complete ones across the roots
+    localckpt gc ROOT... [--dry-run] leftovers, quarantined copies, iterations retention would
+                                    delete (--keep-last, --keep-every) across the roots
     localckpt doctor [--root R]     file system, free space, /dev/shm, GPUs, library versions
 
 ``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..control.coverage import complete_from_listings
-from ..errors import CheckpointingError, UnsupportedFormatError
+from ..control.retention import KeepPolicy
+from ..errors import CheckpointingError, ConfigurationError, UnsupportedFormatError
 from ..storage.layout import (
     ShardRef,
     find_leftovers,
@@ -180,13 +181,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove leftovers, quarantined copies, and iterations retention would remove: for each
-    session and world size, the ``--keep-last`` newest iterations complete across the given
-    roots are kept, and so is everything newer (it may be complete with roots not given, or a
-    save in progress); only older shards go. With no complete iteration in view nothing goes.
+    session and world size, what the library's KeepPolicy keeps of the iterations complete
+    across the given roots (``--keep-last`` newest, each multiple of ``--keep-every``) is kept,
+    and so is what it would keep were an incomplete one complete with roots not given (anything
+    newer than the oldest of the last k, or a multiple of --keep-every; a save in progress);
+    the rest goes. With no complete iteration in view nothing goes.
     Deletes in a session only while no live job holds it (its lock), each shard hidden by a
     rename before it is freed."""
-    if args.keep_last < 1:
-        raise UsageError(f"--keep-last: expected an int >= 1, got {args.keep_last}")
+    try:
+        policy = KeepPolicy(args.keep_last, args.keep_every)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc).replace("keep_", "--keep-")) from None
     if args.world_size is not None and args.session is None:
         raise UsageError("--world-size removes every shard of other world sizes: name the "
                          "session it applies to with --session (another job's session may "
@@ -208,7 +213,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     if session_dir(root, session).is_dir():
                         locks.enter_context(SessionLock(session_dir(root, session),
                                                         exclusive=True))
-            removed += _collect(roots, session, args.keep_last, args.world_size, args.dry_run)
+            removed += _collect(roots, session, policy, args.world_size, args.dry_run)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "removed": [str(p) for p in removed]}))
     else:
@@ -219,7 +224,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _collect(roots: list[Path], session: str, keep_last: int, world_size: int | None,
+def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
              dry_run: bool) -> list[Path]:
     """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``)."""
     shards = {root: list_shards(root, session) for root in roots}
@@ -231,10 +236,12 @@ def _collect(roots: list[Path], session: str, keep_last: int, world_size: int | 
             continue
         listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
                     for refs in shards.values()]
-        keep = complete_from_listings(listings, world)[:keep_last]
-        if keep:
+        complete = complete_from_listings(listings, world)
+        if complete:  # the same function as a save's retention, unsure of what it cannot see
+            seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
+            keep = policy.keep(complete, unsure=seen - set(complete))
             doomed += [(root, s) for root, refs in shards.items() for s in refs
-                       if s.world_size == world and s.iteration < min(keep)]
+                       if s.world_size == world and s.iteration not in keep]
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
                                                + find_quarantined(session_dir(root, session)))]
     if not dry_run:
@@ -326,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", help="remove leftovers and old iterations")
     gc.add_argument("roots", nargs="+", help="the roots of every node (or some of them)")
     gc.add_argument("--keep-last", type=int, default=1)
+    gc.add_argument("--keep-every", type=int, default=None,
+                    help="also keep each complete iteration that is a multiple of this")
     gc.add_argument("--session", default=None,
                     help="only this session ('' is the default session); required with "
                          "--world-size")

@@ -31,6 +31,7 @@ from ..control.coverage import (
     shards_to_delete,
     validate_save,
 )
+from ..control.retention import KeepPolicy
 from ..errors import (
     CollectiveTimeoutError,
     ConfigurationError,
@@ -40,6 +41,7 @@ from ..errors import (
     error_from_failures,
 )
 from ..gc_pause import gc_paused
+from ..hollow import uses_extended
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import (
@@ -67,9 +69,9 @@ class SavePath:
     the staging arena belong to this object alone.
     """
 
-    def __init__(self, ctx: Context, keep_last: int, busy: str) -> None:
+    def __init__(self, ctx: Context, keep: KeepPolicy, busy: str) -> None:
         self.ctx = ctx
-        self.keep_last = keep_last
+        self.keep = keep
         self.busy = busy
         self.latest_iteration = -1
         self._arena = StagingArena()
@@ -189,8 +191,11 @@ class SavePath:
                     raise TypeError(str(exc)) from None
             # The lowest version that describes it: older readers read what they can, and
             # refuse (not misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept
-            # by another rank.
-            version = 3 if deduped.expected else 2 if tasd.layouts or statefuls else 1
+            # by another rank; 4: numpy, Generator, dataclass and named tuple nodes.
+            extended = tasd.extended if type(tasd) is BasicTensorAwareStateDict else \
+                uses_extended(hollow)
+            version = 4 if extended else 3 if deduped.expected else \
+                2 if tasd.layouts or statefuls else 1
             staged["manifest"] = ShardManifest(
                 session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
                 world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
@@ -343,7 +348,7 @@ class SavePath:
         ctx = self.ctx
         try:
             fault_point("finalize", ctx.rank, iteration)
-            keep = retained_iterations(inventories, ctx.world_size, self.keep_last)
+            keep = retained_iterations(inventories, ctx.world_size, self.keep)
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size):
                 ctx.store.delete(ctx.store.ref(it, owner, world),

@@ -3,9 +3,10 @@
 The manifest is stored in the zarr group's attributes under ``"localckpt"`` together with a CRC-32C
 of its canonical JSON form, so a flipped byte in the manifest is detected like one in the data.
 Format history: version 1; version 2 adds DTensor (``{"DT": ...}``) and Stateful (``{"S": ...}``)
-nodes to the hollow structure; version 3 (this one) DTensor nodes whose replicated shard another
-rank stored (``"replica"``). A writer uses the lowest version that describes the shard; a reader
-reads all three and rejects any other version with :class:`UnsupportedFormatError` rather than
+nodes to the hollow structure; version 3 DTensor nodes whose replicated shard another rank stored
+(``"replica"``); version 4 (this one) numpy, torch.Generator, dataclass and named tuple nodes
+(:mod:`localckpt.leaves`). A writer uses the lowest version that describes the shard; a reader
+reads all four and rejects any other version with :class:`UnsupportedFormatError` rather than
 guessing.
 """
 
@@ -27,9 +28,11 @@ import torch
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
+from ..hollow import EXTENDED_TAGS
+from ..leaves import dtype_from_descr, scalar_from_json
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
@@ -343,6 +346,8 @@ def check_hollow(hollow: Any, count: int, where: str,
                 base64.b64decode(value.encode("ascii"), validate=True)
             elif tag == "S":
                 stack.append((value, depth + 1))
+            elif tag in EXTENDED_TAGS:
+                stack.extend((v, depth + 1) for v in _check_extended(tag, value, plain, tensor))
             elif tag == "tuple" and type(value) is list:
                 stack.extend((v, depth + 1) for v in value)
             elif tag in ("dict", "odict") and type(value) is list:
@@ -352,9 +357,39 @@ def check_hollow(hollow: Any, count: int, where: str,
                     stack.extend(((pair[0], depth + 1), (pair[1], depth + 1)))
             else:
                 raise ValueError(f"node {str(node)[:100]}")
-        except (ValueError, TypeError, AttributeError, binascii.Error) as exc:
+        except (ValueError, TypeError, AttributeError, RuntimeError, binascii.Error) as exc:
             raise bad(f"malformed structure: {exc}") from None
     return dict(sorted(layouts.items()))
+
+
+def _check_extended(tag: str, value: Any, plain: set[int], tensor: Any) -> list[Any]:
+    """Check a format-4 node (see :mod:`localckpt.hollow`); returns the nodes it holds."""
+    if type(value) is not dict:
+        raise ValueError(f"{tag!r} node {str(value)[:100]}")
+    if tag == "np":
+        shape = value.get("shape")
+        if set(value) != {"T", "dtype", "shape"} or type(shape) is not list or \
+                any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
+            raise ValueError(f"numpy array node {str(value)[:100]}")
+        dtype_from_descr(value["dtype"])
+        tensor(value["T"], plain)
+    elif tag == "npg":
+        if set(value) != {"dtype", "b"} or type(value["b"]) is not str:
+            raise ValueError(f"numpy scalar node {str(value)[:100]}")
+        scalar_from_json(value)
+    elif tag == "G":
+        if set(value) != {"T", "device"} or type(value["device"]) is not str:
+            raise ValueError(f"Generator node {str(value)[:100]}")
+        torch.device(value["device"])
+        tensor(value["T"], plain)
+    else:
+        fields = value.get("fields")
+        if set(value) != {"type", "fields"} or type(value["type"]) is not str or \
+                type(fields) is not list or any(type(f) is not list or len(f) != 2
+                                                or type(f[0]) is not str for f in fields):
+            raise ValueError(f"{tag!r} node {str(value)[:100]}")
+        return [f[1] for f in fields]
+    return []
 
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",

@@ -1,0 +1,334 @@
+"""The hollow structure: a state dict's non-tensor part as plain JSON, tensors replaced by their
+index, and back.
+
+Every JSON object node has exactly one tag key, so decoding is exact: ``{"T": i}`` a tensor,
+``{"DT": ...}`` a DTensor's local shard (:mod:`localckpt.dtensors`), ``{"S": ...}`` what a
+Stateful object's ``state_dict()`` returned, ``{"dict"|"odict"|"tuple": ...}`` containers (a list
+is a JSON list), ``{"f"|"c"|"b": ...}`` float (bit-exact, as hex), complex and bytes; format 4
+adds ``{"np": ...}`` / ``{"npg": ...}`` numpy arrays and scalars, ``{"G": ...}`` torch
+Generators and ``{"dc"|"nt": ...}`` dataclasses and named tuples (:mod:`localckpt.leaves`).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import leaves
+from .dtensors import DTensorLayout, is_dtensor
+
+logger = logging.getLogger(__name__)
+
+JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dict[str, JSON]
+
+_SCALAR_TYPES = (type(None), bool, int, str)
+
+#: Tags a format-4 reader knows and older ones do not.
+EXTENDED_TAGS = frozenset({"np", "npg", "G", "dc", "nt"})
+
+SUPPORTED = ("a tensor, DTensor, numpy array or scalar, torch.Generator, dict, OrderedDict, "
+             "list, tuple, named tuple, dataclass, an object with state_dict() and "
+             "load_state_dict(), None, bool, int, float, complex, str or bytes")
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def _encode_key(key: Any, path: tuple[Any, ...]) -> JSON:
+    if isinstance(key, tuple) and type(key) is tuple:
+        return {"tuple": [_encode_key(k, path) for k in key]}
+    if isinstance(key, (torch.Tensor, list, dict)):
+        raise TypeError(
+            f"state dict key at {path_str(path)!r}: expected a str, int, float, bool, None, bytes "
+            f"or tuple key, got {type(key).__name__}"
+        )
+    return _encode_leaf(key, path)
+
+
+def _encode_leaf(value: Any, path: tuple[Any, ...]) -> JSON:
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
+        return value
+    if kind is float:
+        return {"f": value.hex()}
+    if kind is complex:
+        return {"c": [value.real.hex(), value.imag.hex()]}
+    if kind is bytes:
+        return {"b": base64.b64encode(value).decode("ascii")}
+    raise TypeError(
+        f"unsupported value at state dict key {path_str(path)!r}: expected {SUPPORTED}, "
+        f"got {kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(
+            f"unsupported tensor at state dict key {path_str(path)!r}: expected a plain "
+            f"torch.Tensor or nn.Parameter, got subclass {type(t).__qualname__}"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"unsupported tensor at state dict key {path_str(path)!r}: expected layout "
+            f"torch.strided, got {t.layout}"
+        )
+    if t.device.type == "meta":
+        raise TypeError(
+            f"unsupported tensor at state dict key {path_str(path)!r}: meta tensors hold no data"
+        )
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the Stateful protocol (torch.distributed.checkpoint's)."""
+    kind = type(obj)
+    return not isinstance(obj, type) and callable(getattr(kind, "state_dict", None)) and \
+        callable(getattr(kind, "load_state_dict", None))
+
+
+@dataclass
+class Walk:
+    """What :func:`encode_hollow` collects: the tensors in order, their key paths, the DTensors,
+    Stateful objects and Generators it met, and the dataclass / named tuple types."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    dtensors: dict[int, Any] = field(default_factory=dict)
+    layouts: dict[int, DTensorLayout] = field(default_factory=dict)
+    statefuls: dict[str, Any] = field(default_factory=dict)  # outermost ones, by key path
+    within: int = 0  # how many Stateful objects the walk is inside
+    open: set[int] = field(default_factory=set)  # ids of the Statefuls being walked (cycles)
+    dtensor_paths: set[str] = field(default_factory=set)
+    types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
+    extended: bool = False  # a format-4 node was written
+
+    def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        self.tensors.append(t)
+        self.paths.append(path_str(path))
+        return len(self.tensors) - 1
+
+    def restorable(self, obj: Any, path: tuple[Any, ...]) -> None:
+        """Record a Stateful object or Generator that ``load(into=...)`` restores in place
+        (the outermost ones only: an outer one restores those its state dict holds)."""
+        if self.within:
+            return
+        where = path_str(path)
+        if where in self.statefuls:
+            raise TypeError(f"two Stateful objects at state dict key {where!r}: a key path "
+                            "must name one object for load(into=...) to restore it")
+        self.statefuls[where] = obj
+
+
+def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
+    """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        if is_dtensor(obj):
+            where = path_str(path)
+            if where in walk.dtensor_paths:  # resharding and dedupe find leaves by key path
+                raise TypeError(f"two DTensors at state dict key {where!r} (keys whose str() "
+                                "joined by '/' coincide): a DTensor's key path must be unique")
+            walk.dtensor_paths.add(where)
+            layout = DTensorLayout.of(obj, where)
+            local: torch.Tensor = obj._local_tensor  # type: ignore[attr-defined]  # the very
+            # storage, which load(into=...) reads into
+            _check_tensor(local, path)
+            i = walk.add(local, path)
+            walk.dtensors[i], walk.layouts[i] = obj, layout
+            return {"DT": {"T": i, "layout": layout.json}}
+        _check_tensor(obj, path)
+        return {"T": walk.add(obj, path)}
+    if kind is dict or kind is OrderedDict:
+        items = [[_encode_key(k, path), encode_hollow(v, walk, (*path, k))]
+                 for k, v in obj.items()]
+        return {"odict" if kind is OrderedDict else "dict": items}
+    if kind is list:
+        return [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]
+    if kind is tuple:
+        return {"tuple": [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]}
+    if is_stateful(obj):
+        return _encode_stateful(obj, walk, path)
+    if isinstance(obj, (np.ndarray, np.generic, torch.Generator)) or leaves.is_record(obj):
+        walk.extended = True
+        return _encode_extended(obj, walk, path)
+    return _encode_leaf(obj, path)
+
+
+def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
+    what = f"state dict key {path_str(path)!r}"
+    if isinstance(obj, np.ndarray):
+        t, descr = leaves.array_to_tensor(obj, what)
+        return {"np": {"T": walk.add(t, path), "dtype": descr, "shape": list(obj.shape)}}
+    if isinstance(obj, np.generic):
+        return {"npg": leaves.scalar_to_json(obj, what)}
+    if isinstance(obj, torch.Generator):
+        walk.restorable(obj, path)
+        return {"G": {"T": walk.add(obj.get_state(), path), "device": str(obj.device)}}
+    kind = type(obj)
+    name = leaves.type_name(kind)
+    if walk.types.setdefault(name, kind) is not kind:
+        raise TypeError(f"two types named {name!r} in one state dict (at {what})")
+    fields = [[f, encode_hollow(v, walk, (*path, f))] for f, v in leaves.record_fields(obj)]
+    return {"nt" if isinstance(obj, tuple) else "dc": {"type": name, "fields": fields}}
+
+
+def _encode_stateful(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
+    """``{"S": obj.state_dict()}``. Two Stateful objects at one key path, or one whose state dict
+    holds itself, are refused (TypeError)."""
+    if id(obj) in walk.open:
+        raise TypeError(f"Stateful object at state dict key {path_str(path)!r}: its "
+                        "state_dict() holds the object itself")
+    walk.restorable(obj, path)
+    walk.open.add(id(obj))
+    walk.within += 1
+    try:
+        return {"S": encode_hollow(obj.state_dict(), walk, path)}
+    finally:
+        walk.within -= 1
+        walk.open.discard(id(obj))
+
+
+Restorer = Callable[[str, Any], Any]
+
+
+class Decoder:
+    """Inverse of :func:`encode_hollow`. ``dtensors``: the object each ``{"DT": ...}`` node
+    becomes, by tensor index; ``stateful(key_path, value)``: what each ``{"S": ...}`` and
+    ``{"G": ...}`` node and each dict becomes (default: its value), called for the outermost ones
+    only, with a value whose nested Stateful nodes are plain state dicts; ``types``: dataclass and
+    named tuple types allowed besides the registered ones (:func:`leaves.add_safe_types`).
+    Decoding raises ValueError on a malformed node or a DTensor node ``dtensors`` lacks, and
+    UnsafeTypeError on a type that is not allowed. Key paths are tracked only for ``stateful``
+    (a plain load of many small tensors would pay for them)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], dtensors: Mapping[int, Any] | None = None,
+                 stateful: Restorer | None = None,
+                 types: Mapping[str, type] | None = None) -> None:
+        self.tensors, self.dtensors, self.stateful = tensors, dtensors, stateful
+        self.types = types or {}
+        self._devices: dict[str, torch.device] = {}
+
+    def __call__(self, node: JSON) -> Any:
+        return self._node(node, () if self.stateful is not None else None)
+
+    def _tensor(self, value: Any) -> torch.Tensor:
+        if type(value) is not int or not 0 <= value < len(self.tensors):
+            raise ValueError(f"hollow structure refers to tensor {value!r} of "
+                             f"{len(self.tensors)}")
+        return self.tensors[value]
+
+    def _node(self, node: JSON, path: tuple[Any, ...] | None) -> Any:
+        if node is None or type(node) in (bool, int, str):
+            return node
+        if type(node) is list:
+            if path is None:
+                return [self._node(v, None) for v in node]
+            return [self._node(v, (*path, i)) for i, v in enumerate(node)]
+        if type(node) is dict and len(node) == 1:
+            (tag, value), = node.items()
+            if tag == "T":
+                return self._tensor(value)
+            if tag == "f":
+                return float.fromhex(value)
+            if tag in ("dict", "odict"):
+                pairs = []
+                for k, v in value:
+                    key = self._node(k, None)
+                    pairs.append((key, self._node(v, None if path is None else (*path, key))))
+                out = OrderedDict(pairs) if tag == "odict" else dict(pairs)
+                # a Stateful of load(into=...) where a plain state dict was saved
+                return self._restore(path, out)
+            if tag == "tuple":
+                if path is None:
+                    return tuple([self._node(v, None) for v in value])
+                return tuple(self._node(v, (*path, i)) for i, v in enumerate(value))
+            if tag == "DT":
+                i = value.get("T") if type(value) is dict else None
+                if self.dtensors is None or type(i) is not int or i not in self.dtensors:
+                    raise ValueError(f"hollow structure: no DTensor for tensor {i!r}")
+                return self.dtensors[i]
+            if tag == "S":
+                return self._restore(path, self._node(value, None))
+            if tag == "c":
+                return complex(float.fromhex(value[0]), float.fromhex(value[1]))
+            if tag == "b":
+                return base64.b64decode(value.encode("ascii"), validate=True)
+            if tag in EXTENDED_TAGS and type(value) is dict:
+                return self._extended(tag, value, path)
+        raise ValueError(f"malformed hollow structure node: {str(node)[:200]}")
+
+    def _restore(self, path: tuple[Any, ...] | None, value: Any) -> Any:
+        return value if self.stateful is None or path is None else \
+            self.stateful(path_str(path), value)
+
+    def _extended(self, tag: str, value: dict[str, Any], path: tuple[Any, ...] | None) -> Any:
+        if tag == "np":
+            return leaves.tensor_to_array(self._tensor(value.get("T")), value.get("dtype"),
+                                          value.get("shape"))  # type: ignore[arg-type]
+        if tag == "npg":
+            return leaves.scalar_from_json(value)
+        if tag == "G":
+            state, recorded = self._tensor(value.get("T")), str(value.get("device"))
+            device = resolve_device(recorded, self._devices)
+            if device.type == "cpu" and torch.device(recorded).type != "cpu":
+                logger.warning("a torch.Generator of %s cannot be rebuilt here: its state "
+                               "tensor is returned instead", recorded)
+                return state
+            return self._restore(path, leaves.generator_from_state(state, device))
+        fields = value.get("fields")
+        if type(fields) is not list or any(type(f) is not list or len(f) != 2
+                                           or type(f[0]) is not str for f in fields):
+            raise ValueError(f"malformed {tag!r} node: {str(value)[:200]}")
+        decoded = [(f, self._node(v, None if path is None else (*path, f))) for f, v in fields]
+        return leaves.build_record(tag, str(value.get("type")), decoded, self.types)
+
+
+def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
+                  dtensors: Mapping[int, Any] | None = None,
+                  stateful: Restorer | None = None,
+                  types: Mapping[str, type] | None = None) -> Any:
+    """Inverse of :func:`encode_hollow` (see :class:`Decoder`)."""
+    return Decoder(tensors, dtensors, stateful, types)(node)
+
+
+def uses_extended(hollow: JSON) -> bool:
+    """Whether ``hollow`` holds a node only format 4 describes."""
+    stack = [hollow]
+    while stack:
+        node = stack.pop()
+        if type(node) is list:
+            stack.extend(node)
+        elif type(node) is dict:
+            if len(node) == 1 and not EXTENDED_TAGS.isdisjoint(node):
+                return True
+            stack.extend(node.values())
+    return False
+
+
+def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None) -> torch.device:
+    """The device a tensor saved from ``recorded`` goes back to: itself when it exists here, else
+    CPU (with a warning, once per device string per call site cache)."""
+    if _cache is not None and recorded in _cache:
+        return _cache[recorded]
+    device = torch.device(recorded)
+    if device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            logger.warning(
+                "checkpoint tensor was saved on %s, which does not exist here (%s); "
+                "restoring it to CPU",
+                recorded,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            device = torch.device("cpu")
+    if _cache is not None:
+        _cache[recorded] = device
+    return device

@@ -1,0 +1,1 @@
+"""Drop-ins for training frameworks (each imports its framework on import)."""

@@ -1,0 +1,231 @@
+"""PyTorch Lightning: save and resume a ``Trainer`` through localckpt.
+
+    from localckpt.integrations.lightning import LATEST, LocalCkptDDPStrategy, LocalCkptIO
+
+    io = LocalCkptIO("/dev/shm/ckpt", "my-job", repl_strategy="node_spread", async_save=True)
+    trainer = Trainer(strategy=LocalCkptDDPStrategy(), plugins=[io], callbacks=[
+        ModelCheckpoint(dirpath="/shared/markers", every_n_train_steps=100, save_last=True)])
+    trainer.fit(model, ckpt_path="last")  # resumes when there is a "last" marker
+
+Each save is the rank's shard of iteration ``global_step``, written to node-local storage and
+replicated to other nodes by the manager; the file Lightning names (``path``) becomes a small
+JSON marker naming that iteration, written by global rank 0, so ``ModelCheckpoint``'s
+bookkeeping (``ckpt_path="last"``, top-k, ``best_model_path``) works as with files (the markers'
+directory must be one every rank sees, as Lightning's own checkpoints need for "last"; the
+data stays node-local). ``ckpt_path=LATEST`` needs no marker: the newest complete iteration,
+NoCheckpointError if there is none. ``load_checkpoint`` loads
+the newest complete iteration whatever the path (fetching a lost node's shards from its peers),
+with a warning where the path's marker names another (loading an older iteration comes with
+rollback, not yet built). Retention is the manager's (``keep_last``,
+``keep_every``); ``remove_checkpoint`` removes only the marker.
+
+Lightning's own ``DDPStrategy`` calls the checkpoint plugin on global rank 0 only; a localckpt
+save is collective (every rank saves its shard), so use :class:`LocalCkptDDPStrategy`, which
+calls it on every rank. A world of one works with any single-device strategy.
+
+Lightning checkpoints hold dict subclasses (``AttributeDict`` hyper-parameters): they are saved
+as plain dicts. Loads return tensors on the devices they were saved from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+try:
+    from lightning_fabric.plugins import CheckpointIO
+    from pytorch_lightning.strategies import DDPStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without Lightning
+    raise ImportError("localckpt.integrations.lightning needs pytorch-lightning: "
+                      "pip install 'localckpt[lightning]'") from exc
+
+import torch.distributed as dist
+
+from ..errors import ConfigurationError
+from ..manager import LocalCheckpointManager
+from ..save.async_calls import AsyncCallsQueue
+
+#: ``trainer.fit(model, ckpt_path=LATEST)`` resumes from the newest complete iteration
+#: (NoCheckpointError if there is none; ``ckpt_path="last"`` starts afresh then).
+LATEST = "localckpt://latest"
+
+MARKER_FORMAT = "localckpt-lightning-marker"
+
+logger = logging.getLogger(__name__)
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with dict subclasses (AttributeDict...) turned into dicts, recursively."""
+    if isinstance(obj, dict):
+        items = {k: _plain(v) for k, v in obj.items()}
+        return items if type(obj) is dict else dict(items)
+    if type(obj) is list:
+        return [_plain(v) for v in obj]
+    return obj
+
+
+class LocalCkptIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through a :class:`LocalCheckpointManager`.
+
+    Args:
+        root: node-local checkpoint root (as the manager's); or None with ``manager_factory``.
+        session_id, **manager_kwargs: passed to the manager (``repl_strategy``, ``keep_last``,
+            ``node_id``...).
+        async_save: stage on the training thread, write and replicate in the background; each
+            save finalizes the one before, ``load_checkpoint`` and ``teardown`` every one.
+        manager_factory: builds the manager instead (called once the process group exists,
+            on every rank: for a root or node id that depend on the rank).
+
+    The manager is created on first use (inside ``fit``, after Lightning set up the process
+    group) and closed by ``teardown``. Every method but ``remove_checkpoint`` is collective.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, session_id: str = "", *,
+                 async_save: bool = False,
+                 manager_factory: Callable[[], LocalCheckpointManager] | None = None,
+                 **manager_kwargs: Any) -> None:
+        if (root is None) == (manager_factory is None):
+            raise ConfigurationError("LocalCkptIO: expected a root or a manager_factory "
+                                     f"(exactly one), got root={root!r}, "
+                                     f"manager_factory={manager_factory!r}")
+        if manager_factory is None:
+            def manager_factory() -> LocalCheckpointManager:
+                return LocalCheckpointManager(root, session_id,  # type: ignore[arg-type]
+                                              **manager_kwargs)
+        self._factory = manager_factory
+        self.async_save = async_save
+        self.on_every_rank = False  # set by LocalCkptDDPStrategy before each call
+        self._manager: LocalCheckpointManager | None = None
+        self._queue: AsyncCallsQueue | None = None
+        self._saved_step: int | None = None
+
+    @property
+    def manager(self) -> LocalCheckpointManager:
+        """The manager (created on first use: collective)."""
+        if self._manager is None:
+            self._check_every_rank("the first save or load")
+            self._manager = self._factory()
+            if self.async_save:
+                self._queue = AsyncCallsQueue(timeout=self._manager.timeout,
+                                              node_id=self._manager.node_id)
+        return self._manager
+
+    def _check_every_rank(self, what: str) -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and \
+                not self.on_every_rank:
+            raise ConfigurationError(
+                f"LocalCkptIO: {what} runs on this rank alone, but a localckpt save is "
+                "collective; Lightning's DDPStrategy calls the checkpoint plugin on rank 0 only: "
+                "use Trainer(strategy=localckpt.integrations.lightning.LocalCkptDDPStrategy())")
+
+    def _finalize(self, blocking: bool) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> None:
+        """Save ``checkpoint`` as iteration ``checkpoint["global_step"]`` (once per step: a
+        second save at one step, such as ``last.ckpt``, only writes its marker). Collective."""
+        if storage_options is not None:
+            raise TypeError("LocalCkptIO.save_checkpoint: storage_options are not supported, "
+                            f"got {storage_options!r}")
+        step = checkpoint.get("global_step")
+        if type(step) is not int:
+            raise ConfigurationError(f"LocalCkptIO: expected an int 'global_step' in the "
+                                     f"checkpoint, got {step!r}")
+        mgr = self.manager
+        if step != self._saved_step:
+            if self._queue is not None:
+                self._finalize(blocking=False)
+                request = mgr.save(_plain(checkpoint), step, is_async=True)
+                if request is not None:
+                    self._queue.schedule_async_request(request)
+            else:
+                mgr.save(_plain(checkpoint), step)
+            self._saved_step = step
+        if mgr.rank == 0:
+            _write_marker(Path(path), mgr.session_id, step)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The newest complete iteration's checkpoint (see the module docstring). Collective.
+        NoCheckpointError when there is none. A marker at ``path`` naming another iteration (or
+        a file that is no marker) is logged as a warning on the ranks that see it: the ranks
+        do not agree on files only some of them see, so it cannot fail them alike."""
+        mgr = self.manager
+        self._finalize(blocking=True)
+        state, (iteration, _, _) = mgr.load()
+        wanted = None if str(path) == LATEST else _read_marker(Path(path))
+        if wanted is not None and wanted != iteration:
+            logger.warning("LocalCkptIO: %r names iteration %d; loaded the newest complete "
+                           "one, %d (loading an older one is not supported yet)", str(path),
+                           wanted, iteration)
+        self._saved_step = iteration
+        return state  # type: ignore[no-any-return]
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the marker at ``path`` (shards go by the manager's retention)."""
+        if self._manager is not None and self._manager.rank == 0:
+            Path(path).unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        """Finalize every async save and close the manager. Collective."""
+        try:
+            self._finalize(blocking=True)
+        finally:
+            if self._queue is not None:
+                self._queue.close()
+            if self._manager is not None:
+                self._manager.close()
+            self._manager, self._queue, self._saved_step = None, None, None
+
+
+def _write_marker(path: Path, session: str, iteration: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"format": MARKER_FORMAT, "session": session,
+                               "iteration": iteration}))
+    os.replace(tmp, path)
+
+
+def _read_marker(path: Path) -> int | None:
+    """The iteration a marker names; None where this rank cannot see it (another node's disk)
+    or it is no marker (logged)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        logger.warning("LocalCkptIO: %r is not a localckpt marker (%s)", str(path), exc)
+        return None
+    if type(doc) is not dict or doc.get("format") != MARKER_FORMAT or \
+            type(doc.get("iteration")) is not int:
+        logger.warning("LocalCkptIO: %r is not a localckpt marker", str(path))
+        return None
+    return int(doc["iteration"])
+
+
+class LocalCkptDDPStrategy(DDPStrategy):
+    """Lightning's DDPStrategy, but checkpoints are saved (and markers removed) through the
+    checkpoint plugin on every rank, as a localckpt save needs."""
+
+    def _every_rank(self) -> Any:
+        io = self.checkpoint_io
+        if isinstance(io, LocalCkptIO):
+            io.on_every_rank = True
+        return io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        self._every_rank().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._every_rank().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        self._every_rank()
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

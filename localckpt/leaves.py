@@ -1,0 +1,231 @@
+"""State dict leaves beyond tensors and JSON scalars, each with a restricted encoding (no pickle).
+
+- **numpy arrays** of any dtype without Python objects in it (numbers, bool, datetime64,
+  fixed-width strings and bytes, structured records): stored like a tensor, in torch's dtype
+  where torch has one (plain zarr readers then see a typed array), else as bytes; the dtype is
+  recorded as numpy's array-protocol description and parsed back without ``eval``.
+- **numpy scalars** (``np.float32(1.5)``, ``np.int64(3)``): their bytes inline in the JSON.
+- **torch.Generator**: its state is stored as a tensor and set on a new generator at load (on the
+  caller's own generator with ``load(into=...)``). NumPy's and Python's RNG states need nothing
+  of their own: ``np.random.get_state()``, ``Generator.bit_generator.state`` and
+  ``random.getstate()`` are tuples, dicts, ints and arrays.
+- **dataclasses and named tuples**: stored as their type's name and their fields. Loading builds
+  an instance only of a type that is *allowed*: registered with :func:`add_safe_types`, or the
+  type of the object at the same key path of ``load(into=...)``. No module is imported and no
+  name is looked up anywhere else; any other type is :class:`UnsafeTypeError`. Fields the saved
+  object lacks take the class's defaults; a saved field the class no longer has is an error.
+
+Numpy arrays of object dtype are refused at save (``TypeError`` naming the key path).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UnsafeTypeError
+
+_registry_lock = threading.Lock()
+_SAFE_TYPES: dict[str, type] = {}
+
+
+def type_name(kind: type) -> str:
+    """The name a dataclass or named tuple type is stored under: ``module:qualname``."""
+    return f"{kind.__module__}:{kind.__qualname__}"
+
+
+def is_record(obj: Any) -> bool:
+    """Whether ``obj`` is a dataclass instance or a named tuple."""
+    kind = type(obj)
+    return (dataclasses.is_dataclass(kind) and not isinstance(obj, type)) or \
+        (isinstance(obj, tuple) and kind is not tuple and isinstance(getattr(kind, "_fields", None),
+                                                                    tuple))
+
+
+def add_safe_types(*types: type) -> None:
+    """Allow ``load`` to build instances of these dataclasses or named tuples, in every load of
+    this process (like ``torch.serialization.add_safe_globals``). Raises ``TypeError`` for
+    anything else, or for a type whose ``module:qualname`` another registered type has."""
+    for kind in types:
+        if not isinstance(kind, type) or not (dataclasses.is_dataclass(kind) or (
+                issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple))):
+            raise TypeError(f"add_safe_types: expected dataclass or named tuple types, got "
+                            f"{kind!r}")
+    with _registry_lock:
+        for kind in types:
+            name = type_name(kind)
+            if _SAFE_TYPES.get(name, kind) is not kind:
+                raise TypeError(f"add_safe_types: another type is registered as {name!r}")
+            _SAFE_TYPES[name] = kind
+
+
+def safe_types() -> dict[str, type]:
+    """A copy of the registered types, by stored name."""
+    with _registry_lock:
+        return dict(_SAFE_TYPES)
+
+
+def record_fields(obj: Any) -> list[tuple[str, Any]]:
+    """The (name, value) pairs a dataclass instance or named tuple is stored as."""
+    if isinstance(obj, tuple):
+        return list(zip(type(obj)._fields, obj, strict=True))  # type: ignore[attr-defined]
+    return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+
+
+def build_record(tag: str, name: str, values: Sequence[tuple[str, Any]],
+                 types: Mapping[str, type]) -> Any:
+    """An instance of the allowed type ``name`` with the saved field ``values``, without running
+    its ``__init__`` (as ``copy`` does). UnsafeTypeError if the type is not allowed; ValueError
+    if a saved field is unknown to it or a field it requires was not saved."""
+    kind = types.get(name) or _SAFE_TYPES.get(name)
+    if kind is None:
+        what = "dataclass" if tag == "dc" else "named tuple"
+        raise UnsafeTypeError(
+            f"load: the checkpoint holds a {what} of type {name!r}, which is not allowed: "
+            "register it with localckpt.add_safe_types(<the class>) or pass an object of that "
+            "type at the same key path in load(into=...); nothing is imported from a checkpoint")
+    saved = dict(values)
+    if tag == "nt":
+        defaults = getattr(kind, "_field_defaults", {})
+        _check_fields(name, saved, kind._fields, defaults)  # type: ignore[attr-defined]
+        return kind._make(saved[f] if f in saved else defaults[f]  # type: ignore[attr-defined]
+                          for f in kind._fields)  # type: ignore[attr-defined]
+    fields = dataclasses.fields(kind)
+    has_default = {f.name for f in fields if f.default is not dataclasses.MISSING
+                   or f.default_factory is not dataclasses.MISSING}
+    _check_fields(name, saved, [f.name for f in fields], has_default)
+    obj: Any = kind.__new__(kind)  # type: ignore[call-overload]
+    for f in fields:
+        if f.name in saved:
+            value = saved[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()  # type: ignore[operator]
+        object.__setattr__(obj, f.name, value)  # frozen dataclasses too
+    return obj
+
+
+def _check_fields(name: str, saved: Mapping[str, Any], fields: Sequence[str],
+                  has_default: Any) -> None:
+    unknown = sorted(set(saved) - set(fields))
+    if unknown:
+        raise ValueError(f"load: the saved {name!r} has fields {unknown} its class no longer has")
+    missing = sorted(f for f in fields if f not in saved and f not in has_default)
+    if missing:
+        raise ValueError(f"load: the saved {name!r} lacks fields {missing}, which its class "
+                         "requires (no default)")
+
+
+# --------------------------------------------------------------------------------------------
+# numpy
+
+
+def _check_dtype(dtype: np.dtype[Any], what: str) -> None:
+    if dtype.hasobject:
+        raise TypeError(f"{what}: numpy dtype {dtype} holds Python objects, which cannot be "
+                        "stored without pickle; convert it to a numeric, string or bytes dtype")
+
+
+def dtype_descr(dtype: np.dtype[Any]) -> Any:
+    """JSON form of a numpy dtype (numpy's array-protocol description)."""
+    return np.lib.format.dtype_to_descr(dtype)
+
+
+def _tuples(descr: Any) -> Any:
+    """A JSON-decoded structured description with its tuples back (names with titles, shapes)."""
+    if type(descr) is str:
+        return descr
+    if type(descr) is not list:
+        raise ValueError(f"numpy dtype description {str(descr)[:100]}")
+    out = []
+    for item in descr:
+        if type(item) is not list or len(item) not in (2, 3):
+            raise ValueError(f"numpy dtype field {str(item)[:100]}")
+        name = tuple(item[0]) if type(item[0]) is list else item[0]
+        rest = [_tuples(item[1])] + ([tuple(item[2])] if len(item) == 3 else [])
+        out.append((name, *rest))
+    return out
+
+
+def dtype_from_descr(descr: Any) -> np.dtype[Any]:
+    """Inverse of :func:`dtype_descr`; ValueError for a malformed one or one holding objects."""
+    try:
+        dtype = np.lib.format.descr_to_dtype(_tuples(descr))
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise ValueError(f"numpy dtype description {str(descr)[:100]}: {exc}") from None
+    try:
+        _check_dtype(dtype, "load")
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    return dtype
+
+
+def array_to_tensor(arr: np.ndarray[Any, Any], what: str) -> tuple[torch.Tensor, Any]:
+    """The tensor a numpy array is stored as (sharing its memory when it is C-contiguous and
+    writable, so ``load(into=...)`` reads into the caller's array) and its dtype description.
+    TypeError (naming ``what``) for an object dtype."""
+    _check_dtype(arr.dtype, what)
+    if not (arr.flags.c_contiguous and arr.flags.writeable):
+        arr = np.array(arr, order="C", copy=True)
+    try:
+        t = torch.from_numpy(arr)
+    except (TypeError, ValueError, RuntimeError):  # a dtype torch lacks, or another byte order
+        t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+    return t, dtype_descr(arr.dtype)
+
+
+def tensor_to_array(t: torch.Tensor, descr: Any, shape: Sequence[int]) -> np.ndarray[Any, Any]:
+    """The numpy array stored as ``t`` (sharing its memory when on CPU). ValueError if the bytes
+    do not make an array of that dtype and shape."""
+    dtype = dtype_from_descr(descr)
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    raw = flat.numpy() if flat.dtype == torch.uint8 else flat.view(torch.uint8).numpy()
+    count = 1
+    for n in shape:
+        count *= n
+    if raw.nbytes != count * dtype.itemsize:
+        raise ValueError(f"numpy array of {dtype} {list(shape)}: expected "
+                         f"{count * dtype.itemsize} bytes, got {raw.nbytes}")
+    if count == 0:
+        return np.empty(tuple(shape), dtype=dtype)
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def scalar_to_json(value: np.generic, what: str) -> dict[str, Any]:
+    """A numpy scalar as ``{"dtype": ..., "b": base64 of its bytes}``."""
+    arr = np.asarray(value)
+    _check_dtype(arr.dtype, what)
+    return {"dtype": dtype_descr(arr.dtype),
+            "b": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def scalar_from_json(value: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`scalar_to_json`; ValueError for a malformed node."""
+    dtype = dtype_from_descr(value["dtype"])
+    raw = base64.b64decode(str(value["b"]).encode("ascii"), validate=True)
+    if len(raw) != dtype.itemsize:
+        raise ValueError(f"numpy scalar of {dtype}: expected {dtype.itemsize} bytes, "
+                         f"got {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype).reshape(())[()]
+
+
+# --------------------------------------------------------------------------------------------
+# torch.Generator
+
+
+def generator_from_state(state: torch.Tensor, device: torch.device) -> torch.Generator:
+    """A new generator on ``device`` in the saved ``state``; ValueError if it does not fit."""
+    gen = torch.Generator(device=device)
+    try:
+        gen.set_state(state.detach().cpu().contiguous())
+    except RuntimeError as exc:
+        raise ValueError(f"torch.Generator state of {state.numel()} bytes for {device}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    return gen

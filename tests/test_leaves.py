@@ -1,0 +1,275 @@
+"""Leaves real state dicts carry: numpy arrays and scalars, RNG states, torch Generators,
+dataclasses and named tuples (issue 20, item 3). Unit tests over the hollow encoding, then saves
+and loads through a manager (a world of one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections import namedtuple
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+import localckpt
+from localckpt import LocalCheckpointManager, UnsafeTypeError
+from localckpt.state_dict import BasicTensorAwareStateDict, rebuild_state_dict
+from localckpt.storage.manifest import FORMAT_VERSION, check_hollow
+from localckpt.storage.store import ShardStore
+
+
+@dataclasses.dataclass
+class Schedule:
+    warmup: int
+    peak_lr: float
+    betas: tuple[float, float] = (0.9, 0.95)
+    history: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    step: int
+    weights: torch.Tensor
+
+
+class Position(NamedTuple):
+    epoch: int
+    sample: Any = None
+
+
+Unregistered = namedtuple("Unregistered", "a b")
+
+localckpt.add_safe_types(Schedule, Frozen, Position)
+
+
+def round_trip(state: Any, types: dict[str, type] | None = None) -> Any:
+    """``state`` through the JSON hollow structure, the manifest's check, and a rebuild from
+    copies of its tensors (what a load does, without the disk)."""
+    tasd = BasicTensorAwareStateDict(state)
+    hollow = json.loads(json.dumps(tasd.hollow_structure()))
+    check_hollow(hollow, len(tasd.tensors), "test")
+    tensors = [t.detach().clone() for t in tasd.tensors]
+    return rebuild_state_dict(hollow, tensors, tasd.key_paths, ["cpu"] * len(tensors), True,
+                              types=types)
+
+
+ARRAYS = {
+    "f32": np.arange(12, dtype=np.float32).reshape(3, 4),
+    "f16": np.linspace(-1, 1, 7).astype(np.float16),
+    "i8": np.array([-128, 0, 127], dtype=np.int8),
+    "u16": np.arange(5, dtype=np.uint16),
+    "u64": np.array([2**64 - 1, 0], dtype=np.uint64),
+    "bool": np.array([[True, False], [False, True]]),
+    "c128": np.array([1 + 2j, np.nan + 1j]),
+    "big_endian": np.arange(4, dtype=">i4"),
+    "datetime": np.array(["2026-11-25T08:00", "NaT"], dtype="datetime64[ns]"),
+    "timedelta": np.array([1, 2], dtype="timedelta64[s]"),
+    "unicode": np.array(["ab", "cdé", ""]),
+    "bytes": np.array([b"xy", b"\x00z"]),
+    "record": np.array([(1.5, [1, 2]), (2.5, [3, 4])], dtype=[("x", "<f4"), ("y", "<i8", (2,))]),
+    "scalar_array": np.array(3.25),
+    "empty": np.zeros((0, 3), dtype=np.float64),
+    "strided": np.arange(20)[::3],
+    "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARRAYS))
+def test_numpy_arrays_round_trip_bit_exact(name: str) -> None:
+    arr = ARRAYS[name]
+    out = round_trip({"a": arr})["a"]
+    assert type(out) is np.ndarray and out.dtype == arr.dtype and out.shape == arr.shape
+    assert out.tobytes() == np.ascontiguousarray(arr).tobytes()
+
+
+def test_numpy_arrays_are_stored_as_tensors_not_inline() -> None:
+    arr = np.arange(1000, dtype=np.float32)
+    tasd = BasicTensorAwareStateDict({"a": arr, "b": np.arange(3, dtype=">f8")})
+    assert [t.dtype for t in tasd.tensors] == [torch.float32, torch.uint8]
+    assert tasd.tensors[0].data_ptr() == arr.ctypes.data  # no copy until staging
+    assert len(json.dumps(tasd.hollow_structure())) < 200
+
+
+def test_numpy_scalars_keep_their_type() -> None:
+    values = {"f64": np.float64(0.1), "f32": np.float32(1.5), "i64": np.int64(-3),
+              "u8": np.uint8(255), "b": np.bool_(True), "s": np.str_("hé"),
+              "dt": np.datetime64("2026-01-01", "D"), "c": np.complex64(1 - 1j)}
+    out = round_trip(values)
+    for key, value in values.items():
+        assert type(out[key]) is type(value) and out[key] == value, key
+
+
+def test_object_arrays_are_refused_naming_the_key_path() -> None:
+    with pytest.raises(TypeError, match=r"'loader/buffer'.*holds Python objects"):
+        BasicTensorAwareStateDict({"loader": {"buffer": np.array([{"a": 1}], dtype=object)}})
+
+
+def test_unsupported_leaf_error_lists_the_supported_types() -> None:
+    with pytest.raises(TypeError, match=r"'x'.*numpy array.*dataclass.*got builtins.set"):
+        BasicTensorAwareStateDict({"x": {1, 2}})
+
+
+def test_rng_states_restore_the_same_streams() -> None:
+    np.random.seed(7)
+    random.seed(7)
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(7)
+    for draw in (np.random.rand, random.random, rng.random, lambda: torch.rand(1, generator=gen)):
+        draw()  # not at the seed's start
+    state = {"numpy": np.random.get_state(), "python": random.getstate(),
+             "bit_generator": rng.bit_generator.state, "torch": torch.get_rng_state(),
+             "generator": gen}
+    out = round_trip(state)
+    expected = (np.random.rand(3), [random.random() for _ in range(3)], rng.random(3),
+                torch.rand(3, generator=gen))
+    np.random.set_state(out["numpy"])
+    random.setstate(out["python"])
+    rng2 = np.random.default_rng()
+    rng2.bit_generator.state = out["bit_generator"]
+    assert isinstance(out["generator"], torch.Generator)
+    got = (np.random.rand(3), [random.random() for _ in range(3)], rng2.random(3),
+           torch.rand(3, generator=out["generator"]))
+    assert np.array_equal(got[0], expected[0]) and got[1] == expected[1]
+    assert np.array_equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
+    assert torch.equal(out["torch"], state["torch"])
+
+
+def test_dataclasses_and_named_tuples_round_trip() -> None:
+    state = {"schedule": Schedule(100, 3e-4, history=[Position(1, np.int32(5))]),
+             "frozen": Frozen(3, torch.arange(4)), "pos": Position(2)}
+    out = round_trip(state)
+    assert out["schedule"] == state["schedule"]
+    assert type(out["schedule"].history[0]) is Position
+    assert type(out["schedule"].betas) is tuple
+    assert out["frozen"].step == 3 and torch.equal(out["frozen"].weights, torch.arange(4))
+    assert out["pos"] == Position(2, None)
+
+
+def test_a_type_that_is_not_allowed_is_refused_and_nothing_is_imported() -> None:
+    state = {"u": Unregistered(1, 2)}
+    with pytest.raises(UnsafeTypeError, match=r"Unregistered.*add_safe_types"):
+        round_trip(state)
+    assert round_trip(state, types={"test_leaves:Unregistered": Unregistered})["u"] == (1, 2)
+    for name in ("os:system", "builtins:dict", "subprocess:Popen", "localckpt.manager:Path"):
+        evil = {"nt": {"type": name, "fields": [["a", "rm -rf /"]]}}
+        with pytest.raises(UnsafeTypeError):
+            rebuild_state_dict(evil, [], [], [], True)
+
+
+def test_class_changes_since_the_save() -> None:
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float
+
+    name = f"{Cfg.__module__}:{Cfg.__qualname__}"
+    saved = {"dc": {"type": name, "fields": [["lr", {"f": (0.5).hex()}]]}}
+
+    @dataclasses.dataclass
+    class Grown:  # a field added with a default: the saved object gets it
+        lr: float
+        decay: float = 0.1
+
+    assert rebuild_state_dict(saved, [], [], [], True, types={name: Grown}) == Grown(0.5, 0.1)
+
+    @dataclasses.dataclass
+    class Required:
+        lr: float
+        decay: float
+
+    with pytest.raises(ValueError, match=r"lacks fields \['decay'\]"):
+        rebuild_state_dict(saved, [], [], [], True, types={name: Required})
+
+    @dataclasses.dataclass
+    class Shrunk:
+        rate: float = 0.0
+
+    with pytest.raises(ValueError, match=r"fields \['lr'\] its class no longer has"):
+        rebuild_state_dict(saved, [], [], [], True, types={name: Shrunk})
+
+
+def test_add_safe_types_refuses_other_types() -> None:
+    with pytest.raises(TypeError, match="dataclass or named tuple"):
+        localckpt.add_safe_types(dict)
+
+
+@pytest.mark.parametrize("node", [
+    {"np": {"T": 0, "dtype": "|O", "shape": [1]}},
+    {"np": {"T": 0, "dtype": "<f4", "shape": [-1]}},
+    {"np": {"T": 1, "dtype": "<f4", "shape": [1]}},
+    {"npg": {"dtype": "<f8", "b": "!!"}},
+    {"npg": {"dtype": "<f8", "b": "AAAA"}},
+    {"G": {"T": 0, "device": "not a device"}},
+    {"dc": {"type": 3, "fields": []}},
+    {"nt": {"type": "a:b", "fields": [["x"]]}},
+])
+def test_malformed_extended_nodes_fail_the_manifest_check(node: Any) -> None:
+    with pytest.raises(localckpt.CorruptShardError, match="malformed structure"):
+        check_hollow(node, 1, "test")
+
+
+def _state(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"weights": torch.randn(64, 64, generator=gen),
+            "ema": np.full((128,), step, dtype=np.float64),
+            "numpy_rng": np.random.RandomState(step).get_state(),
+            "sampler": gen, "schedule": Schedule(step, 1e-3),
+            "seen": np.array([b"shard-%d" % step]), "best": np.float32(step / 2)}
+
+
+def test_manager_saves_and_loads_them(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(_state(3), 3)
+        store: ShardStore = mgr._ctx.store
+        assert store.read_manifest(store.ref(3, 0, 1)).format_version == FORMAT_VERSION == 4
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load()
+    want = _state(3)
+    assert torch.equal(loaded["weights"], want["weights"])
+    assert np.array_equal(loaded["ema"], want["ema"]) and loaded["ema"].dtype == np.float64
+    assert loaded["numpy_rng"][0] == "MT19937"
+    assert np.array_equal(loaded["numpy_rng"][1], want["numpy_rng"][1])
+    assert torch.equal(torch.rand(4, generator=loaded["sampler"]),
+                       torch.rand(4, generator=want["sampler"]))
+    assert loaded["schedule"] == want["schedule"] and loaded["seen"][0] == b"shard-3"
+    assert type(loaded["best"]) is np.float32 and loaded["best"] == 1.5
+
+
+def test_plain_state_dicts_keep_the_oldest_format(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.ones(3), "step": 1}, 1)
+        store: ShardStore = mgr._ctx.store
+        assert store.read_manifest(store.ref(1, 0, 1)).format_version == 1
+
+
+def test_load_into_restores_in_place(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({**_state(5), "u": Unregistered(1, np.arange(3))}, 5)
+    target = {**_state(0), "u": Unregistered(0, np.zeros(3, dtype=np.int64))}
+    ema, sampler = target["ema"], target["sampler"]
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=target)
+    assert loaded["sampler"] is sampler  # the caller's generator, its state set
+    assert torch.equal(torch.rand(4, generator=sampler),
+                       torch.rand(4, generator=_state(5)["sampler"]))
+    assert np.all(ema == 5)  # read into the caller's array
+    assert type(loaded["u"]) is Unregistered and list(loaded["u"].b) == [0, 1, 2]
+
+
+def test_load_into_a_generator_where_the_checkpoint_has_no_generator(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"sampler": {"seed": 3}}, 1)
+    with LocalCheckpointManager(root, "s") as mgr, \
+            pytest.raises(localckpt.ConfigurationError, match=r"'sampler' is a torch\.Generator"):
+        mgr.load(into={"sampler": torch.Generator()})
+
+
+def test_unallowed_type_fails_the_load_with_a_clear_error(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"u": Unregistered(1, 2)}, 1)
+    with LocalCheckpointManager(root, "s") as mgr, pytest.raises(UnsafeTypeError,
+                                                                 match="Unregistered"):
+        mgr.load()
