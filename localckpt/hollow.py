@@ -6,12 +6,16 @@ Every JSON object node has exactly one tag key, so decoding is exact: ``{"T": i}
 Stateful object's ``state_dict()`` returned, ``{"dict"|"odict"|"tuple": ...}`` containers (a list
 is a JSON list), ``{"f"|"c"|"b": ...}`` float (bit-exact, as hex), complex and bytes; format 4
 adds ``{"np": ...}`` / ``{"npg": ...}`` numpy arrays and scalars, ``{"G": ...}`` torch
-Generators and ``{"dc"|"nt": ...}`` dataclasses and named tuples (:mod:`localckpt.leaves`).
+Generators, ``{"dc"|"nt": ...}`` dataclasses and named tuples, ``{"enum": ...}`` enum members,
+``{"ns": ...}`` argparse Namespaces, ``{"dtype": ...}`` torch dtypes and ``{"slice": ...}``
+slices (:mod:`localckpt.leaves`).
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
+import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -31,11 +35,15 @@ JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dic
 _SCALAR_TYPES = (type(None), bool, int, str)
 
 #: Tags a format-4 reader knows and older ones do not.
-EXTENDED_TAGS = frozenset({"np", "npg", "G", "dc", "nt"})
+EXTENDED_TAGS = frozenset({"np", "npg", "G", "dc", "nt", "enum", "ns", "dtype", "slice"})
 
-SUPPORTED = ("a tensor, DTensor, numpy array or scalar, torch.Generator, dict, OrderedDict, "
-             "list, tuple, named tuple, dataclass, an object with state_dict() and "
-             "load_state_dict(), None, bool, int, float, complex, str or bytes")
+SUPPORTED = ("a tensor, DTensor, numpy array or scalar, torch.Generator, torch.dtype, dict, "
+             "OrderedDict, list, tuple, named tuple, dataclass, enum member, argparse.Namespace, "
+             "slice, an object with state_dict() and load_state_dict(), None, bool, int, float, "
+             "complex, str or bytes")
+
+_EXTENDED_TYPES = (np.ndarray, np.generic, torch.Generator, torch.dtype, slice, enum.Enum,
+                   argparse.Namespace)
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -155,7 +163,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         return {"tuple": [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]}
     if is_stateful(obj):
         return _encode_stateful(obj, walk, path)
-    if isinstance(obj, (np.ndarray, np.generic, torch.Generator)) or leaves.is_record(obj):
+    if isinstance(obj, _EXTENDED_TYPES) or leaves.is_record(obj):
         walk.extended = True
         return _encode_extended(obj, walk, path)
     return _encode_leaf(obj, path)
@@ -171,10 +179,24 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if isinstance(obj, torch.Generator):
         walk.restorable(obj, path)
         return {"G": {"T": walk.add(obj.get_state(), path), "device": str(obj.device)}}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, slice):
+        return {"slice": [encode_hollow(v, walk, (*path, i))
+                          for i, v in enumerate((obj.start, obj.stop, obj.step))]}
+    if isinstance(obj, argparse.Namespace):
+        if type(obj) is not argparse.Namespace:
+            _encode_leaf(obj, path)  # a subclass: refused, naming the type
+        return {"ns": [[k, encode_hollow(v, walk, (*path, k))] for k, v in vars(obj).items()]}
     kind = type(obj)
     name = leaves.type_name(kind)
     if walk.types.setdefault(name, kind) is not kind:
         raise TypeError(f"two types named {name!r} in one state dict (at {what})")
+    if isinstance(obj, enum.Enum):
+        return {"enum": {"type": name, "name": obj.name}}
+    if getattr(obj, "is_hollow", False) is True:  # NVIDIA's tensor-aware state dict protocol
+        raise TypeError(f"{what}: the {kind.__qualname__} is hollow (its tensors were popped): "
+                        "insert them back (insert_tensors) before saving")
     fields = [[f, encode_hollow(v, walk, (*path, f))] for f, v in leaves.record_fields(obj)]
     return {"nt" if isinstance(obj, tuple) else "dc": {"type": name, "fields": fields}}
 
@@ -260,7 +282,7 @@ class Decoder:
                 return complex(float.fromhex(value[0]), float.fromhex(value[1]))
             if tag == "b":
                 return base64.b64decode(value.encode("ascii"), validate=True)
-            if tag in EXTENDED_TAGS and type(value) is dict:
+            if tag in EXTENDED_TAGS:
                 return self._extended(tag, value, path)
         raise ValueError(f"malformed hollow structure node: {str(node)[:200]}")
 
@@ -268,10 +290,12 @@ class Decoder:
         return value if self.stateful is None or path is None else \
             self.stateful(path_str(path), value)
 
-    def _extended(self, tag: str, value: dict[str, Any], path: tuple[Any, ...] | None) -> Any:
+    def _extended(self, tag: str, value: Any, path: tuple[Any, ...] | None) -> Any:
+        if tag in ("np", "npg", "G", "dc", "nt", "enum") and type(value) is not dict:
+            raise ValueError(f"malformed {tag!r} node: {str(value)[:200]}")
         if tag == "np":
             return leaves.tensor_to_array(self._tensor(value.get("T")), value.get("dtype"),
-                                          value.get("shape"))  # type: ignore[arg-type]
+                                          value.get("shape"))
         if tag == "npg":
             return leaves.scalar_from_json(value)
         if tag == "G":
@@ -282,6 +306,20 @@ class Decoder:
                                "tensor is returned instead", recorded)
                 return state
             return self._restore(path, leaves.generator_from_state(state, device))
+        if tag == "dtype":
+            return leaves.dtype_by_name(value)
+        if tag == "slice":
+            if type(value) is not list or len(value) != 3:
+                raise ValueError(f"malformed slice node: {str(value)[:200]}")
+            return slice(*(self._node(v, None) for v in value))
+        if tag == "ns":
+            if type(value) is not list or any(type(f) is not list or len(f) != 2
+                                              or type(f[0]) is not str for f in value):
+                raise ValueError(f"malformed Namespace node: {str(value)[:200]}")
+            return argparse.Namespace(**{k: self._node(v, None if path is None else (*path, k))
+                                         for k, v in value})
+        if tag == "enum":
+            return leaves.enum_member(value, self.types)
         fields = value.get("fields")
         if type(fields) is not list or any(type(f) is not list or len(f) != 2
                                            or type(f[0]) is not str for f in fields):

@@ -11,9 +11,13 @@
   ``random.getstate()`` are tuples, dicts, ints and arrays.
 - **dataclasses and named tuples**: stored as their type's name and their fields. Loading builds
   an instance only of a type that is *allowed*: registered with :func:`add_safe_types`, or the
-  type of the object at the same key path of ``load(into=...)``. No module is imported and no
+  type of an object of the state dict ``load(into=...)`` was given. No module is imported and no
   name is looked up anywhere else; any other type is :class:`UnsafeTypeError`. Fields the saved
   object lacks take the class's defaults; a saved field the class no longer has is an error.
+  An object of NVIDIA's tensor-aware state dict protocol that is a dataclass (Megatron's
+  ``MCoreTensorAwareStateDict``) is stored the same way; a hollow one is refused.
+- **enum members** (allowed types, as above), **argparse.Namespace** (Megatron's ``args``),
+  **torch.dtype** and **slice**: by name and value.
 
 Numpy arrays of object dtype are refused at save (``TypeError`` naming the key path).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +45,12 @@ def type_name(kind: type) -> str:
     return f"{kind.__module__}:{kind.__qualname__}"
 
 
+def _allowable(kind: Any) -> bool:
+    return isinstance(kind, type) and (
+        dataclasses.is_dataclass(kind) or issubclass(kind, enum.Enum)
+        or (issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple)))
+
+
 def is_record(obj: Any) -> bool:
     """Whether ``obj`` is a dataclass instance or a named tuple."""
     kind = type(obj)
@@ -49,14 +60,13 @@ def is_record(obj: Any) -> bool:
 
 
 def add_safe_types(*types: type) -> None:
-    """Allow ``load`` to build instances of these dataclasses or named tuples, in every load of
-    this process (like ``torch.serialization.add_safe_globals``). Raises ``TypeError`` for
-    anything else, or for a type whose ``module:qualname`` another registered type has."""
+    """Allow ``load`` to build instances of these dataclasses, named tuples or enums, in every
+    load of this process (like ``torch.serialization.add_safe_globals``). Raises ``TypeError``
+    for anything else, or for a type whose ``module:qualname`` another registered type has."""
     for kind in types:
-        if not isinstance(kind, type) or not (dataclasses.is_dataclass(kind) or (
-                issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple))):
-            raise TypeError(f"add_safe_types: expected dataclass or named tuple types, got "
-                            f"{kind!r}")
+        if not _allowable(kind):
+            raise TypeError(f"add_safe_types: expected dataclass, named tuple or enum types, "
+                            f"got {kind!r}")
     with _registry_lock:
         for kind in types:
             name = type_name(kind)
@@ -78,29 +88,56 @@ def record_fields(obj: Any) -> list[tuple[str, Any]]:
     return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
 
 
+def _allowed(what: str, name: str, types: Mapping[str, type]) -> type:
+    kind = types.get(name) or _SAFE_TYPES.get(name)
+    if kind is None:
+        raise UnsafeTypeError(
+            f"load: the checkpoint holds a {what} of type {name!r}, which is not allowed: "
+            "register it with localckpt.add_safe_types(<the class>) or pass an object of that "
+            "type in load(into=...); nothing is imported from a checkpoint")
+    return kind
+
+
+def enum_member(value: Mapping[str, Any], types: Mapping[str, type]) -> Any:
+    """The member ``value["name"]`` of the allowed enum ``value["type"]``; UnsafeTypeError if it
+    is not allowed, ValueError if it has no such member."""
+    name, member = str(value.get("type")), value.get("name")
+    kind = _allowed("enum member", name, types)
+    if not issubclass(kind, enum.Enum) or type(member) is not str or \
+            member not in kind.__members__:
+        raise ValueError(f"load: {name!r} has no member {member!r}")
+    return kind[member]
+
+
+def dtype_by_name(name: Any) -> torch.dtype:
+    """The torch dtype ``name`` ("float32"); ValueError for anything else."""
+    dtype = getattr(torch, name, None) if type(name) is str and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {str(name)[:100]!r}")
+    return dtype
+
+
 def build_record(tag: str, name: str, values: Sequence[tuple[str, Any]],
                  types: Mapping[str, type]) -> Any:
     """An instance of the allowed type ``name`` with the saved field ``values``, without running
     its ``__init__`` (as ``copy`` does). UnsafeTypeError if the type is not allowed; ValueError
     if a saved field is unknown to it or a field it requires was not saved."""
-    kind = types.get(name) or _SAFE_TYPES.get(name)
-    if kind is None:
-        what = "dataclass" if tag == "dc" else "named tuple"
-        raise UnsafeTypeError(
-            f"load: the checkpoint holds a {what} of type {name!r}, which is not allowed: "
-            "register it with localckpt.add_safe_types(<the class>) or pass an object of that "
-            "type at the same key path in load(into=...); nothing is imported from a checkpoint")
+    what = "dataclass" if tag == "dc" else "named tuple"
+    kind = _allowed(what, name, types)
+    if (tag == "nt") != issubclass(kind, tuple) or issubclass(kind, enum.Enum) or \
+            (tag == "dc" and not dataclasses.is_dataclass(kind)):
+        raise ValueError(f"load: {name!r} is saved as a {what}, the allowed type is not one")
     saved = dict(values)
     if tag == "nt":
         defaults = getattr(kind, "_field_defaults", {})
         _check_fields(name, saved, kind._fields, defaults)  # type: ignore[attr-defined]
         return kind._make(saved[f] if f in saved else defaults[f]  # type: ignore[attr-defined]
                           for f in kind._fields)  # type: ignore[attr-defined]
-    fields = dataclasses.fields(kind)
+    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
     has_default = {f.name for f in fields if f.default is not dataclasses.MISSING
                    or f.default_factory is not dataclasses.MISSING}
     _check_fields(name, saved, [f.name for f in fields], has_default)
-    obj: Any = kind.__new__(kind)  # type: ignore[call-overload]
+    obj: Any = kind.__new__(kind)
     for f in fields:
         if f.name in saved:
             value = saved[f.name]

@@ -239,11 +239,14 @@ class LocalCheckpointManager:
 
         Synchronous (default): blocks until the shard is written, replicated and finalized (the
         iteration is complete on every rank, older iterations beyond ``keep_last`` removed).
-        ``is_async=True``: returns after staging with an :class:`AsyncRequest`; schedule it on an
-        :class:`AsyncCallsQueue`, whose ``maybe_finalize_async_calls`` finalizes it. Write and
-        replication run in the background on the manager's own data group. A previous async save
-        still in flight is waited for and finalized first (``busy="skip"``: this save is skipped
-        on every rank and None returned instead).
+        ``is_async=True``: returns after staging with an :class:`AsyncRequest`. Write and
+        replication start at once on a thread of the manager, on its own data group; the
+        request's ``async_fn`` only waits for them (from a thread, or from a process forked
+        after the save: Megatron's queue). Schedule it on an :class:`AsyncCallsQueue` (or
+        Megatron's), whose ``maybe_finalize_async_calls`` finalizes it; a request nobody
+        finalizes is finalized by the next save, ``find_latest`` or ``load``. A previous async
+        save still in flight is waited for and finalized first (``busy="skip"``: this save is
+        skipped on every rank and None returned instead).
 
         Raises, on every rank alike: InvalidIterationError (not an int, negative, >= 10**10, not
         newer than the latest complete iteration), InsufficientSpaceError (checked before

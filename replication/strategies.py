@@ -95,6 +95,12 @@ class CliqueReplicationStrategy(ReplicationStrategy):
         self.replication_jump = _positive_int("replication_jump", replication_jump)
         self.replication_factor = _positive_int("replication_factor", replication_factor)
 
+    @classmethod
+    def from_replication_params(cls, replication_jump: int = 1,
+                                replication_factor: int = 2) -> CliqueReplicationStrategy:
+        """The constructor under the name NVIDIA's strategy (and Megatron-LM) call it by."""
+        return cls(replication_jump, replication_factor)
+
     def describe(self) -> dict[str, Any]:
         return {"replication_jump": self.replication_jump,
                 "replication_factor": self.replication_factor}

@@ -4,7 +4,9 @@ and loads through a manager (a world of one)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import enum
 import json
 import random
 from collections import namedtuple
@@ -43,7 +45,17 @@ class Position(NamedTuple):
 
 Unregistered = namedtuple("Unregistered", "a b")
 
-localckpt.add_safe_types(Schedule, Frozen, Position)
+
+class Backend(enum.Enum):
+    FLASH = "flash"
+    LOCAL = 2
+
+
+class Secret(enum.IntEnum):
+    A = 1
+
+
+localckpt.add_safe_types(Schedule, Frozen, Position, Backend)
 
 
 def round_trip(state: Any, types: dict[str, type] | None = None) -> Any:
@@ -191,8 +203,30 @@ def test_class_changes_since_the_save() -> None:
         rebuild_state_dict(saved, [], [], [], True, types={name: Shrunk})
 
 
+def test_megatron_args_leaves_round_trip() -> None:
+    """What Megatron's ``args`` and ShardedTensors hold: a Namespace, dtypes, enums, slices."""
+    args = argparse.Namespace(params_dtype=torch.bfloat16, backend=Backend.LOCAL, lr=3e-4,
+                              layers=[1, 2], flat=slice(4, 20, None), name="gpt")
+    out = round_trip({"args": args, "dtypes": [torch.float8_e4m3fn, torch.int64, torch.bool]})
+    assert out["args"] == args and out["args"].backend is Backend.LOCAL
+    assert out["dtypes"] == [torch.float8_e4m3fn, torch.int64, torch.bool]
+    with pytest.raises(UnsafeTypeError, match="Secret"):
+        round_trip({"s": Secret.A})
+    assert round_trip({"s": Secret.A}, types={"test_leaves:Secret": Secret})["s"] is Secret.A
+
+
+def test_a_hollow_tensor_aware_state_dict_is_refused() -> None:
+    @dataclasses.dataclass
+    class Hollow:
+        common: dict[str, Any]
+        is_hollow: bool = True
+
+    with pytest.raises(TypeError, match="hollow"):
+        BasicTensorAwareStateDict({"x": Hollow({})})
+
+
 def test_add_safe_types_refuses_other_types() -> None:
-    with pytest.raises(TypeError, match="dataclass or named tuple"):
+    with pytest.raises(TypeError, match="dataclass, named tuple or enum"):
         localckpt.add_safe_types(dict)
 
 
@@ -205,6 +239,11 @@ def test_add_safe_types_refuses_other_types() -> None:
     {"G": {"T": 0, "device": "not a device"}},
     {"dc": {"type": 3, "fields": []}},
     {"nt": {"type": "a:b", "fields": [["x"]]}},
+    {"dtype": "nn"},
+    {"dtype": "__class__"},
+    {"slice": [1, 2]},
+    {"ns": [[1, 2]]},
+    {"enum": {"type": "a:B"}},
 ])
 def test_malformed_extended_nodes_fail_the_manifest_check(node: Any) -> None:
     with pytest.raises(localckpt.CorruptShardError, match="malformed structure"):

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from replication.topology import local_node_name
 
@@ -43,8 +43,12 @@ class AsyncRequest:
 
     ``preload_fn`` runs in the main thread when the request is scheduled (e.g. device-to-host
     staging). ``add_finalize_fn`` returns a new request (requests are immutable; ``freeze`` is
-    kept for compatibility and returns the request itself).
+    kept for compatibility and returns the request itself). ``_fields`` and ``_asdict`` are
+    those of a named tuple, so Megatron's AsyncCallsQueue takes the request as one of its own.
     """
+
+    _fields: ClassVar[tuple[str, ...]] = ("async_fn", "async_fn_args", "finalize_fns",
+                                          "async_fn_kwargs", "preload_fn")
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple[Any, ...]
@@ -57,6 +61,9 @@ class AsyncRequest:
 
     def freeze(self) -> AsyncRequest:
         return self
+
+    def _asdict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._fields}
 
     def execute_sync(self) -> None:
         """Run everything in the calling thread: preload, async_fn, then the finalize fns."""

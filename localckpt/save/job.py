@@ -4,15 +4,26 @@
 raises (the error is kept for the finalize step, which agrees on it across ranks) and sets
 ``done`` when it is finished. It only uses the manager's *data* group, so it can run on a
 background thread while the main thread uses the control group or the training group.
+
+An async save starts ``run`` on a thread of its own (:meth:`SaveJob.start`); the request it
+returns only waits for ``done`` (:meth:`DoneSignal.wait`), in a thread of the process or in
+another process, as Megatron's queue runs a request.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +39,77 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class DoneSignal:
+    """Set once; waited for from threads of this process (an Event), or from another process:
+    one forked from this one, or one it was sent to pickled (Megatron's queue runs a request's
+    ``async_fn`` in a forked process, or a spawned persistent worker). Those watch for a file
+    that :meth:`set` creates; it is removed when the signal is collected."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._pid = os.getpid()
+        self.path = os.path.join(_signal_dir(), uuid.uuid4().hex)
+        weakref.finalize(self, _remove, self.path)
+
+    def set(self) -> None:
+        if not self._event.is_set():
+            self._event.set()
+            with contextlib.suppress(OSError):  # never let the signal fail the save
+                open(self.path, "xb").close()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the signal is set, waiting up to ``timeout`` seconds (None: for ever)."""
+        if os.getpid() == self._pid:
+            return self._event.wait(timeout)
+        return RemoteDone(self.path).wait(timeout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RemoteDone, (self.path,)
+
+
+@dataclass(frozen=True)
+class RemoteDone:
+    """A :class:`DoneSignal` seen from another process: its file."""
+
+    path: str
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not os.path.exists(self.path):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+
+_dir_lock = threading.Lock()
+_dir: str | None = None
+
+
+def _signal_dir() -> str:
+    """This process's directory of signal files (made once, removed at exit)."""
+    global _dir
+    with _dir_lock:
+        if _dir is None or not os.path.isdir(_dir):
+            _dir = tempfile.mkdtemp(prefix="localckpt-signals-")
+            atexit.register(shutil.rmtree, _dir, True)
+        return _dir
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def wait_for_save(done: DoneSignal | RemoteDone) -> None:
+    """An async save's ``async_fn``: returns once the save's background work is over (its
+    outcome is the finalize step's to report)."""
+    done.wait()
+
+
 @dataclass(eq=False)
 class SaveJob:
     """A staged shard on its way to disk and to its replica holders."""
@@ -37,8 +119,7 @@ class SaveJob:
     payload: torch.Tensor  # the staging arena's bytes: must not be restaged before ``done``
     plan: ExchangePlan | None
     error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    scheduled: bool = False  # set by the AsyncRequest's preload_fn (schedule or execute_sync)
+    done: DoneSignal = field(default_factory=DoneSignal)
     finalized: bool = False
     finalize_error: BaseException | None = None  # what finalizing it raised, on every rank
     # Units of work (chunks written, pieces on the wire along the replica schedule), each
@@ -49,8 +130,11 @@ class SaveJob:
     started_ns: int = field(default_factory=time.monotonic_ns)
     metrics: Metrics = field(default_factory=Metrics)
 
-    def mark_scheduled(self) -> None:
-        self.scheduled = True
+    def start(self, ctx: Context) -> None:
+        """Run :meth:`run` on a thread of its own. Not a daemon: at interpreter exit the shard
+        is still committed (every step of it is bounded by the timeout)."""
+        threading.Thread(target=self.run, args=(ctx,), name=f"localckpt-save-{self.iteration}"
+                         ).start()
 
     def run(self, ctx: Context) -> None:
         """Write, then replicate (this rank's part of the plan) on ``ctx.data_group``. Never

@@ -55,7 +55,7 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import Deduped, dedupe, missing_replicas
-from .job import SaveJob
+from .job import SaveJob, wait_for_save
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class SavePath:
                 self._finalize_job(job)
                 return None
         self._inflight = job
-        return AsyncRequest(job.run, (ctx,), finalize_fns=(partial(self._finalize_job, job),),
-                            preload_fn=job.mark_scheduled)
+        job.start(ctx)
+        return AsyncRequest(wait_for_save, (job.done,),
+                            finalize_fns=(partial(self._finalize_job, job),))
 
     def reserve(self, state_dict: Any) -> int:
         """Size and pre-fault the staging arena for saves of ``state_dict`` (and, recycling
@@ -119,7 +120,7 @@ class SavePath:
         """Wait (up to the timeout) for the local work of a save in flight: its shard is then
         committed, to be finalized through the AsyncCallsQueue or found by the next job."""
         job = self._inflight
-        if job is not None and job.scheduled and not job.done.wait(self.ctx.timeout):
+        if job is not None and not job.done.wait(self.ctx.timeout):
             logger.error("rank %d: async save of iteration %d still running at close",
                          self.ctx.rank, job.iteration)
         self._arena = StagingArena()  # the staging memory goes now, not when garbage collected
@@ -135,18 +136,13 @@ class SavePath:
         if job is None or job.finalized:
             self._inflight = None
             return True
-        if not job.scheduled:
-            raise ConfigurationError(
-                f"the AsyncRequest of the async save of iteration {job.iteration} was never "
-                "scheduled: pass it to AsyncCallsQueue.schedule_async_request (or call its "
-                "execute_sync) before the next save, find_latest or load")
         group = self.ctx.group
         if skip and not all(group.exchange("save: previous done?", job.done.is_set)):
             return False
         if not job.done.wait(self.ctx.timeout):
             err = CollectiveTimeoutError(
                 f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.ctx.timeout:g}s (was its AsyncRequest scheduled on an AsyncCallsQueue?)")
+                f"{self.ctx.timeout:g}s")
             group.mark_broken(err)  # the other ranks time out in finalize: so do we, for good
             raise err
         self._finalize_job(job)

@@ -29,7 +29,7 @@ from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 from ..hollow import EXTENDED_TAGS
-from ..leaves import dtype_from_descr, scalar_from_json
+from ..leaves import dtype_by_name, dtype_from_descr, scalar_from_json
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -364,8 +364,25 @@ def check_hollow(hollow: Any, count: int, where: str,
 
 def _check_extended(tag: str, value: Any, plain: set[int], tensor: Any) -> list[Any]:
     """Check a format-4 node (see :mod:`localckpt.hollow`); returns the nodes it holds."""
+    if tag == "dtype":
+        dtype_by_name(value)
+        return []
+    if tag == "slice":
+        if type(value) is not list or len(value) != 3:
+            raise ValueError(f"slice node {str(value)[:100]}")
+        return list(value)
+    if tag == "ns":
+        if type(value) is not list or any(type(f) is not list or len(f) != 2
+                                          or type(f[0]) is not str for f in value):
+            raise ValueError(f"Namespace node {str(value)[:100]}")
+        return [f[1] for f in value]
     if type(value) is not dict:
         raise ValueError(f"{tag!r} node {str(value)[:100]}")
+    if tag == "enum":
+        if set(value) != {"type", "name"} or type(value["type"]) is not str or \
+                type(value["name"]) is not str:
+            raise ValueError(f"enum node {str(value)[:100]}")
+        return []
     if tag == "np":
         shape = value.get("shape")
         if set(value) != {"T", "dtype", "shape"} or type(shape) is not list or \

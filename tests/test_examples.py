@@ -1,0 +1,42 @@
+"""The examples of scripts/ run as users run them (issue 20, item 6): under torchrun, 2 ranks on
+2 simulated nodes, a job that stops, loses a node (its root wiped) and resumes has the losses of
+one that never stopped, bit for bit. (The Lightning example: tests/test_lightning.py; the FSDP2
+one: tests/test_torchrun_e2e.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [(d["step"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
+
+
+def _torchrun(script: str, root: Path, log: Path, *extra: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         str(REPO / "scripts" / script), "--root", str(root / "{node}"), "--steps", "12",
+         "--loss-log", str(log), *extra], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("script", ["ddp_example.py", "megatron_example.py"])
+def test_example_resumes_after_a_node_loss_bit_identical(tmp_path: Path, script: str) -> None:
+    if script.startswith("megatron"):
+        pytest.importorskip("megatron.core.dist_checkpointing", reason="needs megatron-core")
+    _torchrun(script, tmp_path / "straight", tmp_path / "straight.jsonl")
+    _torchrun(script, tmp_path / "stopped", tmp_path / "stopped.jsonl", "--stop-after", "7")
+    shutil.rmtree(tmp_path / "stopped" / "1")  # node 1 lost; its replacement starts empty
+    _torchrun(script, tmp_path / "stopped", tmp_path / "stopped.jsonl")
+    straight, stopped = _losses(tmp_path / "straight.jsonl"), _losses(tmp_path / "stopped.jsonl")
+    assert [s for s, _ in stopped] == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9, 10, 11]  # from 6
+    assert stopped[8:] == straight[6:] and stopped[:8] == straight[:8]
+    assert any((tmp_path / "stopped" / "1").rglob("iter_0000000012"))
