@@ -53,10 +53,12 @@ def path_str(path: tuple[Any, ...]) -> str:
 def _encode_key(key: Any, path: tuple[Any, ...]) -> JSON:
     if isinstance(key, tuple) and type(key) is tuple:
         return {"tuple": [_encode_key(k, path) for k in key]}
-    if isinstance(key, (torch.Tensor, list, dict)):
+    if isinstance(key, np.generic):
+        return {"npg": leaves.scalar_to_json(key, f"state dict key at {path_str(path)!r}")}
+    if type(key) not in (*_SCALAR_TYPES, float, complex, bytes):
         raise TypeError(
-            f"state dict key at {path_str(path)!r}: expected a str, int, float, bool, None, bytes "
-            f"or tuple key, got {type(key).__name__}"
+            f"state dict key at {path_str(path)!r}: expected a str, int, float, complex, bool, "
+            f"None, bytes, numpy scalar or tuple key, got {type(key).__name__}"
         )
     return _encode_leaf(key, path)
 
@@ -116,6 +118,7 @@ class Walk:
     dtensor_paths: set[str] = field(default_factory=set)
     types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
     extended: bool = False  # a format-4 node was written
+    copies: set[int] = field(default_factory=set)  # tensors that are not the caller's memory
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -172,8 +175,11 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
 def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     what = f"state dict key {path_str(path)!r}"
     if isinstance(obj, np.ndarray):
-        t, descr = leaves.array_to_tensor(obj, what)
-        return {"np": {"T": walk.add(t, path), "dtype": descr, "shape": list(obj.shape)}}
+        t, descr, exact = leaves.array_to_tensor(obj, what)
+        i = walk.add(t, path)
+        if not exact:
+            walk.copies.add(i)
+        return {"np": {"T": i, "dtype": descr, "shape": list(obj.shape)}}
     if isinstance(obj, np.generic):
         return {"npg": leaves.scalar_to_json(obj, what)}
     if isinstance(obj, torch.Generator):
@@ -197,8 +203,18 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if getattr(obj, "is_hollow", False) is True:  # NVIDIA's tensor-aware state dict protocol
         raise TypeError(f"{what}: the {kind.__qualname__} is hollow (its tensors were popped): "
                         "insert them back (insert_tensors) before saving")
-    fields = [[f, encode_hollow(v, walk, (*path, f))] for f, v in leaves.record_fields(obj)]
-    return {"nt" if isinstance(obj, tuple) else "dc": {"type": name, "fields": fields}}
+    named_tuple = leaves.is_named_tuple(obj)
+    if not named_tuple and isinstance(obj, (dict, list, tuple, set)):
+        raise TypeError(f"{what}: a dataclass that is also a {type(obj).__mro__[1].__name__} "
+                        "would lose its items (only its fields are stored)")
+    if id(obj) in walk.open:
+        raise TypeError(f"{what}: the {kind.__qualname__} holds itself (a cycle)")
+    walk.open.add(id(obj))
+    try:
+        fields = [[f, encode_hollow(v, walk, (*path, f))] for f, v in leaves.record_fields(obj)]
+    finally:
+        walk.open.discard(id(obj))
+    return {"nt" if named_tuple else "dc": {"type": name, "fields": fields}}
 
 
 def _encode_stateful(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:

@@ -51,6 +51,10 @@ def _allowable(kind: Any) -> bool:
         or (issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple)))
 
 
+def is_named_tuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and isinstance(getattr(type(obj), "_fields", None), tuple)
+
+
 def is_record(obj: Any) -> bool:
     """Whether ``obj`` is a dataclass instance or a named tuple."""
     kind = type(obj)
@@ -62,17 +66,15 @@ def is_record(obj: Any) -> bool:
 def add_safe_types(*types: type) -> None:
     """Allow ``load`` to build instances of these dataclasses, named tuples or enums, in every
     load of this process (like ``torch.serialization.add_safe_globals``). Raises ``TypeError``
-    for anything else, or for a type whose ``module:qualname`` another registered type has."""
+    for anything else. A type registered under the ``module:qualname`` of another replaces it
+    (the class was defined again)."""
     for kind in types:
         if not _allowable(kind):
             raise TypeError(f"add_safe_types: expected dataclass, named tuple or enum types, "
                             f"got {kind!r}")
     with _registry_lock:
-        for kind in types:
-            name = type_name(kind)
-            if _SAFE_TYPES.get(name, kind) is not kind:
-                raise TypeError(f"add_safe_types: another type is registered as {name!r}")
-            _SAFE_TYPES[name] = kind
+        for kind in types:  # a class defined again (a notebook cell run twice) replaces it
+            _SAFE_TYPES[type_name(kind)] = kind
 
 
 def safe_types() -> dict[str, type]:
@@ -83,8 +85,8 @@ def safe_types() -> dict[str, type]:
 
 def record_fields(obj: Any) -> list[tuple[str, Any]]:
     """The (name, value) pairs a dataclass instance or named tuple is stored as."""
-    if isinstance(obj, tuple):
-        return list(zip(type(obj)._fields, obj, strict=True))  # type: ignore[attr-defined]
+    if is_named_tuple(obj):
+        return list(zip(type(obj)._fields, obj, strict=True))
     return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
 
 
@@ -175,18 +177,21 @@ def dtype_descr(dtype: np.dtype[Any]) -> Any:
     return np.lib.format.dtype_to_descr(dtype)
 
 
-def _tuples(descr: Any) -> Any:
+MAX_DTYPE_DEPTH = 16  # nested record dtypes; numpy parses them recursively
+
+
+def _tuples(descr: Any, depth: int = 0) -> Any:
     """A JSON-decoded structured description with its tuples back (names with titles, shapes)."""
     if type(descr) is str:
         return descr
-    if type(descr) is not list:
+    if type(descr) not in (list, tuple) or depth > MAX_DTYPE_DEPTH:
         raise ValueError(f"numpy dtype description {str(descr)[:100]}")
     out = []
     for item in descr:
-        if type(item) is not list or len(item) not in (2, 3):
+        if type(item) not in (list, tuple) or len(item) not in (2, 3):
             raise ValueError(f"numpy dtype field {str(item)[:100]}")
-        name = tuple(item[0]) if type(item[0]) is list else item[0]
-        rest = [_tuples(item[1])] + ([tuple(item[2])] if len(item) == 3 else [])
+        name = tuple(item[0]) if type(item[0]) in (list, tuple) else item[0]
+        rest = [_tuples(item[1], depth + 1)] + ([tuple(item[2])] if len(item) == 3 else [])
         out.append((name, *rest))
     return out
 
@@ -204,18 +209,30 @@ def dtype_from_descr(descr: Any) -> np.dtype[Any]:
     return dtype
 
 
-def array_to_tensor(arr: np.ndarray[Any, Any], what: str) -> tuple[torch.Tensor, Any]:
-    """The tensor a numpy array is stored as (sharing its memory when it is C-contiguous and
-    writable, so ``load(into=...)`` reads into the caller's array) and its dtype description.
-    TypeError (naming ``what``) for an object dtype."""
+def array_to_tensor(arr: np.ndarray[Any, Any], what: str
+                    ) -> tuple[torch.Tensor, Any, bool]:
+    """The tensor a numpy array is stored as, its dtype description, and whether the tensor is
+    the array itself (C-contiguous, writable, a dtype torch has): only then may
+    ``load(into=...)`` read into it, since a tensor of bytes would take bytes of another dtype
+    of the same size. TypeError (naming ``what``) for a subclass (a masked array's mask, a
+    matrix's product would be lost) or an object dtype."""
+    if type(arr) is not np.ndarray and type(arr) is not np.memmap:
+        raise TypeError(f"{what}: a {type(arr).__module__}.{type(arr).__qualname__} (a numpy "
+                        "array subclass) would come back as a plain array: store its parts "
+                        "(np.asarray(x), a masked array's .data and .mask)")
     _check_dtype(arr.dtype, what)
-    if not (arr.flags.c_contiguous and arr.flags.writeable):
+    try:
+        descr = dtype_descr(arr.dtype)
+        dtype_from_descr(descr)
+    except ValueError as exc:
+        raise TypeError(f"{what}: numpy dtype {arr.dtype} cannot be stored: {exc}") from None
+    exact = bool(arr.flags.c_contiguous and arr.flags.writeable)
+    if not exact:
         arr = np.array(arr, order="C", copy=True)
     try:
-        t = torch.from_numpy(arr)
+        return torch.from_numpy(arr), descr, exact
     except (TypeError, ValueError, RuntimeError):  # a dtype torch lacks, or another byte order
-        t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
-    return t, dtype_descr(arr.dtype)
+        return torch.from_numpy(arr.reshape(-1).view(np.uint8)), descr, False
 
 
 def tensor_to_array(t: torch.Tensor, descr: Any, shape: Sequence[int]) -> np.ndarray[Any, Any]:
@@ -230,8 +247,8 @@ def tensor_to_array(t: torch.Tensor, descr: Any, shape: Sequence[int]) -> np.nda
     if raw.nbytes != count * dtype.itemsize:
         raise ValueError(f"numpy array of {dtype} {list(shape)}: expected "
                          f"{count * dtype.itemsize} bytes, got {raw.nbytes}")
-    if count == 0:
-        return np.empty(tuple(shape), dtype=dtype)
+    if count == 0 or dtype.itemsize == 0:
+        return np.zeros(tuple(shape), dtype=dtype)
     return raw.view(dtype).reshape(tuple(shape))
 
 

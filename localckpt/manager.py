@@ -65,8 +65,9 @@ class LocalCheckpointManager:
         repl_strategy: None (no replicas), a ReplicationStrategy, or the registered name of one
             built with its defaults (``replication.strategy_names()``).
         keep_last: complete iterations kept after a successful save (>= 1).
-        keep_every: also keep each complete iteration that is a multiple of this (None: none),
-            e.g. every 1000th for post-mortems. ``localckpt gc --keep-every`` keeps the same.
+        keep_every: also keep each complete iteration that is a positive multiple of this (None:
+            none), e.g. every 1000th for post-mortems. ``localckpt gc --keep-every`` keeps the
+            same.
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.

@@ -92,6 +92,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self.statefuls = walk.statefuls  # key path -> the Stateful object or Generator there
         self.types = walk.types  # the dataclass and named tuple types it holds, by stored name
         self.extended = walk.extended  # holds nodes only format 4 describes
+        self.copies = walk.copies  # tensors not the caller's memory (no load(into=...) target)
 
     @classmethod
     def from_hollow(
@@ -108,7 +109,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         obj._paths = list(key_paths)
         obj._dtensors = dict(dtensors or {})
         obj._layouts = dict(layouts or {})
-        obj.statefuls, obj.types, obj.extended = {}, dict(types or {}), False
+        obj.statefuls, obj.types, obj.extended, obj.copies = {}, dict(types or {}), False, set()
         return obj
 
     @property

@@ -312,3 +312,142 @@ def test_unallowed_type_fails_the_load_with_a_clear_error(root: Path) -> None:
     with LocalCheckpointManager(root, "s") as mgr, pytest.raises(UnsafeTypeError,
                                                                  match="Unregistered"):
         mgr.load()
+
+
+# ------------------------------------------------------------------ attacker review findings
+
+def _save_load(root: Path, saved: dict[str, Any], into: Any = None) -> Any:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    with LocalCheckpointManager(root, "s") as mgr:
+        return mgr.load(into=into)[0]
+
+
+@pytest.mark.parametrize("value", [np.ma.masked_invalid(np.array([0.5, np.nan])),
+                                   np.matrix([[1, 2], [3, 4]]),
+                                   np.rec.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")])],
+                         ids=["masked", "matrix", "recarray"])
+def test_numpy_subclasses_are_refused_not_flattened(value: Any) -> None:
+    with pytest.raises(TypeError, match=r"'stats'.*numpy array subclass"):
+        BasicTensorAwareStateDict({"stats": value})
+
+
+@pytest.mark.parametrize("saved,target", [
+    (np.array(["2020-01-01"], "M8[ns]"), np.array(["1999-01-01"], "M8[s]")),
+    (np.array([(1, 2)], dtype=[("a", "<i4"), ("b", "<i4")]),
+     np.array([(0, 0)], dtype=[("b", "<i4"), ("a", "<i4")])),
+    (np.array(["abcd"]), np.zeros(16, np.uint8)),
+    (np.array([["a", "b", "c"], ["d", "e", "f"]]), np.full((3, 2), "z")),
+    (np.arange(6.0).reshape(2, 3), np.zeros((2, 3), order="F")),
+], ids=["datetime-unit", "field-order", "U4-into-uint8", "shape", "fortran"])
+def test_into_arrays_of_another_dtype_or_layout_are_left_alone(root: Path, saved: Any,
+                                                               target: Any) -> None:
+    before = target.copy()
+    out = _save_load(root, {"a": saved}, into={"a": target})
+    assert out["a"].dtype == saved.dtype and out["a"].tobytes() == saved.tobytes()
+    assert np.array_equal(target, before)
+
+
+@pytest.mark.parametrize("dtype", ["V0", [("a", "<i4", (0,))], []],
+                         ids=["V0", "empty-subarray-field", "no-fields"])
+def test_zero_itemsize_arrays_load(root: Path, dtype: Any) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        mgr.save({"w": torch.ones(2), "tags": np.zeros(3, dtype=dtype)}, 2)  # 1 is deleted
+    with LocalCheckpointManager(root, "s") as mgr:
+        state, (iteration, _, _) = mgr.load()
+    assert iteration == 2 and state["tags"].shape == (3,) and state["tags"].dtype == dtype
+
+
+@dataclasses.dataclass
+class _D:
+    x: int
+
+
+_P = namedtuple("_P", "x")
+localckpt.add_safe_types(_D, _P)
+_DEEP: Any = "<f4"
+for _ in range(400):
+    _DEEP = [["a", _DEEP]]
+
+
+@pytest.mark.parametrize("node", [
+    {"np": {"T": 0, "dtype": "<f8", "shape": [4]}},  # 32 bytes said, 16 stored
+    {"np": {"T": 0, "dtype": _DEEP, "shape": [1]}},
+    {"G": {"T": 0, "device": "cpu"}},  # a float32 tensor as a generator's state
+    {"G": {"T": 0, "device": "meta"}},
+])
+def test_crafted_manifests_fail_the_check_not_the_decoding(root: Path, node: Any) -> None:
+    """A shard whose manifest (CRC recomputed: a CRC is no signature) would fail decoding is
+    corrupt: it is quarantined and the load falls back, rather than every rank raising."""
+    from localckpt.storage.manifest import ShardManifest, _crc_of
+
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"a": torch.zeros(4)}, 1)
+        mgr.save({"a": torch.arange(4, dtype=torch.float32)}, 2)
+    path = next(root.glob("s/iter_0000000002/rank_*/zarr.json"))
+    doc = json.loads(path.read_text())
+    body = doc["attributes"]["localckpt"]["manifest"]
+    body["hollow"], body["format_version"] = {"dict": [["a", node]]}, 4
+    doc["attributes"]["localckpt"]["crc32c"] = _crc_of(body)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(localckpt.CorruptShardError, match="inconsistent manifest"):
+        ShardManifest.from_json_dict(doc["attributes"]["localckpt"], "crafted")
+
+
+def test_check_hollow_refuses_new_nodes_in_old_formats_and_unhashable_keys() -> None:
+    with pytest.raises(localckpt.CorruptShardError, match="format 3"):
+        check_hollow({"npg": {"dtype": "<f8", "b": "AAAAAAAA8D8="}}, 0, "x", version=3)
+    with pytest.raises(localckpt.CorruptShardError, match="dict key"):
+        check_hollow({"dict": [[{"np": {"T": 0, "dtype": "<f4", "shape": [1]}}, 1]]}, 1, "x")
+    check_hollow({"dict": [[{"npg": {"dtype": "<i8", "b": "AwAAAAAAAAA="}}, 1]]}, 0, "x")
+
+
+def test_numpy_scalar_keys_round_trip() -> None:
+    out = round_trip({"counts": {np.int64(3): 1, (np.str_("a"), 2): 5}})
+    assert out["counts"] == {np.int64(3): 1, ("a", 2): 5}
+    assert type(next(iter(out["counts"]))) is np.int64
+
+
+def test_a_named_tuple_that_became_a_dataclass_is_a_clear_error() -> None:
+    saved = {"nt": {"type": "test_leaves:_D", "fields": [["x", 1]]}}
+    with pytest.raises(ValueError, match="saved as a named tuple"):
+        rebuild_state_dict(saved, [], [], [], True)
+
+
+def test_a_class_defined_again_replaces_the_registered_one() -> None:
+    first = dataclasses.make_dataclass("Again", [("lr", float)])
+    second = dataclasses.make_dataclass("Again", [("lr", float)])
+    localckpt.add_safe_types(first)
+    localckpt.add_safe_types(second)
+    saved = {"dc": {"type": f"{second.__module__}:Again", "fields": [["lr", 1]]}}
+    assert type(rebuild_state_dict(saved, [], [], [], True)) is second
+
+
+def test_cycles_and_dict_dataclasses_are_refused_naming_the_key_path() -> None:
+    @dataclasses.dataclass
+    class Node:
+        parent: Any = None
+
+    node = Node()
+    node.parent = node
+    with pytest.raises(TypeError, match=r"'tree/parent'.*holds itself"):
+        BasicTensorAwareStateDict({"tree": node})
+
+    @dataclasses.dataclass
+    class Bag(dict):  # type: ignore[type-arg]
+        tag: str = "x"
+
+    with pytest.raises(TypeError, match=r"'bag'.*also a dict"):
+        BasicTensorAwareStateDict({"bag": Bag()})
+
+
+def test_an_unstorable_record_dtype_names_the_key_path() -> None:
+    value = np.zeros(2, dtype={"names": ["a", "b"], "formats": ["<i4", "<i4"], "offsets": [4, 0]})
+    with pytest.raises(TypeError, match="'model/buf'"):
+        BasicTensorAwareStateDict({"model": {"buf": value}})
+
+
+def test_a_generator_with_nothing_saved_is_named_as_one(root: Path) -> None:
+    with pytest.raises(localckpt.ConfigurationError, match=r"torch\.Generators at \['g'\]"):
+        _save_load(root, {"g": None}, into={"g": torch.Generator()})

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.parsing import AttributeDict
+from torch.utils.data import DataLoader, TensorDataset
 
 from localckpt import ConfigurationError, LocalCheckpointManager, NoCheckpointError
 from localckpt.integrations import lightning as pl_io
@@ -26,28 +31,38 @@ def _checkpoint(step: int) -> dict[str, object]:
             "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}]}
 
 
-def test_saves_loads_and_keeps_markers(root: Path, tmp_path: Path,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+def _marker(path: Path) -> int:
+    return int(json.loads(path.read_text())["iteration"])
+
+
+def test_saves_loads_and_keeps_markers(root: Path, tmp_path: Path) -> None:
     io = LocalCkptIO(root, "job", keep_last=2)
     with pytest.raises(NoCheckpointError):
         io.load_checkpoint(LATEST)
     io.save_checkpoint(_checkpoint(4), tmp_path / "epoch=0-step=4.ckpt")
-    io.save_checkpoint(_checkpoint(4), tmp_path / "last.ckpt")  # same step: a marker only
+    second = _checkpoint(4)
+    second["state_dict"]["w"] += 0.5  # an epoch-end hook ran between the two saves of step 4
+    io.save_checkpoint(second, tmp_path / "last.ckpt")  # kept too: iteration 5
     io.save_checkpoint(_checkpoint(6), tmp_path / "epoch=1-step=6.ckpt")
     io.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=6.ckpt", "last.ckpt"]
-    assert json.loads((tmp_path / "last.ckpt").read_text())["iteration"] == 4
+    assert _marker(tmp_path / "last.ckpt") == 5
+    assert _marker(tmp_path / "epoch=1-step=6.ckpt") == 6
     io.teardown()
-    assert sorted(p.name for p in (root / "job").iterdir()) == ["iter_0000000004",
+    assert sorted(p.name for p in (root / "job").iterdir()) == ["iter_0000000005",
                                                                "iter_0000000006"]
     io = LocalCkptIO(root, "job")
     loaded = io.load_checkpoint(LATEST)
     assert loaded["global_step"] == 6 and torch.equal(loaded["state_dict"]["w"],
                                                       torch.full((3,), 6.0))
     assert loaded["hyper_parameters"] == {"lr": 0.1, "nested": {"depth": 2}}
-    with caplog.at_level(logging.WARNING, logger=pl_io.__name__):
-        assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 6
-    assert "names iteration 4; loaded the newest complete one, 6" in caplog.text
+    assert io.load_checkpoint(tmp_path / "epoch=1-step=6.ckpt")["global_step"] == 6
+    # a marker naming another iteration than the newest is refused, not substituted
+    with pytest.raises(ConfigurationError, match=r"names iteration 5.*newest complete one "
+                                                 r"this job can load is 6"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
+    io.save_checkpoint(_checkpoint(6), tmp_path / "final.ckpt")  # after a load: iteration 7
+    assert _marker(tmp_path / "final.ckpt") == 7
     io.teardown()
 
 
@@ -97,3 +112,146 @@ def test_ddp_job_resumes_after_a_node_loss_bit_identical(tmp_path: Path) -> None
     assert resumed["global_step"] == straight["global_step"] == 16
     assert resumed["digest"] == straight["digest"]
     assert (tmp_path / "stopped" / "node1" / "lightning-example" / "iter_0000000016").is_dir()
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 0.1
+
+
+def test_an_object_a_resume_could_not_rebuild_is_refused_at_save(root: Path,
+                                                                  tmp_path: Path) -> None:
+    io = LocalCkptIO(root, "job")
+    checkpoint = {**_checkpoint(1), "hyper_parameters": {"cfg": _Config()}}
+    with pytest.raises(ConfigurationError, match=r"test_lightning:_Config.*safe_types"):
+        io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    io.teardown()
+    io = LocalCkptIO(root, "job", safe_types=[_Config])
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert io.load_checkpoint(LATEST)["hyper_parameters"]["cfg"] == _Config()
+    io.teardown()
+
+
+def test_async_markers_appear_once_the_iteration_is_complete(root: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    io = LocalCkptIO(root, "job", async_save=True, busy="skip")
+    big = {"w": torch.ones(16 * 2**20)}
+    io.save_checkpoint({"global_step": 1, **big}, tmp_path / "step=1.ckpt")
+    assert not (tmp_path / "step=1.ckpt").exists()  # staged, not yet finalized
+    with caplog.at_level(logging.WARNING, logger=pl_io.__name__):
+        io.save_checkpoint({"global_step": 2, **big}, tmp_path / "step=2.ckpt")
+    skipped = "skipped" in caplog.text  # busy="skip": the first may still be in flight
+    io.teardown()
+    assert _marker(tmp_path / "step=1.ckpt") == 1
+    assert (tmp_path / "step=2.ckpt").exists() != skipped
+    on_disk = {p.name for p in (root / "job").iterdir()}
+    assert {f"iter_{_marker(p):010d}" for p in tmp_path.iterdir()} <= on_disk
+
+
+def test_a_crash_before_the_commit_leaves_no_marker(root: Path, tmp_path: Path) -> None:
+    code = (f"import os, torch\n"
+            f"from localckpt.integrations.lightning import LocalCkptIO\n"
+            f"io = LocalCkptIO({str(root)!r}, 'job', async_save=True)\n"
+            f"io.save_checkpoint({{'global_step': 100, 'w': torch.ones(32 * 2**20)}}, "
+            f"{str(tmp_path / 'last.ckpt')!r})\n"
+            f"os._exit(1)\n")
+    subprocess.run([sys.executable, "-c", code], timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert not (tmp_path / "last.ckpt").exists()
+
+
+def test_a_marker_of_another_world_size_is_refused_not_substituted(root: Path,
+                                                                   tmp_path: Path) -> None:
+    """A 1-rank job saved step 100, a 2-rank job step 500 ("last"); a 1-rank resume must not
+    quietly go back to step 100."""
+    from dist_harness import run_ranks
+    from lightning_scenarios import save_step
+
+    io = LocalCkptIO(root, "job")
+    io.save_checkpoint({"global_step": 100, "w": torch.zeros(2)}, tmp_path / "last.ckpt")
+    io.teardown()
+    results = run_ranks(save_step, 2, tmp_path, str(root), str(tmp_path / "last.ckpt"), 500)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert _marker(tmp_path / "last.ckpt") == 500
+    io = LocalCkptIO(root, "job")
+    with pytest.raises(ConfigurationError, match=r"names iteration 500.*can load is 100"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
+    assert io.load_checkpoint(LATEST)["global_step"] == 100  # asked for explicitly
+    io.teardown()
+
+
+class _Epochal(pl.LightningModule):
+    """Changes its weights in on_train_epoch_end (as EMA, SWA or pruning do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+        self.loaded_step: int | None = None
+
+    def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+        self.log("score", float(-self.current_epoch))  # epoch 0 scores best
+        return (self.net(batch[0]) - batch[1]).pow(2).mean()
+
+    def test_step(self, batch: list[torch.Tensor], _: int) -> None:
+        pass
+
+    def on_train_epoch_end(self) -> None:
+        with torch.no_grad():
+            self.net.weight.mul_(0.5)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        self.loaded_step = int(checkpoint["global_step"])  # type: ignore[call-overload]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data() -> DataLoader[tuple[torch.Tensor, ...]]:  # 4 steps per epoch
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def _fit(root: Path, marks: Path, epochs: int, ckpt_path: str | None = None) -> _Epochal:
+    callbacks = [ModelCheckpoint(dirpath=marks, every_n_train_steps=4, save_top_k=-1,
+                                 filename="batch-{step}"),  # the batch end of step 4
+                 ModelCheckpoint(dirpath=marks, save_last=True, filename="epoch-{step}")]
+    model = _Epochal()
+    pl.Trainer(accelerator="cpu", devices=1, plugins=[LocalCkptIO(root, "job", keep_last=3)],
+               max_epochs=epochs, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=callbacks).fit(model, _data(),
+                                                                    ckpt_path=ckpt_path)
+    return model
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_saves_at_one_step_are_both_kept_and_last_resumes_bit_identical(
+        root: Path, tmp_path: Path) -> None:
+    """A batch-end and an epoch-end ModelCheckpoint save at the same step with different state
+    (the epoch-end hook ran in between): "last" must resume from the epoch-end one."""
+    straight = _fit(root / "a", tmp_path / "a", 3)
+    _fit(root / "b", tmp_path / "b", 1)
+    resumed = _fit(root / "b", tmp_path / "b", 3, "last")
+    assert resumed.loaded_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(_weights(straight), _weights(resumed),
+                                                 strict=True))
+
+
+def test_save_after_fit_and_best_of_an_older_iteration(root: Path, tmp_path: Path) -> None:
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="score", mode="max", save_top_k=1)
+    every = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="every-{step}")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                         plugins=[LocalCkptIO(root, "job", keep_last=2)],
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[best, every])
+    model = _Epochal()
+    trainer.fit(model, _data())
+    trainer.save_checkpoint(str(tmp_path / "final.ckpt"))  # the step fit's last save had
+    assert _marker(tmp_path / "final.ckpt") > _marker(tmp_path / "every-step=8.ckpt")
+    assert best.best_model_path.endswith("step=4.ckpt")
+    with pytest.raises(ConfigurationError, match="names iteration 4"):
+        trainer.test(model, _data(), ckpt_path="best", verbose=False)  # never silently newest

@@ -21,6 +21,7 @@ def test_keep_last_only() -> None:
 def test_keep_every_is_the_union_with_the_last_k() -> None:
     assert KeepPolicy(2, every=10).keep(range(1, 36)) == {10, 20, 30, 34, 35}
     assert KeepPolicy(1, every=1).keep([3, 7]) == {3, 7}
+    assert KeepPolicy(1, every=1000).keep([0, 5, 999]) == {999}  # 0 is no 1000th iteration
     # the newest complete iteration is kept whatever it is a multiple of
     assert 33 in KeepPolicy(1, every=10).keep([10, 20, 33])
 

@@ -15,8 +15,9 @@ from ..errors import ConfigurationError
 @dataclass(frozen=True)
 class KeepPolicy:
     """Keep the ``last`` newest complete iterations and, with ``every``, each iteration that is
-    a multiple of it (``every=1000``: iterations 1000, 2000... stay for post-mortems). What the
-    rules keep is the union of what each keeps; the newest complete iteration is always kept."""
+    a positive multiple of it (``every=1000``: iterations 1000, 2000... stay for post-mortems).
+    What the rules keep is the union of what each keeps; the newest complete iteration is always
+    kept."""
 
     last: int = 1
     every: int | None = None
@@ -39,6 +40,6 @@ class KeepPolicy:
             kept.update(unsure)
         else:
             kept.update(it for it in unsure if it > newest[-1])
-        if self.every is not None:
-            kept.update(it for it in (*complete, *unsure) if it % self.every == 0)
+        if self.every is not None:  # 0 is no "n-th" iteration: the first save is not kept
+            kept.update(it for it in (*complete, *unsure) if it > 0 and it % self.every == 0)
         return kept

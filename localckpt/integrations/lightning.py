@@ -7,16 +7,21 @@
         ModelCheckpoint(dirpath="/shared/markers", every_n_train_steps=100, save_last=True)])
     trainer.fit(model, ckpt_path="last")  # resumes when there is a "last" marker
 
-Each save is the rank's shard of iteration ``global_step``, written to node-local storage and
-replicated to other nodes by the manager; the file Lightning names (``path``) becomes a small
-JSON marker naming that iteration, written by global rank 0, so ``ModelCheckpoint``'s
-bookkeeping (``ckpt_path="last"``, top-k, ``best_model_path``) works as with files (the markers'
-directory must be one every rank sees, as Lightning's own checkpoints need for "last"; the
-data stays node-local). ``ckpt_path=LATEST`` needs no marker: the newest complete iteration,
-NoCheckpointError if there is none. ``load_checkpoint`` loads
-the newest complete iteration whatever the path (fetching a lost node's shards from its peers),
-with a warning where the path's marker names another (loading an older iteration comes with
-rollback, not yet built). Retention is the manager's (``keep_last``,
+Each save is the rank's shard of one iteration, written to node-local storage and replicated to
+other nodes by the manager. The iteration is ``global_step``, or one more than the previous
+save's when that is not newer (two saves at one step, such as a batch-end and an epoch-end
+``ModelCheckpoint``, hold different state: each is kept). The file Lightning names (``path``)
+becomes a small JSON marker naming the iteration, written by global rank 0 once the iteration
+is complete on every rank (for an async save: when it is finalized), so ``ModelCheckpoint``'s
+bookkeeping (``ckpt_path="last"``, top-k, ``best_model_path``) works as with files. The markers'
+directory must be one every rank sees, as Lightning's own checkpoints need for "last"; the data
+stays node-local. ``ckpt_path=LATEST`` needs no marker: the newest complete iteration,
+NoCheckpointError if there is none.
+
+``load_checkpoint`` loads the newest complete iteration (fetching a lost node's shards from its
+peers). When the marker names another iteration (an older "best", or one of another world
+size) it raises ConfigurationError on every rank instead of loading something else: loading an
+older iteration is not supported yet. Retention is the manager's (``keep_last``,
 ``keep_every``); ``remove_checkpoint`` removes only the marker.
 
 Lightning's own ``DDPStrategy`` calls the checkpoint plugin on global rank 0 only; a localckpt
@@ -24,7 +29,9 @@ save is collective (every rank saves its shard), so use :class:`LocalCkptDDPStra
 calls it on every rank. A world of one works with any single-device strategy.
 
 Lightning checkpoints hold dict subclasses (``AttributeDict`` hyper-parameters): they are saved
-as plain dicts. Loads return tensors on the devices they were saved from.
+as plain dicts. A dataclass, named tuple or enum in them must be allowed for a load to rebuild
+it (``safe_types=`` or ``localckpt.add_safe_types``): a save refuses one that is not, rather
+than a resume failing later. Loads return tensors on the devices they were saved from.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +54,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without Lightnin
 import torch.distributed as dist
 
 from ..errors import ConfigurationError
+from ..leaves import add_safe_types, safe_types
 from ..manager import LocalCheckpointManager
 from ..save.async_calls import AsyncCallsQueue
+from ..state_dict import BasicTensorAwareStateDict
 
 #: ``trainer.fit(model, ckpt_path=LATEST)`` resumes from the newest complete iteration
 #: (NoCheckpointError if there is none; ``ckpt_path="last"`` starts afresh then).
@@ -79,6 +89,8 @@ class LocalCkptIO(CheckpointIO):
             save finalizes the one before, ``load_checkpoint`` and ``teardown`` every one.
         manager_factory: builds the manager instead (called once the process group exists,
             on every rank: for a root or node id that depend on the rank).
+        safe_types: dataclasses, named tuples and enums the checkpoints hold (hyper-parameters):
+            allowed for loads (``localckpt.add_safe_types``).
 
     The manager is created on first use (inside ``fit``, after Lightning set up the process
     group) and closed by ``teardown``. Every method but ``remove_checkpoint`` is collective.
@@ -87,7 +99,7 @@ class LocalCkptIO(CheckpointIO):
     def __init__(self, root: str | os.PathLike[str] | None = None, session_id: str = "", *,
                  async_save: bool = False,
                  manager_factory: Callable[[], LocalCheckpointManager] | None = None,
-                 **manager_kwargs: Any) -> None:
+                 safe_types: Sequence[type] = (), **manager_kwargs: Any) -> None:
         if (root is None) == (manager_factory is None):
             raise ConfigurationError("LocalCkptIO: expected a root or a manager_factory "
                                      f"(exactly one), got root={root!r}, "
@@ -96,12 +108,13 @@ class LocalCkptIO(CheckpointIO):
             def manager_factory() -> LocalCheckpointManager:
                 return LocalCheckpointManager(root, session_id,  # type: ignore[arg-type]
                                               **manager_kwargs)
+        add_safe_types(*safe_types)
         self._factory = manager_factory
         self.async_save = async_save
         self.on_every_rank = False  # set by LocalCkptDDPStrategy before each call
         self._manager: LocalCheckpointManager | None = None
         self._queue: AsyncCallsQueue | None = None
-        self._saved_step: int | None = None
+        self._last: int | None = None  # newest iteration saved or loaded (kept over teardown)
 
     @property
     def manager(self) -> LocalCheckpointManager:
@@ -128,43 +141,60 @@ class LocalCkptIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
-        """Save ``checkpoint`` as iteration ``checkpoint["global_step"]`` (once per step: a
-        second save at one step, such as ``last.ckpt``, only writes its marker). Collective."""
+        """Save ``checkpoint`` as the next iteration (see the module docstring) and point the
+        marker at ``path`` to it once it is complete. Collective. With ``async_save`` and
+        ``busy="skip"``, a save skipped because the previous one is in flight writes no
+        marker (logged)."""
         if storage_options is not None:
             raise TypeError("LocalCkptIO.save_checkpoint: storage_options are not supported, "
                             f"got {storage_options!r}")
         step = checkpoint.get("global_step")
-        if type(step) is not int:
-            raise ConfigurationError(f"LocalCkptIO: expected an int 'global_step' in the "
-                                     f"checkpoint, got {step!r}")
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"LocalCkptIO: expected a non-negative int 'global_step' "
+                                     f"in the checkpoint, got {step!r}")
+        state = _plain(checkpoint)
+        _check_types(state)
         mgr = self.manager
-        if step != self._saved_step:
-            if self._queue is not None:
-                self._finalize(blocking=False)
-                request = mgr.save(_plain(checkpoint), step, is_async=True)
-                if request is not None:
-                    self._queue.schedule_async_request(request)
-            else:
-                mgr.save(_plain(checkpoint), step)
-            self._saved_step = step
-        if mgr.rank == 0:
-            _write_marker(Path(path), mgr.session_id, step)
+        if self._last is None:
+            self._last = mgr.find_latest()
+        iteration = max(step, self._last + 1)
+        mark = partial(_write_marker, Path(path), mgr.session_id, iteration) \
+            if mgr.rank == 0 else _nothing
+        if self._queue is None:
+            mgr.save(state, iteration)
+            self._last = iteration
+            mark()
+            return
+        self._finalize(blocking=False)
+        request = mgr.save(state, iteration, is_async=True)
+        if request is None:
+            logger.warning("LocalCkptIO: the save of step %d was skipped (busy='skip': the "
+                           "previous one is still in flight); no marker at %s", step, path)
+            return
+        self._last = iteration
+        self._queue.schedule_async_request(request.add_finalize_fn(mark))
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The newest complete iteration's checkpoint (see the module docstring). Collective.
-        NoCheckpointError when there is none. A marker at ``path`` naming another iteration (or
-        a file that is no marker) is logged as a warning on the ranks that see it: the ranks
-        do not agree on files only some of them see, so it cannot fail them alike."""
+        NoCheckpointError when there is none; ConfigurationError, on every rank, when the
+        marker at ``path`` names another iteration."""
         mgr = self.manager
         self._finalize(blocking=True)
+        seen = mgr._ctx.group.exchange(
+            "lightning: marker", lambda: None if str(path) == LATEST else _read_marker(Path(path)))
+        named = sorted({n for n in seen if n is not None})
+        latest = mgr.find_latest()
+        if len(named) > 1 or (named and named[0] != latest):
+            raise ConfigurationError(
+                f"LocalCkptIO: {str(path)!r} names iteration {named[-1] if named else None}"
+                f"{' (ranks see different markers: ' + str(named) + ')' if len(named) > 1 else ''}"
+                f", the newest complete one this job can load is {latest}: loading another "
+                "than the newest is not supported yet (an older 'best', or one saved by a job "
+                "of another world size); pass ckpt_path=localckpt.integrations.lightning.LATEST "
+                "to load the newest")
         state, (iteration, _, _) = mgr.load()
-        wanted = None if str(path) == LATEST else _read_marker(Path(path))
-        if wanted is not None and wanted != iteration:
-            logger.warning("LocalCkptIO: %r names iteration %d; loaded the newest complete "
-                           "one, %d (loading an older one is not supported yet)", str(path),
-                           wanted, iteration)
-        self._saved_step = iteration
+        self._last = max(self._last if self._last is not None else -1, iteration)
         return state  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -181,7 +211,22 @@ class LocalCkptIO(CheckpointIO):
                 self._queue.close()
             if self._manager is not None:
                 self._manager.close()
-            self._manager, self._queue, self._saved_step = None, None, None
+            self._manager, self._queue = None, None
+
+
+def _nothing() -> None:
+    pass
+
+
+def _check_types(state: Any) -> None:
+    """ConfigurationError if ``state`` holds a dataclass, named tuple or enum a load could not
+    rebuild (Lightning's resume has no ``into`` to allow it)."""
+    refused = sorted(set(BasicTensorAwareStateDict(state).types) - set(safe_types()))
+    if refused:
+        raise ConfigurationError(
+            f"LocalCkptIO: the checkpoint holds objects of {refused}, which a resume could not "
+            "rebuild: allow them with LocalCkptIO(..., safe_types=[...]) or "
+            "localckpt.add_safe_types(...)")
 
 
 def _write_marker(path: Path, session: str, iteration: int) -> None:

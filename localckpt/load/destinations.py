@@ -49,7 +49,10 @@ def targets_by_path(into: Any) -> tuple[dict[str, Target], dict[str, Any], dict[
     out: dict[str, Target] = {}
     twice: set[str] = set()
     meshes: dict[Any, Any] = {}
+    copies = tasd.copies if isinstance(tasd, BasicTensorAwareStateDict) else set()
     for i, (path, t) in enumerate(zip(tasd.key_paths, tasd.tensors, strict=True)):
+        if i in copies:  # a numpy array read into would not be the caller's (or of its dtype)
+            continue
         if path in out:
             twice.add(path)
         layout = tasd.layouts.get(i)
@@ -122,7 +125,9 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     contiguous CPU tensor is read into; one on another device, non-contiguous (channels_last),
     with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
     nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
-    at another place than ``into``'s goes to ``mismatched``."""
+    at another place than ``into``'s goes to ``mismatched``. A numpy array stored as bytes
+    (a dtype torch lacks) is never read into ``into``: bytes of the same size may be another
+    dtype there."""
     direct: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     elsewhere = [manifest.tensors[i].key_path for i in manifest.replicas]
     if not by_path:
@@ -140,9 +145,10 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     # size).
     dtypes: dict[str, torch.dtype] = {}
     replicas = manifest.replicas
+    as_bytes = manifest.numpy_bytes
     for i, e in enumerate(manifest.tensors):
         target = by_path.get(e.key_path)
-        if target is None or seen[e.key_path] > 1 or i in replicas:
+        if target is None or seen[e.key_path] > 1 or i in replicas or i in as_bytes:
             continue
         if layouts or target.layout is not None:
             why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
@@ -280,7 +286,10 @@ class Rewrap:
         checkpoint held no state for (nothing restored it)."""
         missing = sorted(set(self.into.statefuls) - self.restored)
         if missing:
+            kinds = sorted({"torch.Generator" if isinstance(self.into.statefuls[p],
+                                                            torch.Generator)
+                            else "Stateful object" for p in missing})
             raise ConfigurationError(
-                f"load(into=...): the checkpoint holds no state dict for the Stateful objects "
-                f"at {missing} (nothing was saved at those key paths, or not a dict), so they "
-                "cannot be restored; leave them out of `into` or save them")
+                f"load(into=...): the checkpoint holds no state for the {' and '.join(kinds)}s "
+                f"at {missing} (nothing was saved at those key paths, or not a dict / a "
+                "generator), so they cannot be restored; leave them out of `into` or save them")

@@ -17,8 +17,10 @@ import binascii
 import functools
 import itertools
 import json
+import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,14 @@ class ShardManifest:
         """Tensor index -> the layout of the DTensor whose local shard it is (checked by
         :func:`check_consistent`, which fills this in)."""
         return check_hollow(self.hollow, len(self.tensors), "manifest")
+
+    @functools.cached_property
+    def numpy_bytes(self) -> frozenset[int]:
+        """Indices of the tensors that hold a numpy array's bytes (not its values in a torch
+        dtype): the array's dtype is another than their uint8."""
+        if self.format_version < 4:  # older formats hold no numpy arrays: no walk
+            return frozenset()
+        return numpy_byte_tensors(self.hollow, self.tensors)
 
     @functools.cached_property
     def replicas(self) -> dict[int, tuple[int, ...]]:
@@ -263,7 +273,7 @@ def check_consistent(m: ShardManifest, where: str) -> None:
         if start < end:
             raise bad(f"tensors {a} and {b} overlap at byte {start}")
     replicas: dict[int, tuple[int, ...]] = {}
-    layouts = check_hollow(m.hollow, len(m.tensors), where, replicas)
+    layouts = check_hollow(m.hollow, len(m.tensors), where, replicas, m.tensors, m.format_version)
     for i, layout in layouts.items():
         e = m.tensors[i]
         shape = replicas.get(i, e.shape)
@@ -284,14 +294,18 @@ MAX_HOLLOW_DEPTH = 100  # decoding recurses; state dicts are a handful of levels
 
 
 def check_hollow(hollow: Any, count: int, where: str,
-                 replicas: dict[int, tuple[int, ...]] | None = None
-                 ) -> dict[int, DTensorLayout]:
-    """Check the hollow structure against its grammar (see :mod:`localckpt.state_dict`): every
-    node well formed, every ``{"T": i}`` / ``{"DT": ...}`` naming one of the ``count`` tensors
-    (each tensor once), every DTensor layout well formed, nesting at most MAX_HOLLOW_DEPTH deep;
-    so decoding a manifest that parsed cannot fail. Returns the layouts by tensor index, in
-    order; ``replicas`` gets the shard shapes of replicas stored elsewhere (``"replica"``).
-    CorruptShardError naming ``where`` otherwise."""
+                 replicas: dict[int, tuple[int, ...]] | None = None,
+                 entries: Sequence[TensorEntry] | None = None,
+                 version: int = FORMAT_VERSION) -> dict[int, DTensorLayout]:
+    """Check the hollow structure against its grammar (see :mod:`localckpt.hollow`): every
+    node well formed and known to format ``version``, every ``{"T": i}`` / ``{"DT": ...}``
+    naming one of the ``count`` tensors (each tensor once), every DTensor layout well formed,
+    dict keys hashable, nesting at most MAX_HOLLOW_DEPTH deep, and with ``entries`` (the
+    tensors' table) a numpy array's bytes and a Generator's state what their tensors hold; so
+    decoding a manifest that parsed cannot fail for what it holds (a type the loading process
+    does not allow, or whose class changed, is its own error). Returns the layouts by tensor
+    index, in order; ``replicas`` gets the shard shapes of replicas stored elsewhere
+    (``"replica"``). CorruptShardError naming ``where`` otherwise."""
     def bad(what: str) -> CorruptShardError:
         return CorruptShardError(f"{where}: inconsistent manifest: {what}")
 
@@ -347,13 +361,19 @@ def check_hollow(hollow: Any, count: int, where: str,
             elif tag == "S":
                 stack.append((value, depth + 1))
             elif tag in EXTENDED_TAGS:
-                stack.extend((v, depth + 1) for v in _check_extended(tag, value, plain, tensor))
+                if version < 4:
+                    raise ValueError(f"a {tag!r} node in a format {version} manifest")
+                stack.extend((v, depth + 1) for v in _check_extended(
+                    tag, value, lambda ref: entries[tensor(ref, plain)] if entries is not None
+                    else tensor(ref, plain)))
             elif tag == "tuple" and type(value) is list:
                 stack.extend((v, depth + 1) for v in value)
             elif tag in ("dict", "odict") and type(value) is list:
                 for pair in value:
                     if type(pair) is not list or len(pair) != 2:
                         raise ValueError(f"dict item {str(pair)[:100]}")
+                    if not _hashable_key(pair[0]):
+                        raise ValueError(f"dict key {str(pair[0])[:100]}")
                     stack.extend(((pair[0], depth + 1), (pair[1], depth + 1)))
             else:
                 raise ValueError(f"node {str(node)[:100]}")
@@ -362,8 +382,43 @@ def check_hollow(hollow: Any, count: int, where: str,
     return dict(sorted(layouts.items()))
 
 
-def _check_extended(tag: str, value: Any, plain: set[int], tensor: Any) -> list[Any]:
-    """Check a format-4 node (see :mod:`localckpt.hollow`); returns the nodes it holds."""
+def numpy_byte_tensors(hollow: Any, entries: Sequence[TensorEntry]) -> frozenset[int]:
+    """See :attr:`ShardManifest.numpy_bytes` (the hollow is already checked)."""
+    out: set[int] = set()
+    stack = [hollow]
+    while stack:
+        node = stack.pop()
+        if type(node) is list:
+            stack.extend(node)
+        elif type(node) is dict:
+            value = node.get("np") if len(node) == 1 else None
+            if type(value) is dict:
+                i = value.get("T")
+                if type(i) is int and entries[i].dtype == "uint8" and value.get("dtype") != "|u1":
+                    out.add(i)
+            else:
+                stack.extend(node.values())
+    return frozenset(out)
+
+
+_KEY_TAGS = ("f", "c", "b", "npg", "enum", "dtype")
+
+
+def _hashable_key(node: Any) -> bool:
+    """Whether a dict key node decodes to a hashable value (scalars, tuples of them)."""
+    if node is None or type(node) in (bool, int, str):
+        return True
+    if type(node) is not dict or len(node) != 1:
+        return False
+    (tag, value), = node.items()
+    if tag == "tuple":
+        return type(value) is list and all(_hashable_key(v) for v in value)
+    return tag in _KEY_TAGS
+
+
+def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
+    """Check a format-4 node (see :mod:`localckpt.hollow`); returns the nodes it holds.
+    ``tensor(ref)``: the entry of tensor ``ref`` (or its index, without a table)."""
     if tag == "dtype":
         dtype_by_name(value)
         return []
@@ -388,17 +443,21 @@ def _check_extended(tag: str, value: Any, plain: set[int], tensor: Any) -> list[
         if set(value) != {"T", "dtype", "shape"} or type(shape) is not list or \
                 any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
             raise ValueError(f"numpy array node {str(value)[:100]}")
-        dtype_from_descr(value["dtype"])
-        tensor(value["T"], plain)
+        nbytes = dtype_from_descr(value["dtype"]).itemsize * math.prod(shape)
+        entry = tensor(value["T"])
+        if isinstance(entry, TensorEntry) and entry.nbytes != nbytes:
+            raise ValueError(f"numpy array of {nbytes} bytes stored in {entry.nbytes}")
     elif tag == "npg":
         if set(value) != {"dtype", "b"} or type(value["b"]) is not str:
             raise ValueError(f"numpy scalar node {str(value)[:100]}")
         scalar_from_json(value)
     elif tag == "G":
-        if set(value) != {"T", "device"} or type(value["device"]) is not str:
+        if set(value) != {"T", "device"} or type(value["device"]) is not str or \
+                torch.device(value["device"]).type == "meta":
             raise ValueError(f"Generator node {str(value)[:100]}")
-        torch.device(value["device"])
-        tensor(value["T"], plain)
+        entry = tensor(value["T"])
+        if isinstance(entry, TensorEntry) and (entry.dtype != "uint8" or len(entry.shape) != 1):
+            raise ValueError(f"Generator state of {entry.dtype} {list(entry.shape)}")
     else:
         fields = value.get("fields")
         if set(value) != {"type", "fields"} or type(value["type"]) is not str or \
