@@ -7,15 +7,13 @@ ranks of the job call it, in the same order. Collectives run on the manager's ow
 ``timeout``; a failure on any rank raises the same exception on every rank.
 
 This module is the facade: arguments, bootstrap, and the verbs. The save path is
-:mod:`localckpt.save.saver`, the load path :mod:`localckpt.load.restore`.
+:mod:`localckpt.save.saver`, the load path :mod:`localckpt.load.loader`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,25 +23,13 @@ from replication import ReplicationStrategy, Topology, make_strategy, strategy_n
 from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
-from .control.coverage import Inventory
 from .control.retention import KeepPolicy
-from .errors import (
-    CollectiveError,
-    ConfigurationError,
-    CorruptShardError,
-    IncompleteCheckpointError,
-    LayoutMismatchError,
-    NoCheckpointError,
-)
-from .gc_pause import gc_paused
-from .load.reshard import reshard_restore
-from .load.restore import find_latest, restore, write_back_after
-from .load.write_back import WriteBack
-from .ops.metrics import MetricHook, Metrics, PhaseMetric, as_metrics
+from .errors import CollectiveError, ConfigurationError
+from .load.loader import LoadPath
+from .ops.metrics import MetricHook, Metrics, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
 from .storage.layout import MAX_WORLD_SIZE, session_dir
-from .storage.manifest import ShardManifest
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.session_lock import SessionLock
 from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
@@ -51,7 +37,6 @@ from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
 logger = logging.getLogger(__name__)
 
 CkptID = tuple[int, int, str]
-RESHARD_ATTEMPTS = 4  # a resharding load that met corrupt copies lists again this many times
 
 
 class LocalCheckpointManager:
@@ -185,11 +170,8 @@ class LocalCheckpointManager:
         self._save = SavePath(self._ctx, keep, busy)
         self._save.any_world = reshard
         self._save.dedupe_replicated = dedupe_replicated
-        self._warned_foreign: set[int] = set()
         self.reshard = reshard
-        self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
-        self._found = (-1, self.world_size)  # find_latest's (iteration, world size it was saved at)
-        self._write_back: WriteBack | None = None  # the last load's, until waited for
+        self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,7 +239,7 @@ class LocalCheckpointManager:
         step), CollectiveError / CollectiveTimeoutError. A failed save's shards are removed only
         when every rank agreed it failed; nothing committed earlier is touched.
         """
-        self._listed = None  # the disk changes: a load must list again
+        self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()
         return self._save.save(state_dict, iteration, is_async)
 
@@ -270,22 +252,17 @@ class LocalCheckpointManager:
         (:func:`localckpt.control.coverage.choose_latest`). Shards of another world size are
         reported in a warning and ignored. Checksums are verified by ``load``.
         """
-        self.wait_for_write_back()
-        self._save.settle()
-        with self._ctx.timed("find_latest", -1) as box, gc_paused():
-            self.latest_iteration, world, self._listed = find_latest(self._ctx, self.reshard)
-            self._found = (self.latest_iteration, world)
-            box["iteration"] = self.latest_iteration
-        if self.latest_iteration >= 0 and world == self.world_size:
-            # Parsed once: load finds it in the store's manifest cache.
-            store = self._ctx.store
-            ref = store.ref(self.latest_iteration, self.rank, self.world_size)
-            with contextlib.suppress(Exception), gc_paused():  # load verifies; this only looks
-                self._warn_if_foreign(store.read_manifest(ref))
-        return self.latest_iteration
+        return self._load.find_latest()
 
-    def load(self, into: Any = None) -> tuple[Any, CkptID]:
-        """Load this rank's shard of the latest complete iteration. Collective.
+    def iterations(self) -> list[int]:
+        """Every complete iteration this job can load, oldest first (the same list on every
+        rank). Collective. Waits for (and finalizes) an async save in flight first. Lists
+        committed shards (no data is read): a corrupt copy is found by ``load``."""
+        return self._load.iterations()
+
+    def load(self, into: Any = None, *, iteration: int | None = None) -> tuple[Any, CkptID]:
+        """Load this rank's shard of the latest complete iteration, or of ``iteration``.
+        Collective.
 
         Calls ``find_latest`` first if it has not been called (or found nothing). Returns the
         state dict in the form it was saved (a plain dict, or a BasicTensorAwareStateDict when a
@@ -295,6 +272,12 @@ class LocalCheckpointManager:
         A copy that fails verification is quarantined (a warning names the file) and replaced
         by a replica; when no copy of some shard is left, every rank falls back to the newest
         older complete iteration in the same call, and the returned id says which.
+
+        ``iteration=N`` (rollback, e.g. after a loss spike): that iteration, through the same
+        path (peer fetch, another holder's copy for a corrupt one), never another: when it is
+        not complete, or no good copy of some shard is left, NoCheckpointError /
+        CorruptShardError name it on every rank. Only at this job's world size. A later save
+        must still be newer than the newest complete iteration.
 
         ``into``: a state dict like the one saved (e.g. the freshly built model's and optimizer's
         ``state_dict()``): each saved tensor whose key path, dtype and shape match a tensor of
@@ -323,28 +306,7 @@ class LocalCheckpointManager:
         boxes do not cover the new one; the failing rank's error from a Stateful's
         ``load_state_dict``.
         """
-        self.wait_for_write_back()
-        self._save.settle()
-        if self.latest_iteration < 0:
-            self.find_latest()
-
-        def fetched(seconds: float, nbytes: int) -> None:
-            self.metrics.emit(PhaseMetric("fetch_from_peer", self.rank, self.latest_iteration,
-                                          seconds, nbytes, self.session_id, time.time()))
-
-        if self._saved_by() != self.world_size:  # another world size (reshard=True)
-            manifest, state = self._load_resharded(into)
-            return state, (manifest.iteration, self.rank, self.session_id)
-        listed, self._listed = self._listed, None
-        try:
-            with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                manifest, state, self._write_back = restore(self._ctx, self.latest_iteration,
-                                                            fetched, listed, into)
-                box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
-        except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
-            manifest, state = self._load_resharded(into)
-        self.latest_iteration = manifest.iteration
-        self._warn_if_foreign(manifest)
+        manifest, state = self._load.load(into, iteration)
         return state, (manifest.iteration, self.rank, self.session_id)
 
     def reserve(self, state_dict: Any) -> int:
@@ -358,43 +320,6 @@ class LocalCheckpointManager:
             self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
         return nbytes
 
-    def _load_resharded(self, into: Any) -> tuple[ShardManifest, Any]:
-        """The resharding load of the newest complete iteration (any world size with
-        ``reshard``), listing afresh; a copy that failed its checks (quarantined) or a shard gone
-        since the listing makes it list and plan again, at most RESHARD_ATTEMPTS times. At this
-        world size the write-back of a replaced node starts after it."""
-        for attempt in range(1, RESHARD_ATTEMPTS + 1):
-            if self._listed is None:
-                self.find_latest()
-            listed, self._listed = self._listed, None
-            if self.latest_iteration < 0 or listed is None:
-                raise NoCheckpointError(f"load: no complete checkpoint of session "
-                                        f"{self.session_id!r} is left to load")
-            old_world = self._saved_by()
-            try:
-                with self._ctx.timed("load", self.latest_iteration) as box, gc_paused():
-                    manifest, state = reshard_restore(self._ctx, self.latest_iteration,
-                                                      old_world, listed, into)
-                    box["nbytes"] = manifest.data_nbytes
-            except (CorruptShardError, IncompleteCheckpointError):  # agreed; list again
-                if attempt == RESHARD_ATTEMPTS:
-                    raise
-                continue
-            if old_world == self.world_size:  # a replaced node gets its copies back
-                self._write_back = write_back_after(self._ctx, manifest.iteration, listed)
-            elif self.rank == 0:
-                logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
-                            manifest.iteration, old_world, self.world_size)
-            self.latest_iteration = manifest.iteration
-            return manifest, state
-        raise AssertionError("unreachable")
-
-    def _saved_by(self) -> int:
-        """The world size of the job that saved ``latest_iteration``: find_latest's answer while
-        it still names that iteration, else this job's (a save of this job set it)."""
-        iteration, world = self._found
-        return world if iteration == self.latest_iteration else self.world_size
-
     def wait_for_write_back(self) -> None:
         """Block until the last ``load``'s write-back is over: the shards a replaced node must
         hold again (its ranks' own, its replicas) are committed there, or their failure logged
@@ -402,25 +327,5 @@ class LocalCheckpointManager:
         write-back takes part in the same transfers, so a lone caller may wait for the others'
         next call). ``save``, ``find_latest``, ``load`` and ``close`` call it first. Raises
         CollectiveTimeoutError when it overran every bound (the groups are then unusable)."""
-        if self._write_back is not None:
-            self._write_back.wait()  # raises: kept, to be waited for again (close)
-            self._write_back = None
-
-    def _warn_if_foreign(self, manifest: ShardManifest) -> None:
-        """Warn (once per iteration) when a shard was written by another session or by a job
-        laid out on other nodes: expected after a node was replaced, worth a look otherwise
-        (data-loader and RNG states belong to the rank that wrote them)."""
-        if manifest.iteration in self._warned_foreign:
-            return
-        job = manifest.identity.get("job")
-        problems = []
-        if manifest.session_id != self.session_id:
-            problems.append(f"session {manifest.session_id!r}, this job's is {self.session_id!r}")
-        if isinstance(job, dict) and job != self._job_identity:
-            problems.append(f"topology {job}, this job's is {self._job_identity}")
-        if problems:
-            self._warned_foreign.add(manifest.iteration)
-            logger.warning("rank %d: shard of iteration %d (owner %d) was written by a different "
-                           "job: %s", self.rank, manifest.iteration, manifest.owner_rank,
-                           "; ".join(problems))
+        self._load.wait_for_write_back()
 

@@ -18,10 +18,10 @@ directory must be one every rank sees, as Lightning's own checkpoints need for "
 stays node-local. ``ckpt_path=LATEST`` needs no marker: the newest complete iteration,
 NoCheckpointError if there is none.
 
-``load_checkpoint`` loads the newest complete iteration (fetching a lost node's shards from its
-peers). When the marker names another iteration (an older "best", or one of another world
-size) it raises ConfigurationError on every rank instead of loading something else: loading an
-older iteration is not supported yet. Retention is the manager's (``keep_last``,
+``load_checkpoint`` loads the iteration the marker names (fetching a lost node's shards from its
+peers), an older "best" too, through ``load(iteration=N)``: never another; one that cannot be
+loaded (retention deleted it, a job of another world size saved it) is NoCheckpointError on
+every rank. Retention is the manager's (``keep_last``,
 ``keep_every``); ``remove_checkpoint`` removes only the marker.
 
 Lightning's own ``DDPStrategy`` calls the checkpoint plugin on global rank 0 only; a localckpt
@@ -176,25 +176,23 @@ class LocalCkptIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The newest complete iteration's checkpoint (see the module docstring). Collective.
-        NoCheckpointError when there is none; ConfigurationError, on every rank, when the
-        marker at ``path`` names another iteration."""
+        """The checkpoint of the iteration the marker at ``path`` names (the newest complete
+        one for LATEST, or where no rank sees a marker). Collective. NoCheckpointError, on every
+        rank, when that iteration cannot be loaded (none at all; one of a job of another world
+        size; one retention deleted), ConfigurationError when the ranks see different
+        markers."""
         mgr = self.manager
         self._finalize(blocking=True)
         seen = mgr._ctx.group.exchange(
             "lightning: marker", lambda: None if str(path) == LATEST else _read_marker(Path(path)))
         named = sorted({n for n in seen if n is not None})
-        latest = mgr.find_latest()
-        if len(named) > 1 or (named and named[0] != latest):
-            raise ConfigurationError(
-                f"LocalCkptIO: {str(path)!r} names iteration {named[-1] if named else None}"
-                f"{' (ranks see different markers: ' + str(named) + ')' if len(named) > 1 else ''}"
-                f", the newest complete one this job can load is {latest}: loading another "
-                "than the newest is not supported yet (an older 'best', or one saved by a job "
-                "of another world size); pass ckpt_path=localckpt.integrations.lightning.LATEST "
-                "to load the newest")
-        state, (iteration, _, _) = mgr.load()
-        self._last = max(self._last if self._last is not None else -1, iteration)
+        if len(named) > 1:
+            raise ConfigurationError(f"LocalCkptIO: the ranks see different markers at "
+                                     f"{str(path)!r}: iterations {named}")
+        state, (iteration, _, _) = mgr.load(iteration=named[0] if named else None)
+        # Later saves go after the newest on disk, also after loading an older one
+        newest = mgr.find_latest()
+        self._last = max(self._last if self._last is not None else -1, iteration, newest)
         return state  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -271,10 +271,11 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
 def restore(ctx: Context, iteration: int,
             fetched: Callable[[float, int], None] | None = None,
             inventories: list[Inventory] | None = None,
-            into: Any = None) -> tuple[ShardManifest, Any, WriteBack | None]:
+            into: Any = None, exact: bool = False) -> tuple[ShardManifest, Any, WriteBack | None]:
     """This rank's state dict from the newest complete iteration not newer than ``iteration``
     (and its manifest), and the write-back started in the background to restore every rank's
-    and every node's copies (None when nothing was missing). Collective.
+    and every node's copies (None when nothing was missing). Collective. ``exact``: that
+    iteration or an error, never an older one.
 
     Raises on every rank alike: CorruptShardError when corrupt copies were quarantined and no
     complete iteration is left (it names them), NoCheckpointError when none was there,
@@ -299,8 +300,10 @@ def restore(ctx: Context, iteration: int,
         started = time.monotonic()
         if inventories is None or rounds > 1:
             inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
-        candidates = [it for it in complete_iterations(inventories, ctx.world_size)
-                      if it <= iteration]
+        complete = complete_iterations(inventories, ctx.world_size)
+        candidates = [it for it in complete if it <= iteration]
+        if exact and (not candidates or candidates[0] != iteration):
+            raise _not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
             raise _nothing_left(ctx, iteration, quarantined)
         if candidates[0] != iteration:
@@ -380,6 +383,20 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
         manifest.layouts, rewrap.dtensor, rewrap.restorer, rnd.into.types)
     rewrap.check_restored()
     out.append((manifest, state))
+
+
+def _not_loadable(ctx: Context, iteration: int, complete: list[int],
+                  quarantined: list[list[str]]) -> Exception:
+    """The agreed error of ``load(iteration=N)`` when N cannot be loaded."""
+    shown = sorted(complete)[-8:]
+    have = f"complete iterations: {shown}" if complete else "no complete iteration"
+    if quarantined:
+        return CorruptShardError(
+            f"load: iteration {iteration} can no longer be loaded: corrupt copies were "
+            f"quarantined ({'; '.join(f'{p}: {e}' for p, e, _ in quarantined[:4])}); {have}")
+    return NoCheckpointError(
+        f"load: iteration {iteration} of session {ctx.session_id!r} is not complete for a "
+        f"world of {ctx.world_size} ranks; {have} (iterations() lists them)")
 
 
 def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:

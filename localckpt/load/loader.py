@@ -1,0 +1,200 @@
+"""Loads of one manager: ``find_latest``, ``iterations`` and ``load``, and the write-back a load
+leaves running. Called from the training thread only; every method but
+:meth:`LoadPath.wait_for_write_back` is collective (see :class:`localckpt.LocalCheckpointManager`
+for the contracts users rely on).
+
+The newest complete iteration is shared with the save path (a finalized save sets it):
+:class:`~localckpt.save.saver.SavePath` holds it, and this object reads and sets it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ..control.context import Context
+from ..control.coverage import Inventory, complete_iterations
+from ..errors import (
+    CorruptShardError,
+    IncompleteCheckpointError,
+    InvalidIterationError,
+    LayoutMismatchError,
+    NoCheckpointError,
+)
+from ..gc_pause import gc_paused
+from ..ops.metrics import PhaseMetric
+from ..save.saver import SavePath
+from ..storage.manifest import ShardManifest
+from .reshard import reshard_restore
+from .restore import find_latest, restore, write_back_after
+from .write_back import WriteBack
+
+logger = logging.getLogger(__name__)
+
+RESHARD_ATTEMPTS = 4  # a resharding load that met corrupt copies lists again this many times
+
+
+class LoadPath:
+    """The load side of a manager: what ``find_latest`` found (for the load that follows), the
+    last load's write-back, and the shards already warned about."""
+
+    def __init__(self, ctx: Context, save: SavePath, reshard: bool,
+                 job_identity: dict[str, Any]) -> None:
+        self.ctx, self._save, self.reshard = ctx, save, reshard
+        self._job_identity = job_identity
+        self._listed: list[Inventory] | None = None  # find_latest's, for the load that follows
+        self._found = (-1, ctx.world_size)  # find_latest's (iteration, world size it was saved at)
+        self._write_back: WriteBack | None = None  # the last load's, until waited for
+        self._warned_foreign: set[int] = set()
+
+    @property
+    def latest_iteration(self) -> int:
+        return self._save.latest_iteration
+
+    @latest_iteration.setter
+    def latest_iteration(self, iteration: int) -> None:
+        self._save.latest_iteration = iteration
+
+    def forget_listing(self) -> None:
+        """The disk is about to change (a save): a load must list again."""
+        self._listed = None
+
+    def settle(self) -> None:
+        """Before anything that reads the disk: the write-back is over and the async save in
+        flight finalized."""
+        self.wait_for_write_back()
+        self._save.settle()
+
+    def find_latest(self) -> int:
+        """See :meth:`LocalCheckpointManager.find_latest`."""
+        self.settle()
+        ctx = self.ctx
+        with ctx.timed("find_latest", -1) as box, gc_paused():
+            self.latest_iteration, world, self._listed = find_latest(ctx, self.reshard)
+            self._found = (self.latest_iteration, world)
+            box["iteration"] = self.latest_iteration
+        if self.latest_iteration >= 0 and world == ctx.world_size:
+            # Parsed once: load finds it in the store's manifest cache.
+            ref = ctx.store.ref(self.latest_iteration, ctx.rank, ctx.world_size)
+            with contextlib.suppress(Exception), gc_paused():  # load verifies; this only looks
+                self._warn_if_foreign(ctx.store.read_manifest(ref))
+        return self.latest_iteration
+
+    def iterations(self) -> list[int]:
+        """See :meth:`LocalCheckpointManager.iterations`."""
+        self.settle()
+        inventories = self.ctx.gather_inventories("iterations")
+        return sorted(complete_iterations(inventories, self.ctx.world_size))
+
+    def load(self, into: Any, iteration: int | None) -> tuple[ShardManifest, Any]:
+        """See :meth:`LocalCheckpointManager.load`. Returns the manifest of the shard loaded (its
+        iteration) and the state."""
+        if iteration is not None:
+            return self._load_exactly(into, iteration)
+        self.settle()
+        if self.latest_iteration < 0:
+            self.find_latest()
+        if self._saved_by() != self.ctx.world_size:  # another world size (reshard=True)
+            return self._load_resharded(into)
+        listed, self._listed = self._listed, None
+        try:
+            with self.ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                manifest, state, self._write_back = restore(
+                    self.ctx, self.latest_iteration, self._fetched, listed, into)
+                box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
+        except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
+            return self._load_resharded(into)
+        self.latest_iteration = manifest.iteration
+        self._warn_if_foreign(manifest)
+        return manifest, state
+
+    def _load_exactly(self, into: Any, iteration: Any) -> tuple[ShardManifest, Any]:
+        """``load(iteration=N)``: that iteration at this world size, or an error; never another
+        one (a corrupt copy is replaced by another holder's, as for the newest)."""
+        if type(iteration) is not int or iteration < 0:
+            raise InvalidIterationError(
+                f"load: iteration: expected None or a non-negative int, got {iteration!r}")
+        self.settle()
+        self._listed = None
+        with self.ctx.timed("load", iteration) as box, gc_paused():
+            try:
+                manifest, state, self._write_back = restore(
+                    self.ctx, iteration, self._fetched, None, into, exact=True)
+            except LayoutMismatchError:  # agreed: onto another mesh, or replicas elsewhere
+                inventories = self.ctx.gather_inventories(f"load of iteration {iteration}")
+                manifest, state = reshard_restore(self.ctx, iteration, self.ctx.world_size,
+                                                  inventories, into)
+                self._write_back = write_back_after(self.ctx, iteration, inventories)
+            box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
+        self._warn_if_foreign(manifest)
+        return manifest, state
+
+    def _fetched(self, seconds: float, nbytes: int) -> None:
+        ctx = self.ctx
+        ctx.metrics.emit(PhaseMetric("fetch_from_peer", ctx.rank, self.latest_iteration,
+                                     seconds, nbytes, ctx.session_id, time.time()))
+
+    def _load_resharded(self, into: Any) -> tuple[ShardManifest, Any]:
+        """The resharding load of the newest complete iteration (any world size with
+        ``reshard``), listing afresh; a copy that failed its checks (quarantined) or a shard gone
+        since the listing makes it list and plan again, at most RESHARD_ATTEMPTS times. At this
+        world size the write-back of a replaced node starts after it."""
+        ctx = self.ctx
+        for attempt in range(1, RESHARD_ATTEMPTS + 1):
+            if self._listed is None:
+                self.find_latest()
+            listed, self._listed = self._listed, None
+            if self.latest_iteration < 0 or listed is None:
+                raise NoCheckpointError(f"load: no complete checkpoint of session "
+                                        f"{ctx.session_id!r} is left to load")
+            old_world = self._saved_by()
+            try:
+                with ctx.timed("load", self.latest_iteration) as box, gc_paused():
+                    manifest, state = reshard_restore(ctx, self.latest_iteration,
+                                                      old_world, listed, into)
+                    box["nbytes"] = manifest.data_nbytes
+            except (CorruptShardError, IncompleteCheckpointError):  # agreed; list again
+                if attempt == RESHARD_ATTEMPTS:
+                    raise
+                continue
+            if old_world == ctx.world_size:  # a replaced node gets its copies back
+                self._write_back = write_back_after(ctx, manifest.iteration, listed)
+            elif ctx.rank == 0:
+                logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
+                            manifest.iteration, old_world, ctx.world_size)
+            self.latest_iteration = manifest.iteration
+            return manifest, state
+        raise AssertionError("unreachable")
+
+    def _saved_by(self) -> int:
+        """The world size of the job that saved ``latest_iteration``: find_latest's answer while
+        it still names that iteration, else this job's (a save of this job set it)."""
+        iteration, world = self._found
+        return world if iteration == self.latest_iteration else self.ctx.world_size
+
+    def wait_for_write_back(self) -> None:
+        """See :meth:`LocalCheckpointManager.wait_for_write_back`. Not collective."""
+        if self._write_back is not None:
+            self._write_back.wait()  # raises: kept, to be waited for again (close)
+            self._write_back = None
+
+    def _warn_if_foreign(self, manifest: ShardManifest) -> None:
+        """Warn (once per iteration) when a shard was written by another session or by a job
+        laid out on other nodes: expected after a node was replaced, worth a look otherwise
+        (data-loader and RNG states belong to the rank that wrote them)."""
+        if manifest.iteration in self._warned_foreign:
+            return
+        job = manifest.identity.get("job")
+        problems = []
+        if manifest.session_id != self.ctx.session_id:
+            problems.append(f"session {manifest.session_id!r}, this job's is "
+                            f"{self.ctx.session_id!r}")
+        if isinstance(job, dict) and job != self._job_identity:
+            problems.append(f"topology {job}, this job's is {self._job_identity}")
+        if problems:
+            self._warned_foreign.add(manifest.iteration)
+            logger.warning("rank %d: shard of iteration %d (owner %d) was written by a different "
+                           "job: %s", self.ctx.rank, manifest.iteration, manifest.owner_rank,
+                           "; ".join(problems))

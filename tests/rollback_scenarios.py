@@ -1,0 +1,30 @@
+"""Rank functions for tests/test_rollback.py (one rank per simulated node, node_spread F=2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from scenarios import digest, make_state
+
+from localckpt import LocalCheckpointManager
+
+
+def manager(rank: int, base: str) -> LocalCheckpointManager:
+    return LocalCheckpointManager(Path(base) / f"node{rank}", "job", "node_spread",
+                                  keep_last=3, timeout=30, node_id=f"node{rank}")
+
+
+def save(rank: int, world: int, base: str) -> None:
+    with manager(rank, base) as mgr:
+        for it in (10, 20, 30):
+            mgr.save(make_state(rank, it), it)
+
+
+def rollback(rank: int, world: int, base: str) -> dict[str, Any]:
+    with manager(rank, base) as mgr:
+        listed = mgr.iterations()
+        state, ckpt_id = mgr.load(iteration=20)
+        mgr.wait_for_write_back()
+        return {"iterations": listed, "loaded": ckpt_id[0],
+                "identical": digest(state) == digest(make_state(rank, 20))}

@@ -1,0 +1,66 @@
+"""Rollback (issue 24, item 5): iterations() lists what the job can load, load(iteration=N)
+loads that one through the same path as the newest, and never silently another."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import rollback_scenarios as sc
+from dist_harness import run_ranks
+from scenarios import digest, make_state
+
+from localckpt import (
+    CorruptShardError,
+    InvalidIterationError,
+    LocalCheckpointManager,
+    NoCheckpointError,
+)
+
+
+def test_iterations_and_load_of_an_older_iteration(root: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=3) as mgr:
+        assert mgr.iterations() == []
+        for it in (1, 2, 3, 4):
+            mgr.save(make_state(0, it), it)
+        assert mgr.iterations() == [2, 3, 4]
+        state, ckpt_id = mgr.load(iteration=2)
+        assert ckpt_id[0] == 2 and digest(state) == digest(make_state(0, 2))
+        with pytest.raises(NoCheckpointError, match=r"iteration 1 .*not complete.*\[2, 3, 4\]"):
+            mgr.load(iteration=1)
+        for bad in (-1, 2.0, "3", True):
+            with pytest.raises(InvalidIterationError, match="iteration"):
+                mgr.load(iteration=bad)  # type: ignore[arg-type]
+        state, ckpt_id = mgr.load()  # the newest, as before
+        assert ckpt_id[0] == 4
+
+
+def test_a_corrupt_rollback_target_is_an_error_not_an_older_iteration(root: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=3) as mgr:
+        for it in (1, 2, 3):
+            mgr.save(make_state(0, it), it)
+    chunk = next(root.glob("*/iter_0000000002/rank_*/data/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[3] ^= 0xFF
+    chunk.write_bytes(raw)
+    with LocalCheckpointManager(root, keep_last=3) as mgr:
+        with pytest.raises(CorruptShardError, match=r"iteration 2 can no longer be loaded.*"
+                                                    r"quarantined"):
+            mgr.load(iteration=2)
+        assert mgr.iterations() == [1, 3]
+        assert mgr.load(iteration=1)[1][0] == 1
+
+
+def test_rollback_after_a_node_loss(tmp_path: Path) -> None:
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    shutil.rmtree(tmp_path / "roots" / "node1")  # its replacement starts empty
+    results = run_ranks(sc.rollback, 2, tmp_path, base)
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert r.value == {"iterations": [10, 20, 30], "loaded": 20, "identical": True}
+    # the write-back gave the replaced node its copies of iteration 20 again
+    assert sorted(p.name for p in (tmp_path / "roots" / "node1" / "job" /
+                                   "iter_0000000020").iterdir()) == [
+        "rank_00000_of_00002", "rank_00001_of_00002"]
