@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,12 @@ class LocalCheckpointManager:
         keep_every: also keep each complete iteration that is a positive multiple of this (None:
             none), e.g. every 1000th for post-mortems. ``localckpt gc --keep-every`` keeps the
             same.
+        keep_best, best_metric, best_mode, keep_without_metric: also keep the ``keep_best``
+            iterations with the best ``metrics[best_metric]`` given to ``save`` ("min" or
+            "max"), and (unless ``keep_without_metric`` is False) those saved without it.
+        keep_predicate: also keep each iteration ``keep_predicate(iteration, metrics or None)``
+            is true for. What the rules keep is the union; the newest complete iteration is
+            always kept (see localckpt.control.retention.KeepPolicy).
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
@@ -87,7 +94,10 @@ class LocalCheckpointManager:
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike[str], session_id: str = "",
                  repl_strategy: ReplicationStrategy | str | None = None, *, keep_last: int = 1,
-                 keep_every: int | None = None,
+                 keep_every: int | None = None, keep_best: int | None = None,
+                 best_metric: str | None = None, best_mode: str = "min",
+                 keep_without_metric: bool = True,
+                 keep_predicate: Callable[[int, Any], bool] | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
@@ -103,7 +113,8 @@ class LocalCheckpointManager:
                                      f"of {strategy_names()}, got {type(repl_strategy).__name__}")
         if busy not in ("wait", "skip"):
             raise ConfigurationError(f"busy: expected 'wait' or 'skip', got {busy!r}")
-        keep = KeepPolicy(keep_last, keep_every)  # ConfigurationError on a bad value
+        keep = KeepPolicy(keep_last, keep_every, keep_best, best_metric, best_mode,
+                          keep_without_metric, keep_predicate)  # ConfigurationError if bad
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
@@ -209,8 +220,9 @@ class LocalCheckpointManager:
 
     # ------------------------------------------------------------------ the verbs
 
-    def save(self, state_dict: Any, iteration: int,
-             is_async: bool = False) -> AsyncRequest | None:
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False, *,
+             custom_metadata: dict[str, Any] | None = None,
+             metrics: dict[str, float] | None = None) -> AsyncRequest | None:
         """Save this rank's ``state_dict`` as its shard of ``iteration``. Collective.
 
         ``state_dict`` is a TensorAwareStateDict or a plain nested dict/list/tuple (wrapped
@@ -241,7 +253,7 @@ class LocalCheckpointManager:
         """
         self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()
-        return self._save.save(state_dict, iteration, is_async)
+        return self._save.save(state_dict, iteration, is_async, custom_metadata, metrics)
 
     def find_latest(self) -> int:
         """The newest loadable iteration, or -1. Collective. Waits for (and finalizes) an async
@@ -253,6 +265,13 @@ class LocalCheckpointManager:
         reported in a warning and ignored. Checksums are verified by ``load``.
         """
         return self._load.find_latest()
+
+    def metadata(self, iteration: int) -> dict[str, Any]:
+        """``{"iteration", "custom", "metrics"}`` of ``iteration``: what its save was given as
+        ``custom_metadata`` and ``metrics`` (None where nothing), rank 0's. Collective (a rank
+        that holds no shard of it gets a peer's answer). NoCheckpointError when no rank holds a
+        readable shard of it; InvalidIterationError for no non-negative int."""
+        return self._load.metadata(iteration)
 
     def iterations(self) -> list[int]:
         """Every complete iteration this job can load, oldest first (the same list on every

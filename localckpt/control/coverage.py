@@ -184,10 +184,21 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
 
 
 def retained_iterations(inventories: Sequence[Inventory], world_size: int,
-                        policy: KeepPolicy) -> set[int]:
-    """The complete iterations ``policy`` keeps: every other shard of this world size in a root
-    may be deleted."""
-    return policy.keep(complete_iterations(inventories, world_size))
+                        policy: KeepPolicy, metrics: dict[int, Any] | None = None) -> set[int]:
+    """The complete iterations ``policy`` keeps (``metrics``: by iteration, what each was saved
+    with): every other shard of this world size in a root may be deleted."""
+    return policy.keep(complete_iterations(inventories, world_size), metrics=metrics)
+
+
+def merge_metrics(docs: Sequence[Any]) -> dict[int, Any]:
+    """Every rank's ``"metrics"`` report (iteration -> metrics, from the manifests it holds)
+    merged, the lowest rank's first: the same on every rank, whatever each one holds."""
+    out: dict[int, Any] = {}
+    for doc in docs:
+        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
+            for it, values in doc["metrics"].items():
+                out.setdefault(int(it), values)
+    return out
 
 
 def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int) -> list[ShardKey]:

@@ -88,6 +88,30 @@ class LoadPath:
         inventories = self.ctx.gather_inventories("iterations")
         return sorted(complete_iterations(inventories, self.ctx.world_size))
 
+    def metadata(self, iteration: Any) -> dict[str, Any]:
+        """See :meth:`LocalCheckpointManager.metadata`."""
+        if type(iteration) is not int or iteration < 0:
+            raise InvalidIterationError(
+                f"metadata: iteration: expected a non-negative int, got {iteration!r}")
+        self.settle()
+        ctx = self.ctx
+
+        def mine() -> dict[str, Any] | None:
+            for ref in ctx.store.committed():
+                if ref.iteration == iteration and ref.world_size == ctx.world_size:
+                    with contextlib.suppress(Exception):  # another copy, or a peer's, may do
+                        return {"m": ctx.store.read_manifest(ref).metadata}
+            return None
+
+        for seen in ctx.group.exchange(f"metadata of iteration {iteration}", mine):
+            if seen is not None:
+                meta = seen["m"]
+                return {"iteration": iteration, "custom": meta.get("custom"),
+                        "metrics": meta.get("metrics")}
+        raise NoCheckpointError(f"metadata: no rank holds a readable shard of iteration "
+                                f"{iteration} (session {ctx.session_id!r}, world size "
+                                f"{ctx.world_size})")
+
     def load(self, into: Any, iteration: int | None) -> tuple[ShardManifest, Any]:
         """See :meth:`LocalCheckpointManager.load`. Returns the manifest of the shard loaded (its
         iteration) and the state."""

@@ -82,10 +82,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     Key = tuple[str, int, int]
     groups: dict[Key, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     sizes: dict[tuple[str, int, int], int] = defaultdict(int)
+    metrics: dict[Key, Any] = {}
     for root, session, ref in shards:
         key = (session, ref.iteration, ref.world_size)
         groups[key][ref.owner_rank].append(str(root))
         sizes[key] += _size(ref.path)
+        if key not in metrics:  # rank 0's, in every shard of the iteration
+            with contextlib.suppress(UsageError, CheckpointingError):
+                metrics[key] = _read_manifest(ref.path).metadata.get("metrics")
     listings: dict[tuple[str, Path], set[tuple[int, int, int]]] = defaultdict(set)
     for root, session, ref in shards:
         listings[(session, root)].add((ref.iteration, ref.owner_rank, ref.world_size))
@@ -100,17 +104,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "complete": it in complete[(session, world)], "missing_owners": missing,
                      "copies_min": min(copies), "copies_max": max(copies),
                      "bytes": sizes[(session, it, world)],
-                     "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())}})
+                     "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())},
+                     "metrics": metrics.get((session, it, world))})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'session':<12} {'iteration':>10} {'world':>5} {'complete':>8} {'copies':>7} "
-          f"{'MiB':>10}  missing owners")
+          f"{'MiB':>10}  {'missing owners':<15} metrics")
     for r in rows:
         print(f"{r['session'] or '(default)':<12} {r['iteration']:>10} {r['world_size']:>5} "
               f"{'yes' if r['complete'] else 'NO':>8} "
               f"{r['copies_min']}-{r['copies_max']:<5} {r['bytes'] / 2**20:>10.1f}  "
-              f"{_ranges(r['missing_owners']) or '-'}")
+              f"{_ranges(r['missing_owners']) or '-':<15} "
+              f"{' '.join(f'{k}={v:g}' for k, v in (r['metrics'] or {}).items()) or '-'}")
     return 0
 
 
@@ -139,6 +145,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"format         version {m.format_version}, {m.chunk_count} chunks of "
           f"{m.chunk_nbytes} bytes, {m.data_nbytes} bytes of tensors")
     print(f"written by     {json.dumps(m.identity)}")
+    if m.metadata:
+        print(f"metrics        {json.dumps(m.metadata.get('metrics'))}")
+        print(f"metadata       {json.dumps(m.metadata.get('custom'))}")
     print(f"\n{'tensor':<48} {'dtype':<10} {'shape':<20} {'bytes':>12}  device")
     for t in m.tensors:
         print(f"{t.key_path[:48]:<48} {t.dtype:<10} {list(t.shape)!s:<20} {t.nbytes:>12}  "
@@ -189,9 +198,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     Deletes in a session only while no live job holds it (its lock), each shard hidden by a
     rename before it is freed."""
     try:
-        policy = KeepPolicy(args.keep_last, args.keep_every)
+        policy = KeepPolicy(args.keep_last, args.keep_every, args.keep_best, args.metric,
+                            args.mode, not args.drop_without_metric)
     except ConfigurationError as exc:
-        raise UsageError(str(exc).replace("keep_", "--keep-")) from None
+        raise UsageError(str(exc).replace("keep_", "--keep-").replace("best_metric", "--metric")
+                         .replace("best_mode", "--mode")) from None
     if args.world_size is not None and args.session is None:
         raise UsageError("--world-size removes every shard of other world sizes: name the "
                          "session it applies to with --session (another job's session may "
@@ -239,7 +250,8 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         complete = complete_from_listings(listings, world)
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
-            keep = policy.keep(complete, unsure=seen - set(complete))
+            metrics = _metrics(shards, world) if policy.needs_metrics else {}
+            keep = policy.keep(complete, unsure=seen - set(complete), metrics=metrics)
             doomed += [(root, s) for root, refs in shards.items() for s in refs
                        if s.world_size == world and s.iteration not in keep]
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
@@ -256,6 +268,19 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
             finally:
                 store.close()
     return leftovers + [ref.path for _, ref in doomed]
+
+
+def _metrics(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
+    """Iteration -> the metrics its save was given (from the first readable shard of it)."""
+    out: dict[int, Any] = {}
+    for refs in shards.values():
+        for ref in refs:
+            if ref.world_size == world and ref.iteration not in out:
+                try:
+                    out[ref.iteration] = _read_manifest(ref.path).metadata.get("metrics")
+                except (UsageError, CheckpointingError):
+                    continue
+    return {it: m for it, m in out.items() if m is not None}
 
 
 def _fs_type(path: Path) -> str:
@@ -335,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep-last", type=int, default=1)
     gc.add_argument("--keep-every", type=int, default=None,
                     help="also keep each complete iteration that is a multiple of this")
+    gc.add_argument("--keep-best", type=int, default=None,
+                    help="also keep the N iterations with the best --metric")
+    gc.add_argument("--metric", default=None, help="the metric --keep-best ranks by")
+    gc.add_argument("--mode", default="min", choices=("min", "max"))
+    gc.add_argument("--drop-without-metric", action="store_true",
+                    help="with --keep-best, iterations saved without the metric may go")
     gc.add_argument("--session", default=None,
                     help="only this session ('' is the default session); required with "
                          "--world-size")

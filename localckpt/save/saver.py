@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,7 @@ from ..control.coverage import (
     check_capacity,
     choose_latest,
     decode_inventories,
+    merge_metrics,
     retained_iterations,
     shards_to_delete,
     validate_save,
@@ -56,6 +58,7 @@ from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import Deduped, dedupe, missing_replicas
 from .job import SaveJob, wait_for_save
+from .metadata import iteration_metadata
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -80,7 +83,8 @@ class SavePath:
         self.dedupe_replicated = True
         self._checked_replicas: list[int] | None = None  # every rank's digest, last checked
 
-    def save(self, state_dict: Any, iteration: Any, is_async: bool) -> AsyncRequest | None:
+    def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
+             metrics: Any = None) -> AsyncRequest | None:
         """See :meth:`LocalCheckpointManager.save`. Collective."""
         ctx = self.ctx
         with ctx.timed("stall", iteration) as box, gc_paused():
@@ -88,7 +92,7 @@ class SavePath:
                 logger.info("rank %d: skipping save of iteration %s: the previous one is still "
                             "in flight", ctx.rank, iteration)
                 return None
-            job = self._prepare(state_dict, iteration)
+            job = self._prepare(state_dict, iteration, custom_metadata, metrics)
             box["nbytes"] = job.manifest.data_nbytes
             if not is_async:
                 job.run(ctx)
@@ -150,12 +154,14 @@ class SavePath:
 
     # ------------------------------------------------------------------ 2. prepare
 
-    def _prepare(self, state_dict: Any, iteration: Any) -> SaveJob:
+    def _prepare(self, state_dict: Any, iteration: Any, custom_metadata: Any = None,
+                 metrics: Any = None) -> SaveJob:
         """Stage locally and gather every rank's request in one exchange, then decide."""
         ctx = self.ctx
         staged: dict[str, Any] = {}
 
         def stage() -> dict[str, Any]:
+            meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
             tasd = as_tensor_aware(state_dict)
             deduped = dedupe(tasd, self.dedupe_replicated)
             staged["deduped"] = deduped
@@ -206,7 +212,7 @@ class SavePath:
                     "free": st.f_bavail * st.f_frsize, "reaping": reaping,
                     "chunks": chunk_count,
                     "pieces": piece_count(chunk_nbytes, chunk_count),
-                    "replicas": deduped.digest}
+                    "replicas": deduped.digest, "meta": meta}
 
         gathered = ctx.group.exchange("save: stage and validate", stage)
         # Every rank reaches the same verdicts from the same gathered input.
@@ -225,7 +231,10 @@ class SavePath:
         pieces = [int(g["pieces"]) for g in gathered]
         steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
             max(pieces[t.src] for t in round_) for round_ in plan.rounds)
-        return SaveJob(iteration, staged["manifest"], staged["payload"],
+        manifest = staged["manifest"]
+        if gathered[0]["meta"]:  # rank 0's, in every shard: one answer for metadata(iteration)
+            manifest = replace(manifest, metadata=gathered[0]["meta"])
+        return SaveJob(iteration, manifest, staged["payload"],
                        plan if plan.transfers else None, metrics=ctx.metrics,
                        wait_steps=steps)
 
@@ -305,7 +314,10 @@ class SavePath:
                 raise job.error
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
-            return ctx.inventory().to_json()
+            doc = ctx.inventory().to_json()
+            if self.keep.needs_metrics:
+                doc["metrics"] = self._known_metrics()
+            return doc
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
         # whose write and transfers ended early waits for the others' as long as their work
@@ -320,7 +332,7 @@ class SavePath:
             if latest == iteration:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
-                self._retain(iteration, inventories)
+                self._retain(iteration, inventories, merge_metrics(outcome.values))
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]
@@ -338,13 +350,27 @@ class SavePath:
                                  ref.path, exc)
         raise error from outcome.local_error
 
-    def _retain(self, iteration: int, inventories: list[Any]) -> None:
+    def _known_metrics(self) -> dict[str, Any]:
+        """The metrics of each iteration of this world size this rank holds a shard of (from
+        its manifest: rank 0's, in every shard), for a keep policy by metric."""
+        ctx, out = self.ctx, {}
+        for ref in ctx.store.committed():
+            if ref.world_size != ctx.world_size or str(ref.iteration) in out:
+                continue
+            try:
+                out[str(ref.iteration)] = ctx.store.read_manifest(ref).metadata.get("metrics")
+            except Exception:  # a corrupt copy says nothing; another rank's may
+                continue
+        return {k: v for k, v in out.items() if v is not None}
+
+    def _retain(self, iteration: int, inventories: list[Any],
+                metrics: dict[int, Any] | None = None) -> None:
         """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
         is finalized on every rank, and what is left is retried after the next save."""
         ctx = self.ctx
         try:
             fault_point("finalize", ctx.rank, iteration)
-            keep = retained_iterations(inventories, ctx.world_size, self.keep)
+            keep = retained_iterations(inventories, ctx.world_size, self.keep, metrics)
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size):
                 ctx.store.delete(ctx.store.ref(it, owner, world),

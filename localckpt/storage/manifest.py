@@ -102,6 +102,9 @@ class ShardManifest:
     created_unix: float = field(default_factory=time.time)
     identity: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # save(..., custom_metadata=, metrics=): {"custom": ..., "metrics": ...}, rank 0's, in every
+    # shard of the iteration (a key older readers skip: it changes nothing they read)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ckpt_id(self) -> tuple[int, int, str]:
@@ -161,6 +164,8 @@ class ShardManifest:
         body["hollow"] = self.hollow
         body["chunk_crc32c"] = list(self.chunk_crc32c)
         body["identity"] = self.identity
+        if self.metadata:
+            body["metadata"] = self.metadata
         return {"manifest": body, "crc32c": _crc_of(body)}
 
     @classmethod
@@ -215,11 +220,20 @@ class ShardManifest:
                 created_unix=float(body["created_unix"]),
                 identity=dict(body.get("identity") or {}),
                 format_version=int(version),
+                metadata=_metadata_of(body.get("metadata", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
         check_consistent(manifest, where)
         return manifest
+
+
+def _metadata_of(value: Any) -> dict[str, Any]:
+    if type(value) is not dict or not set(value) <= {"custom", "metrics"} or \
+            type(value.get("metrics", {})) is not dict or \
+            any(type(v) not in (int, float) for v in value.get("metrics", {}).values()):
+        raise ValueError(f"metadata {str(value)[:100]}")
+    return value
 
 
 def check_consistent(m: ShardManifest, where: str) -> None:
