@@ -1,0 +1,105 @@
+"""When to save: a save policy decided alike on every rank, and preemption signals noticed on
+any rank and agreed by all.
+
+:class:`SavePolicy` is pure over the step (every n steps, fixed steps, a predicate) except for
+``every_seconds``, which is read on rank 0's clock and agreed (ranks' clocks differ). A
+:class:`PreemptionWatch` installs signal handlers that only set a flag (and call the handler
+that was there before, when it is Python code); the manager's ``reached_preemption`` agrees on
+the flags. Which ranks call what: see :class:`localckpt.LocalCheckpointManager`.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from ..errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Save when any rule says so: every ``every_steps`` steps (step % n == 0, step > 0), at the
+    steps in ``at_steps``, once ``every_seconds`` passed since the last save (rank 0's clock),
+    or when ``predicate(step)`` is true (it must answer alike on every rank)."""
+
+    every_steps: int | None = None
+    at_steps: Collection[int] = field(default_factory=frozenset)
+    every_seconds: float | None = None
+    predicate: Callable[[int], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and (type(self.every_steps) is not int
+                                             or self.every_steps < 1):
+            raise ConfigurationError(f"SavePolicy.every_steps: expected None or an int >= 1, "
+                                     f"got {self.every_steps!r}")
+        if any(type(s) is not int or s < 0 for s in self.at_steps):
+            raise ConfigurationError(f"SavePolicy.at_steps: expected non-negative ints, got "
+                                     f"{sorted(map(repr, self.at_steps))[:10]}")
+        object.__setattr__(self, "at_steps", frozenset(self.at_steps))
+        if self.every_seconds is not None and (
+                not isinstance(self.every_seconds, (int, float)) or
+                isinstance(self.every_seconds, bool) or not math.isfinite(self.every_seconds)
+                or self.every_seconds <= 0):
+            raise ConfigurationError(f"SavePolicy.every_seconds: expected None or seconds > 0, "
+                                     f"got {self.every_seconds!r}")
+        if self.predicate is not None and not callable(self.predicate):
+            raise ConfigurationError(f"SavePolicy.predicate: expected None or a callable, got "
+                                     f"{self.predicate!r}")
+
+    def due_by_step(self, step: int) -> bool:
+        """The rules that need no clock (the same on every rank)."""
+        if self.every_steps is not None and step > 0 and step % self.every_steps == 0:
+            return True
+        if step in self.at_steps:
+            return True
+        return self.predicate is not None and bool(self.predicate(step))
+
+    def due_by_time(self, seconds_since_save: float) -> bool:
+        return self.every_seconds is not None and seconds_since_save >= self.every_seconds
+
+
+class PreemptionWatch:
+    """Handlers for ``signals`` that note a preemption. The handler that was installed before
+    is called after ours when it is Python code; the default action (SIGTERM's: exit) is not,
+    since it would end the process before the save; SIG_IGN is honoured by noting nothing.
+    Installed from the main thread only (Python's rule); :meth:`close` puts the previous
+    handlers back."""
+
+    def __init__(self, signals: Sequence[int]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigurationError("preemption_signals: signal handlers can only be installed "
+                                     "from the main thread; create the manager there")
+        self._event = threading.Event()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        try:
+            for sig in dict.fromkeys(signals):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except (ValueError, OSError, TypeError) as exc:
+            self.close()
+            raise ConfigurationError(f"preemption_signals: cannot handle {signals!r}: "
+                                     f"{exc}") from None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(signum)
+        if previous is signal.SIG_IGN:
+            return
+        self.received = signum
+        self._event.set()
+        if callable(previous):
+            previous(signum, frame)
+
+    @property
+    def noticed(self) -> bool:
+        return self._event.is_set()
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self._previous = {}
