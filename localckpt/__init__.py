@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from .control.retention import KeepPolicy
+from .control.schedule import SavePolicy
 from .errors import (
     CheckpointingError,
     CheckpointingException,
@@ -39,11 +41,13 @@ __all__ = [
     "IncompleteCheckpointError",
     "InsufficientSpaceError",
     "InvalidIterationError",
+    "KeepPolicy",
     "LocalCheckpointManager",
     "Metrics",
     "NoCheckpointError",
     "PhaseMetric",
     "RankFailureError",
+    "SavePolicy",
     "SessionInUseError",
     "TensorAwareStateDict",
     "UnsafeTypeError",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
 from .control.retention import KeepPolicy
+from .control.schedule import SavePolicy, Schedule
 from .errors import CollectiveError, ConfigurationError
 from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
@@ -60,6 +61,12 @@ class LocalCheckpointManager:
         keep_predicate: also keep each iteration ``keep_predicate(iteration, metrics or None)``
             is true for. What the rules keep is the union; the newest complete iteration is
             always kept (see localckpt.control.retention.KeepPolicy).
+        save_policy: a :class:`localckpt.SavePolicy`: ``should_save(step)`` answers from it, and
+            ``save`` skips (returns None) a step it does not choose unless ``force=True``.
+        preemption_signals: signals (e.g. ``[signal.SIGTERM, signal.SIGUSR1]``) that mean the
+            scheduler preempts the job: handled from construction to ``close`` (the handler
+            before is called after ours when it is Python code), agreed by
+            ``reached_preemption`` (and ``should_save``).
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
@@ -98,6 +105,8 @@ class LocalCheckpointManager:
                  best_metric: str | None = None, best_mode: str = "min",
                  keep_without_metric: bool = True,
                  keep_predicate: Callable[[int, Any], bool] | None = None,
+                 save_policy: SavePolicy | None = None,
+                 preemption_signals: Sequence[int] | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
@@ -115,6 +124,9 @@ class LocalCheckpointManager:
             raise ConfigurationError(f"busy: expected 'wait' or 'skip', got {busy!r}")
         keep = KeepPolicy(keep_last, keep_every, keep_best, best_metric, best_mode,
                           keep_without_metric, keep_predicate)  # ConfigurationError if bad
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise ConfigurationError(f"save_policy: expected None or a SavePolicy, got "
+                                     f"{type(save_policy).__name__}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
@@ -183,6 +195,7 @@ class LocalCheckpointManager:
         self._save.dedupe_replicated = dedupe_replicated
         self.reshard = reshard
         self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
+        self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -196,6 +209,7 @@ class LocalCheckpointManager:
         except CollectiveError as exc:  # logged; closing goes on
             logger.error("rank %d: close: %s", self.rank, exc)
         self._save.close()
+        self._schedule.close()
         self._ctx.ring.release()
         self._ctx.store.close()
         self._ctx.data_group.close()
@@ -222,7 +236,8 @@ class LocalCheckpointManager:
 
     def save(self, state_dict: Any, iteration: int, is_async: bool = False, *,
              custom_metadata: dict[str, Any] | None = None,
-             metrics: dict[str, float] | None = None) -> AsyncRequest | None:
+             metrics: dict[str, float] | None = None,
+             force: bool = False) -> AsyncRequest | None:
         """Save this rank's ``state_dict`` as its shard of ``iteration``. Collective.
 
         ``state_dict`` is a TensorAwareStateDict or a plain nested dict/list/tuple (wrapped
@@ -251,9 +266,32 @@ class LocalCheckpointManager:
         step), CollectiveError / CollectiveTimeoutError. A failed save's shards are removed only
         when every rank agreed it failed; nothing committed earlier is touched.
         """
+        if self._schedule.policy is not None and not force and type(iteration) is int and \
+                iteration >= 0 and not self._schedule.should_save(iteration):
+            return None
         self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()
-        return self._save.save(state_dict, iteration, is_async, custom_metadata, metrics)
+        request = self._save.save(state_dict, iteration, is_async, custom_metadata, metrics)
+        self._schedule.saved()
+        return request
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``, by ``save_policy`` (ConfigurationError without one), or
+        because a preemption was noticed: True on every rank alike. Collective when the policy
+        has ``every_seconds`` or preemption signals are handled (one small exchange: rank 0's
+        clock, every rank's flag); otherwise local and free."""
+        return self._schedule.should_save(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption signal reached any rank: True on every rank at the same call,
+        after finalizing an async save in flight, so the loop saves ``step`` (``save(...,
+        force=True)``) and exits. Collective (one exchange of a flag: about a millisecond on a
+        few ranks; call it every step, or every few when the job has thousands of ranks); False
+        at once, and not collective, without ``preemption_signals``."""
+        if self._schedule.reached_preemption(step):
+            self._save.settle()
+            return True
+        return False
 
     def find_latest(self) -> int:
         """The newest loadable iteration, or -1. Collective. Waits for (and finalizes) an async

@@ -10,8 +10,11 @@ to a run that never stopped.
 
     torchrun --nproc-per-node 2 scripts/ddp_example.py --root '/dev/shm/ckpt/{node}' --steps 12
 
-``--nodes`` simulates that many nodes on one machine (each its own root, ``{node}`` in
-``--root``). Rank 0 writes one JSON line per step (``--loss-log``): the step and its loss.
+With ``--preemption`` a SIGTERM (what schedulers send before they take the nodes) on any rank
+makes every rank save the current step, finalize it and exit cleanly; the next start resumes
+from there. ``--nodes`` simulates that many nodes on one machine (each its own root, ``{node}``
+in ``--root``). Rank 0 writes one JSON line per step (``--loss-log``): the step and its loss;
+each rank writes its pid next to it (``<loss-log>.pid<rank>``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -83,10 +89,16 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=-1,
                         help="exit after this step (a job that stops and is resumed)")
     parser.add_argument("--loss-log", default="", help="rank 0's per-step losses, JSON lines")
+    parser.add_argument("--preemption", action="store_true",
+                        help="save and exit when SIGTERM reaches any rank")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="a slower step")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.loss_log:
+        with open(f"{args.loss_log}.pid{rank}", "w") as f:
+            f.write(str(os.getpid()))
     torch.manual_seed(rank)
     np.random.seed(rank)
     random.seed(rank)
@@ -108,7 +120,8 @@ def main() -> None:
     node = rank * args.nodes // world
     mgr = LocalCheckpointManager(args.root.format(node=node), "ddp-example",
                                  "node_spread" if args.nodes > 1 else None,
-                                 node_id=f"node{node}", keep_last=2, keep_every=6)
+                                 node_id=f"node{node}", keep_last=2, keep_every=6,
+                                 preemption_signals=[signal.SIGTERM] if args.preemption else None)
     queue = AsyncCallsQueue()
     if mgr.find_latest() >= 0:  # localckpt: resume, modules and optimizer filled in place
         loaded, _ = mgr.load(into={**state, "rng": rng()})
@@ -129,6 +142,11 @@ def main() -> None:
         if rank == 0 and args.loss_log:
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+        time.sleep(args.step_seconds)
+        if mgr.reached_preemption(step):  # localckpt: agreed on every rank, at this step
+            state["step"] = step + 1
+            mgr.save({**state, "rng": rng()}, step + 1, force=True)  # finalized when it returns
+            break
         queue.maybe_finalize_async_calls(blocking=False)
         if (step + 1) % args.save_every == 0:  # localckpt: staged now, written in background
             state["step"] = step + 1

@@ -88,3 +88,13 @@ def test_bench_control_quick_writes_report(tmp_path: Path) -> None:
                    "save_replicate", "save_finalize"):
         assert rows[0][figure]["median"] > 0, figure
     assert "Control plane" in (tmp_path / "benchmarks-control.md").read_text()
+
+
+def test_bench_preemption_small_writes_report(tmp_path: Path) -> None:
+    out = tmp_path / "preemption.md"
+    proc = run_script("bench_preemption.py", "--mib", "4", "--step-ms", "5", "--calls", "5",
+                      "--out", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["plain_save_s"] > 0 and 0 < figures["signal_to_finalized_s"] < 60
+    assert "signal to a finalized checkpoint on every rank" in out.read_text()

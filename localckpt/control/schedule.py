@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -103,3 +104,54 @@ class PreemptionWatch:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous)
         self._previous = {}
+
+
+class Schedule:
+    """A manager's save policy and preemption watch, and the agreement on both (on the
+    manager's control group, from the training thread)."""
+
+    def __init__(self, ctx: Any, policy: SavePolicy | None,
+                 signals: Sequence[int] | None) -> None:
+        self.ctx, self.policy = ctx, policy
+        self.watch = PreemptionWatch(signals) if signals else None
+        self._last_save = time.monotonic()
+
+    def saved(self) -> None:
+        self._last_save = time.monotonic()
+
+    def _agree(self, step: Any) -> tuple[bool, float]:
+        """(whether any rank noticed a preemption, rank 0's seconds since its last save)."""
+        watch = self.watch
+
+        def local() -> dict[str, Any]:
+            return {"step": step if type(step) is int else repr(step),
+                    "preempted": watch is not None and watch.noticed,
+                    "since": time.monotonic() - self._last_save}
+
+        seen = self.ctx.group.exchange("schedule: agree", local)
+        steps = sorted({repr(s["step"]) for s in seen})
+        if len(steps) > 1:
+            raise ConfigurationError(f"every rank must ask about the same step, got "
+                                     f"{ {r: s['step'] for r, s in enumerate(seen)} }")
+        return any(s["preempted"] for s in seen), float(seen[0]["since"])
+
+    def should_save(self, step: int) -> bool:
+        if self.policy is None:
+            raise ConfigurationError("should_save: no save_policy was given to the manager")
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"should_save: step: expected a non-negative int, got "
+                                     f"{step!r}")
+        due = self.policy.due_by_step(step)
+        if self.policy.every_seconds is None and self.watch is None:
+            return due
+        preempted, since = self._agree(step)
+        return due or preempted or self.policy.due_by_time(since)
+
+    def reached_preemption(self, step: int) -> bool:
+        if self.watch is None:
+            return False
+        return self._agree(step)[0]
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()

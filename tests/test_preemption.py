@@ -1,0 +1,117 @@
+"""Save and keep decisions agreed by every rank, and a clean save on preemption (issue 24, items
+1 and 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+from localckpt import ConfigurationError, LocalCheckpointManager, SavePolicy
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_save_policy_rules() -> None:
+    policy = SavePolicy(every_steps=5, at_steps={3}, predicate=lambda s: s == 11)
+    assert [s for s in range(13) if policy.due_by_step(s)] == [3, 5, 10, 11]
+    assert SavePolicy(every_seconds=2).due_by_time(2.5) and not SavePolicy().due_by_time(1e9)
+    for bad in ({"every_steps": 0}, {"at_steps": [-1]}, {"every_seconds": 0},
+                {"every_seconds": float("inf")}, {"predicate": 5}):
+        with pytest.raises(ConfigurationError, match="SavePolicy"):
+            SavePolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_save_asks_the_policy_unless_forced(root: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=10, save_policy=SavePolicy(every_steps=3)) as mgr:
+        for step in range(1, 8):
+            mgr.save({"w": torch.full((2,), float(step))}, step)
+        mgr.save({"w": torch.zeros(2)}, 8, force=True)
+        assert mgr.iterations() == [3, 6, 8]
+        assert mgr.should_save(9) and not mgr.should_save(10)
+    with LocalCheckpointManager(root) as mgr, pytest.raises(ConfigurationError,
+                                                            match="no save_policy"):
+        mgr.should_save(1)
+
+
+def test_preemption_signal_is_noticed_and_the_previous_handler_chained(root: Path) -> None:
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        with LocalCheckpointManager(root, preemption_signals=[signal.SIGUSR1]) as mgr:
+            assert not mgr.reached_preemption(0)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mgr.reached_preemption(1) and mgr.reached_preemption(2)
+            assert seen == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is not None and seen == [signal.SIGUSR1]
+        os.kill(os.getpid(), signal.SIGUSR1)  # ours is gone: the old one runs alone
+        assert seen == [signal.SIGUSR1, signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with LocalCheckpointManager(root) as mgr:
+        assert not mgr.reached_preemption(0)  # not handled: False, no collective
+
+
+def _agree(rank: int, world: int, base: str, skew: float) -> dict[str, Any]:
+    """Rank 1's clock says it saved long ago; rank 0's decides (every_seconds=3600)."""
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", node_id=f"node{rank}",
+                                save_policy=SavePolicy(every_seconds=3600),
+                                preemption_signals=[signal.SIGUSR1]) as mgr:
+        mgr._schedule._last_save -= skew * rank
+        first = mgr.should_save(1)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler preempts rank 1's node
+        return {"should_save": first, "preempted": [mgr.reached_preemption(s) for s in (2, 3)],
+                "saves_then": mgr.should_save(4)}
+
+
+def test_time_and_preemption_decisions_are_agreed_across_ranks(tmp_path: Path) -> None:
+    results = run_ranks(_agree, 2, tmp_path, str(tmp_path / "roots"), 7200.0)
+    assert [r.value for r in results] == [
+        {"should_save": False, "preempted": [True, True], "saves_then": True}] * 2, \
+        [r.message for r in results]
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [(d["step"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
+
+
+def _torchrun(root: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         str(REPO / "scripts" / "ddp_example.py"), "--root", str(root / "{node}"), "--steps",
+         "30", "--save-every", "100", "--loss-log", str(log), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from_it(
+        tmp_path: Path) -> None:
+    straight = _torchrun(tmp_path / "straight", tmp_path / "straight.jsonl")
+    assert straight.wait(300) == 0, straight.stdout.read() if straight.stdout else ""
+    log = tmp_path / "preempted.jsonl"
+    job = _torchrun(tmp_path / "preempted", log, "--preemption", "--step-seconds", "0.2")
+    deadline = time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    os.kill(int(Path(f"{log}.pid1").read_text()), signal.SIGTERM)  # one rank of node 1
+    assert job.wait(120) == 0, job.stdout.read() if job.stdout else ""
+    steps = [s for s, _ in _losses(log)]
+    stopped = steps[-1] + 1
+    assert 5 <= stopped < 30
+    held = {p.name for p in (tmp_path / "preempted").rglob("iter_*")}
+    assert held == {f"iter_{stopped:010d}"}  # the preempted step, on both nodes
+    rest = _torchrun(tmp_path / "preempted", log)
+    assert rest.wait(300) == 0, rest.stdout.read() if rest.stdout else ""
+    resumed = _losses(log)
+    assert [s for s, _ in resumed] == list(range(stopped)) + list(range(stopped, 30))
+    assert resumed == _losses(tmp_path / "straight.jsonl")
