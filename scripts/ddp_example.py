@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import localckpt
-from localckpt import AsyncCallsQueue, LocalCheckpointManager
+from localckpt import AsyncCallsQueue, LocalCheckpointManager, SavePolicy
 
 
 @dataclasses.dataclass
@@ -115,12 +115,14 @@ def main() -> None:
         return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                 "python": random.getstate()}
 
-    # localckpt: one manager per job, node-local root, replicas on another node; keep the
-    # last two iterations and every 6th
+    # localckpt: one manager per job, node-local root, replicas on another node; save every
+    # few steps; keep the last two iterations, every 6th and the one of the lowest loss
     node = rank * args.nodes // world
     mgr = LocalCheckpointManager(args.root.format(node=node), "ddp-example",
                                  "node_spread" if args.nodes > 1 else None,
-                                 node_id=f"node{node}", keep_last=2, keep_every=6,
+                                 node_id=f"node{node}", keep_last=2, keep_every=6, keep_best=1,
+                                 best_metric="loss",
+                                 save_policy=SavePolicy(every_steps=args.save_every),
                                  preemption_signals=[signal.SIGTERM] if args.preemption else None)
     queue = AsyncCallsQueue()
     if mgr.find_latest() >= 0:  # localckpt: resume, modules and optimizer filled in place
@@ -148,11 +150,11 @@ def main() -> None:
             mgr.save({**state, "rng": rng()}, step + 1, force=True)  # finalized when it returns
             break
         queue.maybe_finalize_async_calls(blocking=False)
-        if (step + 1) % args.save_every == 0:  # localckpt: staged now, written in background
-            state["step"] = step + 1
-            request = mgr.save({**state, "rng": rng()}, step + 1, is_async=True)
-            if request is not None:
-                queue.schedule_async_request(request)
+        state["step"] = step + 1  # localckpt: the policy decides; staged now, written behind
+        request = mgr.save({**state, "rng": rng()}, step + 1, is_async=True,
+                           metrics={"loss": loss.item()})
+        if request is not None:
+            queue.schedule_async_request(request)
         if step == args.stop_after:
             break
     queue.close()  # localckpt: finalize what is in flight, then let go
