@@ -59,8 +59,10 @@ class LocalCheckpointManager:
             iterations with the best ``metrics[best_metric]`` given to ``save`` ("min" or
             "max"), and (unless ``keep_without_metric`` is False) those saved without it.
         keep_predicate: also keep each iteration ``keep_predicate(iteration, metrics or None)``
-            is true for. What the rules keep is the union; the newest complete iteration is
-            always kept (see localckpt.control.retention.KeepPolicy).
+            is true for.
+        keep_interval: also keep one iteration per this many seconds (the first saved in each
+            interval, by rank 0's clock). What the rules keep is the union; the newest complete
+            iteration is always kept (see localckpt.control.retention.KeepPolicy).
         save_policy: a :class:`localckpt.SavePolicy`: ``should_save(step)`` answers from it, and
             ``save`` skips (returns None) a step it does not choose unless ``force=True``.
         preemption_signals: signals (e.g. ``[signal.SIGTERM, signal.SIGUSR1]``) that mean the
@@ -105,6 +107,7 @@ class LocalCheckpointManager:
                  best_metric: str | None = None, best_mode: str = "min",
                  keep_without_metric: bool = True,
                  keep_predicate: Callable[[int, Any], bool] | None = None,
+                 keep_interval: float | None = None,
                  save_policy: SavePolicy | None = None,
                  preemption_signals: Sequence[int] | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
@@ -123,7 +126,8 @@ class LocalCheckpointManager:
         if busy not in ("wait", "skip"):
             raise ConfigurationError(f"busy: expected 'wait' or 'skip', got {busy!r}")
         keep = KeepPolicy(keep_last, keep_every, keep_best, best_metric, best_mode,
-                          keep_without_metric, keep_predicate)  # ConfigurationError if bad
+                          keep_without_metric, keep_predicate,
+                          keep_interval)  # ConfigurationError on a bad value
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise ConfigurationError(f"save_policy: expected None or a SavePolicy, got "
                                      f"{type(save_policy).__name__}")
@@ -305,8 +309,9 @@ class LocalCheckpointManager:
         return self._load.find_latest()
 
     def metadata(self, iteration: int) -> dict[str, Any]:
-        """``{"iteration", "custom", "metrics"}`` of ``iteration``: what its save was given as
-        ``custom_metadata`` and ``metrics`` (None where nothing), rank 0's. Collective (a rank
+        """``{"iteration", "custom", "metrics", "saved_unix"}`` of ``iteration``: what its save
+        was given as ``custom_metadata`` and ``metrics`` (None where nothing), and when it was
+        saved (rank 0's clock; None for a shard of an older localckpt), rank 0's. Collective (a rank
         that holds no shard of it gets a peer's answer). NoCheckpointError when no rank holds a
         readable shard of it; InvalidIterationError for no non-negative int."""
         return self._load.metadata(iteration)

@@ -40,7 +40,7 @@ def test_predicate_and_union_with_the_other_rules() -> None:
     metrics = {it: {"loss": v} for it, v in LOSSES.items()}
     policy = KeepPolicy(1, every=3, predicate=lambda it, m: m is not None and m["loss"] < 1.5)
     assert policy.keep(LOSSES, metrics=metrics) == {2, 3, 5}
-    assert policy.needs_metrics and not KeepPolicy(2, every=3).needs_metrics
+    assert policy.needs_metadata and not KeepPolicy(2, every=3).needs_metadata
 
 
 def test_unsure_iterations_as_good_as_the_kth_best_are_kept() -> None:
@@ -69,10 +69,13 @@ def test_manager_keeps_the_best_and_returns_metadata(root: Path) -> None:
             mgr.save({"w": torch.full((2,), float(it))}, it, metrics={"loss": loss},
                      custom_metadata={"note": f"step {it}", "tokens": it * 1000})
         assert mgr.iterations() == [2, 4, 5]
-        assert mgr.metadata(4) == {"iteration": 4, "custom": {"note": "step 4", "tokens": 4000},
-                                   "metrics": {"loss": 2.0}}
+        meta = mgr.metadata(4)
+        assert meta.pop("saved_unix") > 1.7e9
+        assert meta == {"iteration": 4, "custom": {"note": "step 4", "tokens": 4000},
+                        "metrics": {"loss": 2.0}}
         mgr.save({"w": torch.zeros(2)}, 6)
-        assert mgr.metadata(6) == {"iteration": 6, "custom": None, "metrics": None}
+        assert {k: v for k, v in mgr.metadata(6).items() if k != "saved_unix"} == {
+            "iteration": 6, "custom": None, "metrics": None}
         assert mgr.iterations() == [2, 4, 6]  # 6: without the metric, kept; 5: not the best 2
 
 
@@ -133,3 +136,26 @@ def test_cli_shows_metrics_and_gc_keeps_what_the_library_keeps(
         KeepPolicy(1, best=2, best_metric="loss").keep(
             LOSSES, metrics={it: {"loss": v} for it, v in LOSSES.items()}))
     assert json.loads(json.dumps(rows))  # JSON output stays JSON
+
+
+def test_one_per_interval_and_what_a_partial_view_keeps() -> None:
+    times = {1: 0.0, 2: 50.0, 3: 70.0, 4: 200.0}
+    policy = KeepPolicy(1, interval=60)
+    assert policy.keep([1, 2, 3, 4], times=times) == {1, 3, 4}  # the first of each minute
+    # gc without iteration 1's other shards: 1 may be complete, so it is kept, and so is 2
+    assert policy.keep([2, 3, 4], unsure=[1], times=times) >= {1, 3, 4}
+    with pytest.raises(ConfigurationError, match="keep_interval"):
+        KeepPolicy(1, interval=0)
+
+
+def test_manager_keeps_one_per_interval_by_rank_0s_clock(root: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from localckpt.save import saver
+
+    clock = iter([0.0, 50.0, 70.0, 200.0, 210.0])
+    monkeypatch.setattr(saver, "wall_clock", lambda: next(clock))
+    with LocalCheckpointManager(root, keep_interval=60) as mgr:
+        for it in range(1, 6):
+            mgr.save({"w": torch.ones(2)}, it)
+        assert mgr.iterations() == [1, 3, 4, 5]
+        assert mgr.metadata(3)["saved_unix"] == 70.0

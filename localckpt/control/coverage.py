@@ -184,20 +184,28 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
 
 
 def retained_iterations(inventories: Sequence[Inventory], world_size: int,
-                        policy: KeepPolicy, metrics: dict[int, Any] | None = None) -> set[int]:
-    """The complete iterations ``policy`` keeps (``metrics``: by iteration, what each was saved
-    with): every other shard of this world size in a root may be deleted."""
-    return policy.keep(complete_iterations(inventories, world_size), metrics=metrics)
+                        policy: KeepPolicy, metadata: dict[int, Any] | None = None) -> set[int]:
+    """The complete iterations ``policy`` keeps (``metadata``: by iteration, its manifest's
+    ``metadata``: metrics and save time): every other shard of this world size in a root may
+    be deleted."""
+    metadata = metadata or {}
+    metrics = {it: m["metrics"] for it, m in metadata.items() if m.get("metrics") is not None}
+    times = {it: float(m["saved_unix"]) for it, m in metadata.items()
+             if isinstance(m.get("saved_unix"), (int, float))}
+    return policy.keep(complete_iterations(inventories, world_size), metrics=metrics,
+                       times=times)
 
 
-def merge_metrics(docs: Sequence[Any]) -> dict[int, Any]:
-    """Every rank's ``"metrics"`` report (iteration -> metrics, from the manifests it holds)
-    merged, the lowest rank's first: the same on every rank, whatever each one holds."""
+def merge_metadata(docs: Sequence[Any]) -> dict[int, Any]:
+    """Every rank's ``"metadata"`` report (iteration -> its manifest's metadata, from the
+    shards it holds) merged, the lowest rank's first: the same on every rank, whatever each
+    one holds."""
     out: dict[int, Any] = {}
     for doc in docs:
-        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
-            for it, values in doc["metrics"].items():
-                out.setdefault(int(it), values)
+        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict):
+            for it, values in doc["metadata"].items():
+                if isinstance(values, dict):
+                    out.setdefault(int(it), values)
     return out
 
 

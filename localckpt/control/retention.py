@@ -30,7 +30,9 @@ class KeepPolicy:
       "min" or "max"; ties: the newer), among those saved with it (``save(..., metrics=...)``);
       those saved without it are kept too unless ``keep_without_metric`` is False;
     - ``predicate(iteration, metrics or None)``: those it returns True for (library only:
-      ``localckpt gc`` has no code to call).
+      ``localckpt gc`` has no code to call);
+    - ``interval``: one per ``interval`` seconds: the first saved in each interval since the
+      epoch (by rank 0's clock at the save, stored with the iteration).
     """
 
     last: int = 1
@@ -40,6 +42,7 @@ class KeepPolicy:
     best_mode: str = "min"
     keep_without_metric: bool = True
     predicate: Callable[[int, Metrics | None], bool] | None = None
+    interval: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.last) is not int or self.last < 1:
@@ -61,22 +64,30 @@ class KeepPolicy:
         if type(self.keep_without_metric) is not bool:
             raise ConfigurationError(f"keep_without_metric: expected a bool, got "
                                      f"{self.keep_without_metric!r}")
+        if self.interval is not None and (not isinstance(self.interval, (int, float)) or
+                                          isinstance(self.interval, bool) or
+                                          not math.isfinite(self.interval) or
+                                          self.interval <= 0):
+            raise ConfigurationError(f"keep_interval: expected None or seconds > 0, got "
+                                     f"{self.interval!r}")
         if self.predicate is not None and not callable(self.predicate):
             raise ConfigurationError(f"keep_predicate: expected None or a callable, got "
                                      f"{self.predicate!r}")
 
     @property
-    def needs_metrics(self) -> bool:
-        """Whether :meth:`keep` looks at metrics (so callers gather them only then)."""
-        return self.best is not None or self.predicate is not None
+    def needs_metadata(self) -> bool:
+        """Whether :meth:`keep` looks at metrics or save times (callers gather them only
+        then)."""
+        return self.best is not None or self.predicate is not None or self.interval is not None
 
     def keep(self, complete: Collection[int], unsure: Collection[int] = (),
-             metrics: Mapping[int, Metrics] | None = None) -> set[int]:
+             metrics: Mapping[int, Metrics] | None = None,
+             times: Mapping[int, float] | None = None) -> set[int]:
         """The iterations to keep out of ``complete`` (complete across the job) and ``unsure``
         (iterations whose completeness the caller cannot tell: ``gc`` given some of a job's
         roots). An ``unsure`` one is kept when the policy would keep it were it complete, so a
         partial view never deletes what the whole job keeps. ``metrics``: by iteration, what
-        it was saved with."""
+        it was saved with; ``times``: when (seconds since the epoch)."""
         metrics = metrics or {}
         newest = sorted(complete, reverse=True)[:self.last]
         kept = set(newest)
@@ -91,7 +102,27 @@ class KeepPolicy:
             kept.update(self._best(complete, unsure, metrics))
         if self.predicate is not None:
             kept.update(it for it in everything if self.predicate(it, metrics.get(it)))
+        if self.interval is not None:
+            kept.update(self._one_per_interval(complete, unsure, times or {}))
         return kept
+
+    def _one_per_interval(self, complete: Collection[int], unsure: Collection[int],
+                          times: Mapping[int, float]) -> set[int]:
+        """The oldest complete iteration of each interval; an unsure one older than every
+        complete one of its interval (it would be that one were it complete)."""
+        assert self.interval is not None
+        first: dict[int, int] = {}
+        for it in complete:
+            if it in times:
+                bucket = math.floor(times[it] / self.interval)
+                first[bucket] = min(first.get(bucket, it), it)
+        out = set(first.values())
+        for it in unsure:
+            if it in times:
+                bucket = math.floor(times[it] / self.interval)
+                if it < first.get(bucket, math.inf):
+                    out.add(it)
+        return out
 
     def _best(self, complete: Collection[int], unsure: Collection[int],
               metrics: Mapping[int, Metrics]) -> set[int]:

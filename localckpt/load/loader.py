@@ -107,7 +107,7 @@ class LoadPath:
             if seen is not None:
                 meta = seen["m"]
                 return {"iteration": iteration, "custom": meta.get("custom"),
-                        "metrics": meta.get("metrics")}
+                        "metrics": meta.get("metrics"), "saved_unix": meta.get("saved_unix")}
         raise NoCheckpointError(f"metadata: no rank holds a readable shard of iteration "
                                 f"{iteration} (session {ctx.session_id!r}, world size "
                                 f"{ctx.world_size})")

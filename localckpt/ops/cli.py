@@ -145,9 +145,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"format         version {m.format_version}, {m.chunk_count} chunks of "
           f"{m.chunk_nbytes} bytes, {m.data_nbytes} bytes of tensors")
     print(f"written by     {json.dumps(m.identity)}")
-    if m.metadata:
-        print(f"metrics        {json.dumps(m.metadata.get('metrics'))}")
-        print(f"metadata       {json.dumps(m.metadata.get('custom'))}")
+    if m.metadata.get("metrics") is not None:
+        print(f"metrics        {json.dumps(m.metadata['metrics'])}")
+    if m.metadata.get("custom") is not None:
+        print(f"metadata       {json.dumps(m.metadata['custom'])}")
     print(f"\n{'tensor':<48} {'dtype':<10} {'shape':<20} {'bytes':>12}  device")
     for t in m.tensors:
         print(f"{t.key_path[:48]:<48} {t.dtype:<10} {list(t.shape)!s:<20} {t.nbytes:>12}  "
@@ -199,7 +200,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     rename before it is freed."""
     try:
         policy = KeepPolicy(args.keep_last, args.keep_every, args.keep_best, args.metric,
-                            args.mode, not args.drop_without_metric)
+                            args.mode, not args.drop_without_metric,
+                            interval=args.keep_interval)
     except ConfigurationError as exc:
         raise UsageError(str(exc).replace("keep_", "--keep-").replace("best_metric", "--metric")
                          .replace("best_mode", "--mode")) from None
@@ -250,8 +252,12 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         complete = complete_from_listings(listings, world)
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
-            metrics = _metrics(shards, world) if policy.needs_metrics else {}
-            keep = policy.keep(complete, unsure=seen - set(complete), metrics=metrics)
+            meta = _metadata(shards, world) if policy.needs_metadata else {}
+            keep = policy.keep(complete, unsure=seen - set(complete),
+                               metrics={it: m["metrics"] for it, m in meta.items()
+                                        if m.get("metrics") is not None},
+                               times={it: m["saved_unix"] for it, m in meta.items()
+                                      if isinstance(m.get("saved_unix"), (int, float))})
             doomed += [(root, s) for root, refs in shards.items() for s in refs
                        if s.world_size == world and s.iteration not in keep]
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
@@ -270,17 +276,18 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
     return leftovers + [ref.path for _, ref in doomed]
 
 
-def _metrics(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
-    """Iteration -> the metrics its save was given (from the first readable shard of it)."""
+def _metadata(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
+    """Iteration -> its manifest's metadata (metrics, save time; from the first readable shard
+    of it: rank 0's, in every shard)."""
     out: dict[int, Any] = {}
     for refs in shards.values():
         for ref in refs:
             if ref.world_size == world and ref.iteration not in out:
                 try:
-                    out[ref.iteration] = _read_manifest(ref.path).metadata.get("metrics")
+                    out[ref.iteration] = _read_manifest(ref.path).metadata
                 except (UsageError, CheckpointingError):
                     continue
-    return {it: m for it, m in out.items() if m is not None}
+    return out
 
 
 def _fs_type(path: Path) -> str:
@@ -366,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--mode", default="min", choices=("min", "max"))
     gc.add_argument("--drop-without-metric", action="store_true",
                     help="with --keep-best, iterations saved without the metric may go")
+    gc.add_argument("--keep-interval", type=float, default=None,
+                    help="also keep one iteration per this many seconds (the first of each)")
     gc.add_argument("--session", default=None,
                     help="only this session ('' is the default session); required with "
                          "--world-size")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +52,11 @@ def iteration_metadata(custom: Any, metrics: Any) -> dict[str, Any]:
         raise ConfigurationError(f"custom_metadata and metrics: expected at most "
                                  f"{MAX_METADATA_BYTES} bytes of JSON, got {size}")
     return doc
+
+
+def wall_clock() -> float:
+    """Seconds since the epoch: when a save was made (rank 0's is stored)."""
+    return time.time()
 
 
 def _describe(value: Any) -> str:

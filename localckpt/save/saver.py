@@ -28,7 +28,7 @@ from ..control.coverage import (
     check_capacity,
     choose_latest,
     decode_inventories,
-    merge_metrics,
+    merge_metadata,
     retained_iterations,
     shards_to_delete,
     validate_save,
@@ -58,7 +58,7 @@ from ..storage.store import bytes_needed, chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import Deduped, dedupe, missing_replicas
 from .job import SaveJob, wait_for_save
-from .metadata import iteration_metadata
+from .metadata import iteration_metadata, wall_clock
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class SavePath:
 
         def stage() -> dict[str, Any]:
             meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
+            meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
             tasd = as_tensor_aware(state_dict)
             deduped = dedupe(tasd, self.dedupe_replicated)
             staged["deduped"] = deduped
@@ -315,8 +316,8 @@ class SavePath:
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
             doc = ctx.inventory().to_json()
-            if self.keep.needs_metrics:
-                doc["metrics"] = self._known_metrics()
+            if self.keep.needs_metadata:
+                doc["metadata"] = self._known_metadata()
             return doc
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
@@ -332,7 +333,7 @@ class SavePath:
             if latest == iteration:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
-                self._retain(iteration, inventories, merge_metrics(outcome.values))
+                self._retain(iteration, inventories, merge_metadata(outcome.values))
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]
@@ -350,27 +351,28 @@ class SavePath:
                                  ref.path, exc)
         raise error from outcome.local_error
 
-    def _known_metrics(self) -> dict[str, Any]:
-        """The metrics of each iteration of this world size this rank holds a shard of (from
-        its manifest: rank 0's, in every shard), for a keep policy by metric."""
+    def _known_metadata(self) -> dict[str, Any]:
+        """The metadata (metrics, save time) of each iteration of this world size this rank
+        holds a shard of (from its manifest: rank 0's, in every shard), for keep policies by
+        metric or time."""
         ctx, out = self.ctx, {}
         for ref in ctx.store.committed():
             if ref.world_size != ctx.world_size or str(ref.iteration) in out:
                 continue
             try:
-                out[str(ref.iteration)] = ctx.store.read_manifest(ref).metadata.get("metrics")
+                out[str(ref.iteration)] = ctx.store.read_manifest(ref).metadata or None
             except Exception:  # a corrupt copy says nothing; another rank's may
                 continue
         return {k: v for k, v in out.items() if v is not None}
 
     def _retain(self, iteration: int, inventories: list[Any],
-                metrics: dict[int, Any] | None = None) -> None:
+                metadata: dict[int, Any] | None = None) -> None:
         """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
         is finalized on every rank, and what is left is retried after the next save."""
         ctx = self.ctx
         try:
             fault_point("finalize", ctx.rank, iteration)
-            keep = retained_iterations(inventories, ctx.world_size, self.keep, metrics)
+            keep = retained_iterations(inventories, ctx.world_size, self.keep, metadata)
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size):
                 ctx.store.delete(ctx.store.ref(it, owner, world),

@@ -102,8 +102,9 @@ class ShardManifest:
     created_unix: float = field(default_factory=time.time)
     identity: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    # save(..., custom_metadata=, metrics=): {"custom": ..., "metrics": ...}, rank 0's, in every
-    # shard of the iteration (a key older readers skip: it changes nothing they read)
+    # {"custom": ..., "metrics": ..., "saved_unix": ...}: what save(..., custom_metadata=,
+    # metrics=) was given and rank 0's clock, in every shard of the iteration (a key older
+    # readers skip: it changes nothing they read)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -229,9 +230,10 @@ class ShardManifest:
 
 
 def _metadata_of(value: Any) -> dict[str, Any]:
-    if type(value) is not dict or not set(value) <= {"custom", "metrics"} or \
+    if type(value) is not dict or not set(value) <= {"custom", "metrics", "saved_unix"} or \
             type(value.get("metrics", {})) is not dict or \
-            any(type(v) not in (int, float) for v in value.get("metrics", {}).values()):
+            any(type(v) not in (int, float) for v in value.get("metrics", {}).values()) or \
+            type(value.get("saved_unix", 0.0)) not in (int, float):
         raise ValueError(f"metadata {str(value)[:100]}")
     return value
 
