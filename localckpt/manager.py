@@ -322,7 +322,8 @@ class LocalCheckpointManager:
         committed shards (no data is read): a corrupt copy is found by ``load``."""
         return self._load.iterations()
 
-    def load(self, into: Any = None, *, iteration: int | None = None) -> tuple[Any, CkptID]:
+    def load(self, into: Any = None, *, iteration: int | None = None,
+             discard_newer: bool = False) -> tuple[Any, CkptID]:
         """Load this rank's shard of the latest complete iteration, or of ``iteration``.
         Collective.
 
@@ -339,7 +340,8 @@ class LocalCheckpointManager:
         path (peer fetch, another holder's copy for a corrupt one), never another: when it is
         not complete, or no good copy of some shard is left, NoCheckpointError /
         CorruptShardError name it on every rank. Only at this job's world size. A later save
-        must still be newer than the newest complete iteration.
+        must be newer than the newest complete iteration, unless ``discard_newer=True``: then
+        every rank deletes the newer iterations once N is loaded, and saves go on from N.
 
         ``into``: a state dict like the one saved (e.g. the freshly built model's and optimizer's
         ``state_dict()``): each saved tensor whose key path, dtype and shape match a tensor of
@@ -368,7 +370,7 @@ class LocalCheckpointManager:
         boxes do not cover the new one; the failing rank's error from a Stateful's
         ``load_state_dict``.
         """
-        manifest, state = self._load.load(into, iteration)
+        manifest, state = self._load.load(into, iteration, discard_newer)
         return state, (manifest.iteration, self.rank, self.session_id)
 
     def reserve(self, state_dict: Any) -> int:

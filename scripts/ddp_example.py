@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--preemption", action="store_true",
                         help="save and exit when SIGTERM reaches any rank")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a slower step")
+    parser.add_argument("--rollback-to", type=int, default=None,
+                        help="go back to this iteration (after a loss spike): the newer ones "
+                             "are discarded and training goes on from it")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -125,8 +128,9 @@ def main() -> None:
                                  save_policy=SavePolicy(every_steps=args.save_every),
                                  preemption_signals=[signal.SIGTERM] if args.preemption else None)
     queue = AsyncCallsQueue()
-    if mgr.find_latest() >= 0:  # localckpt: resume, modules and optimizer filled in place
-        loaded, _ = mgr.load(into={**state, "rng": rng()})
+    if mgr.find_latest() >= 0:  # localckpt: resume (or roll back), objects filled in place
+        loaded, _ = mgr.load(into={**state, "rng": rng()}, iteration=args.rollback_to,
+                             discard_newer=args.rollback_to is not None)
         state["step"], config = loaded["step"], loaded["config"]
         torch.set_rng_state(loaded["rng"]["torch"])
         np.random.set_state(loaded["rng"]["numpy"])

@@ -40,3 +40,14 @@ def test_example_resumes_after_a_node_loss_bit_identical(tmp_path: Path, script:
     assert [s for s, _ in stopped] == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9, 10, 11]  # from 6
     assert stopped[8:] == straight[6:] and stopped[:8] == straight[:8]
     assert any((tmp_path / "stopped" / "1").rglob("iter_0000000012"))
+
+
+def test_ddp_example_rolls_back_and_trains_on_bit_identical(tmp_path: Path) -> None:
+    """After a run of 12 steps, --rollback-to 6 (kept by keep_every=6) discards 9 and 12 and
+    trains from 6 again: the same losses as the first time."""
+    log = tmp_path / "losses.jsonl"
+    _torchrun("ddp_example.py", tmp_path / "run", log)
+    _torchrun("ddp_example.py", tmp_path / "run", log, "--rollback-to", "6")
+    losses = _losses(log)
+    assert [s for s, _ in losses] == list(range(12)) + list(range(6, 12))
+    assert losses[12:] == losses[6:12]

@@ -12,6 +12,7 @@ from dist_harness import run_ranks
 from scenarios import digest, make_state
 
 from localckpt import (
+    ConfigurationError,
     CorruptShardError,
     InvalidIterationError,
     LocalCheckpointManager,
@@ -64,3 +65,18 @@ def test_rollback_after_a_node_loss(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "roots" / "node1" / "job" /
                                    "iter_0000000020").iterdir()) == [
         "rank_00000_of_00002", "rank_00001_of_00002"]
+
+
+def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=4) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save(make_state(0, it), it)
+        with pytest.raises(ConfigurationError, match="discard_newer"):
+            mgr.load(discard_newer=True)
+        state, ckpt_id = mgr.load(iteration=2, discard_newer=True)
+        assert ckpt_id[0] == 2 and digest(state) == digest(make_state(0, 2))
+        assert mgr.iterations() == [1, 2]
+        mgr.save(make_state(0, 33), 3)  # the new 3, not the discarded one
+        assert mgr.iterations() == [1, 2, 3]
+    with LocalCheckpointManager(root) as mgr:
+        assert digest(mgr.load()[0]) == digest(make_state(0, 33))

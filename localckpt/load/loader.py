@@ -17,6 +17,7 @@ from typing import Any
 from ..control.context import Context
 from ..control.coverage import Inventory, complete_iterations
 from ..errors import (
+    ConfigurationError,
     CorruptShardError,
     IncompleteCheckpointError,
     InvalidIterationError,
@@ -112,11 +113,19 @@ class LoadPath:
                                 f"{iteration} (session {ctx.session_id!r}, world size "
                                 f"{ctx.world_size})")
 
-    def load(self, into: Any, iteration: int | None) -> tuple[ShardManifest, Any]:
+    def load(self, into: Any, iteration: int | None,
+             discard_newer: bool = False) -> tuple[ShardManifest, Any]:
         """See :meth:`LocalCheckpointManager.load`. Returns the manifest of the shard loaded (its
         iteration) and the state."""
+        if type(discard_newer) is not bool or (discard_newer and iteration is None):
+            raise ConfigurationError(f"load: discard_newer: expected a bool, and an iteration "
+                                     f"with it, got discard_newer={discard_newer!r}, "
+                                     f"iteration={iteration!r}")
         if iteration is not None:
-            return self._load_exactly(into, iteration)
+            manifest, state = self._load_exactly(into, iteration)
+            if discard_newer:
+                self._discard_newer(iteration)
+            return manifest, state
         self.settle()
         if self.latest_iteration < 0:
             self.find_latest()
@@ -154,6 +163,23 @@ class LoadPath:
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self._warn_if_foreign(manifest)
         return manifest, state
+
+    def _discard_newer(self, iteration: int) -> None:
+        """After a rollback to ``iteration`` (every rank loaded it): delete this root's shards
+        of newer iterations of this world size, so saves go on from there. Each root's ranks
+        delete alike (a rename only one wins); a shard left by a failure only makes its
+        iteration incomplete, which retention removes."""
+        ctx = self.ctx
+        self.wait_for_write_back()  # it may still be writing the rolled-back iteration's copies
+        for ref in ctx.store.committed():
+            if ref.iteration > iteration and ref.world_size == ctx.world_size:
+                try:
+                    ctx.store.delete(ref, background=True)
+                except OSError as exc:
+                    logger.error("rank %d: discarding %s after the rollback to %d: %s",
+                                 ctx.rank, ref.path, iteration, exc)
+        self._listed = None
+        self.latest_iteration = iteration
 
     def _fetched(self, seconds: float, nbytes: int) -> None:
         ctx = self.ctx
