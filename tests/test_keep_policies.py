@@ -159,3 +159,64 @@ def test_manager_keeps_one_per_interval_by_rank_0s_clock(root: Path,
             mgr.save({"w": torch.ones(2)}, it)
         assert mgr.iterations() == [1, 3, 4, 5]
         assert mgr.metadata(3)["saved_unix"] == 70.0
+
+
+def _rank0_predicate(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Bookkeeping on rank 0 only (a common pattern): the predicate reads what rank 0 filled."""
+    protected: set[int] = set()
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=30,
+                                node_id=f"node{rank}",
+                                keep_predicate=lambda it, m: it in protected) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save({"w": torch.full((4,), float(it))}, it)
+            if rank == 0 and it == 2:
+                protected.add(2)
+        return {"iterations": mgr.iterations(),
+                "two": float(mgr.load(iteration=2)[0]["w"][0])}
+
+
+def test_a_predicate_that_answers_differently_per_rank_keeps_what_any_rank_keeps(
+        tmp_path: Path) -> None:
+    results = run_ranks(_rank0_predicate, 2, tmp_path, str(tmp_path / "roots"))
+    assert [r.value for r in results] == [{"iterations": [2, 4], "two": 2.0}] * 2, \
+        [r.message for r in results]
+
+
+def _set_metadata(shard: Path, metadata: Any) -> None:
+    """Rewrite a committed shard's manifest metadata with a valid CRC (another writer's)."""
+    from localckpt.storage.manifest import _crc_of
+
+    path = shard / "zarr.json"
+    doc = json.loads(path.read_text())
+    envelope = doc["attributes"]["localckpt"]
+    envelope["manifest"]["metadata"] = metadata
+    envelope["crc32c"] = _crc_of(envelope["manifest"])
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("metadata", [
+    {"metrics": {"loss": 2.0}, "tags": ["a newer writer's key"]},
+    {"metrics": {"loss": True, "acc": None, "huge": 10**400}},
+    ["not", "a", "dict"],
+], ids=["unknown-key", "odd-metrics", "not-a-dict"])
+def test_odd_metadata_never_makes_an_intact_shard_corrupt(
+        capsys: pytest.CaptureFixture[str], root: Path, metadata: Any) -> None:
+    with LocalCheckpointManager(root, "job", keep_last=3) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((4,), float(it))}, it, metrics={"loss": float(it)})
+    _set_metadata(next(root.glob("job/iter_0000000002/rank_*")), metadata)
+    with LocalCheckpointManager(root, "job", keep_last=1, keep_best=1, best_metric="loss",
+                                keep_without_metric=False) as mgr:
+        state, (it, _, _) = mgr.load()
+        assert it == 2 and state["w"][0] == 2.0  # not quarantined, no fallback
+        mgr.save({"w": torch.full((4,), 3.0)}, 3, metrics={"loss": 3.0})
+        kept_by_metric = isinstance(metadata, dict) and metadata["metrics"].get("loss") == 2.0
+        assert mgr.iterations() == ([2, 3] if kept_by_metric else [3])
+    assert run_cli(capsys, "ls", str(root))[0] == 0
+    assert run_cli(capsys, "gc", str(root), "--keep-best", "1", "--metric", "loss",
+                   "--dry-run")[0] == 0
+
+
+def test_a_metric_too_large_for_a_float_is_refused_at_save(root: Path) -> None:
+    with LocalCheckpointManager(root) as mgr, pytest.raises(ConfigurationError, match="metrics"):
+        mgr.save({"w": torch.ones(2)}, 1, metrics={"tokens": 10**400})

@@ -255,3 +255,13 @@ def test_save_after_fit_and_best_of_an_older_iteration(root: Path, tmp_path: Pat
     assert best.best_model_path.endswith("step=4.ckpt")
     trainer.test(model, _data(), ckpt_path="best", verbose=False)  # an older iteration
     assert model.loaded_step == 4
+
+
+def test_a_marker_of_another_session_is_refused(root: Path, tmp_path: Path) -> None:
+    a, b = LocalCkptIO(root, "run-a"), LocalCkptIO(root, "run-b")
+    a.save_checkpoint(_checkpoint(4), tmp_path / "last.ckpt")
+    b.save_checkpoint(_checkpoint(4), tmp_path / "b.ckpt")
+    with pytest.raises(ConfigurationError, match="session 'run-a'; this job's is 'run-b'"):
+        b.load_checkpoint(tmp_path / "last.ckpt")
+    a.teardown()
+    b.teardown()

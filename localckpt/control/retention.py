@@ -150,7 +150,10 @@ class KeepPolicy:
 
 def _metric(values: Any, name: str | None) -> float | None:
     value = values.get(name) if isinstance(values, Mapping) else None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-            not math.isfinite(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
-    return float(value)
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None

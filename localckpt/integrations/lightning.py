@@ -185,7 +185,13 @@ class LocalCkptIO(CheckpointIO):
         self._finalize(blocking=True)
         seen = mgr._ctx.group.exchange(
             "lightning: marker", lambda: None if str(path) == LATEST else _read_marker(Path(path)))
-        named = sorted({n for n in seen if n is not None})
+        sessions = sorted({s for _, s in (m for m in seen if m is not None)} -
+                          {mgr.session_id})
+        if sessions:
+            raise ConfigurationError(
+                f"LocalCkptIO: {str(path)!r} names a checkpoint of session {sessions[0]!r}; "
+                f"this job's is {mgr.session_id!r} (markers of two jobs in one directory?)")
+        named = sorted({n for n, _ in (m for m in seen if m is not None)})
         if len(named) > 1:
             raise ConfigurationError(f"LocalCkptIO: the ranks see different markers at "
                                      f"{str(path)!r}: iterations {named}")
@@ -235,9 +241,9 @@ def _write_marker(path: Path, session: str, iteration: int) -> None:
     os.replace(tmp, path)
 
 
-def _read_marker(path: Path) -> int | None:
-    """The iteration a marker names; None where this rank cannot see it (another node's disk)
-    or it is no marker (logged)."""
+def _read_marker(path: Path) -> tuple[int, str] | None:
+    """The iteration and session a marker names; None where this rank cannot see it (another
+    node's disk) or it is no marker (logged)."""
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -246,10 +252,10 @@ def _read_marker(path: Path) -> int | None:
         logger.warning("LocalCkptIO: %r is not a localckpt marker (%s)", str(path), exc)
         return None
     if type(doc) is not dict or doc.get("format") != MARKER_FORMAT or \
-            type(doc.get("iteration")) is not int:
+            type(doc.get("iteration")) is not int or type(doc.get("session")) is not str:
         logger.warning("LocalCkptIO: %r is not a localckpt marker", str(path))
         return None
-    return int(doc["iteration"])
+    return int(doc["iteration"]), str(doc["session"])
 
 
 class LocalCkptDDPStrategy(DDPStrategy):

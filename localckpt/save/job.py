@@ -16,7 +16,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -43,19 +42,26 @@ class DoneSignal:
     """Set once; waited for from threads of this process (an Event), or from another process:
     one forked from this one, or one it was sent to pickled (Megatron's queue runs a request's
     ``async_fn`` in a forked process, or a spawned persistent worker). Those watch for a file
-    that :meth:`set` creates; it is removed when the signal is collected."""
+    that :meth:`set` creates in a directory of this process under the temporary directory
+    (made then: building a signal touches no file system, so it cannot fail on one rank). The
+    file goes when the signal is collected in this process, not at exit: a child may still be
+    watching for it then (the directory goes at exit when it is empty)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._pid = os.getpid()
         self.path = os.path.join(_signal_dir(), uuid.uuid4().hex)
-        weakref.finalize(self, _remove, self.path)
+        weakref.finalize(self, _remove, self.path, self._pid).atexit = False
 
     def set(self) -> None:
         if not self._event.is_set():
             self._event.set()
-            with contextlib.suppress(OSError):  # never let the signal fail the save
+            try:
+                os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
                 open(self.path, "xb").close()
+            except OSError as exc:  # never let the signal fail the save; a remote waiter
+                logger.error("localckpt: cannot create %s for a waiting process (%s); it "
+                             "waits until this process exits", self.path, exc)
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -64,44 +70,70 @@ class DoneSignal:
         """Whether the signal is set, waiting up to ``timeout`` seconds (None: for ever)."""
         if os.getpid() == self._pid:
             return self._event.wait(timeout)
-        return RemoteDone(self.path).wait(timeout)
+        return RemoteDone(self.path, self._pid).wait(timeout)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return RemoteDone, (self.path,)
+        return RemoteDone, (self.path, self._pid)
 
 
 @dataclass(frozen=True)
 class RemoteDone:
-    """A :class:`DoneSignal` seen from another process: its file."""
+    """A :class:`DoneSignal` seen from another process: its file, and the process that sets
+    it (when that one is gone, nothing will: the wait ends)."""
 
     path: str
+    owner: int = 0
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not os.path.exists(self.path):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+            if self.owner and os.getppid() != self.owner and not _alive(self.owner):
+                return False
             time.sleep(0.005)
         return True
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 _dir_lock = threading.Lock()
-_dir: str | None = None
+_dir: tuple[int, str] | None = None  # (pid, directory) of this process's signal files
 
 
 def _signal_dir() -> str:
-    """This process's directory of signal files (made once, removed at exit)."""
+    """This process's directory of signal files: a name only (made by the first set)."""
     global _dir
     with _dir_lock:
-        if _dir is None or not os.path.isdir(_dir):
-            _dir = tempfile.mkdtemp(prefix="localckpt-signals-")
-            atexit.register(shutil.rmtree, _dir, True)
-        return _dir
+        if _dir is None or _dir[0] != os.getpid():
+            try:
+                base = tempfile.gettempdir()
+            except OSError:
+                base = "/tmp"
+            _dir = (os.getpid(), os.path.join(
+                base, f"localckpt-signals-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+            atexit.register(_remove_dir_if_empty, _dir[1], os.getpid())
+        return _dir[1]
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+def _remove(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child's copy of a signal is not its to remove
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _remove_dir_if_empty(path: str, pid: int) -> None:
+    if os.getpid() == pid:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def wait_for_save(done: DoneSignal | RemoteDone) -> None:

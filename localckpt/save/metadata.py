@@ -41,17 +41,27 @@ def iteration_metadata(custom: Any, metrics: Any) -> dict[str, Any]:
                                      "are (tuples become lists, int keys strings), got "
                                      f"{_describe(custom)}")
     if metrics is not None:
-        if not isinstance(metrics, Mapping) or any(
-                type(k) is not str or type(v) not in (int, float) or not math.isfinite(v)
-                for k, v in metrics.items()):
+        values = {k: _finite(v) for k, v in metrics.items()} \
+            if isinstance(metrics, Mapping) else None
+        if values is None or any(type(k) is not str or v is None for k, v in values.items()):
             raise ConfigurationError(f"metrics: expected a dict of str to finite int or float, "
                                      f"got {_describe(metrics)}")
-        doc["metrics"] = {k: v for k, v in metrics.items()}
+        doc["metrics"] = values
     size = len(json.dumps(doc))
     if size > MAX_METADATA_BYTES:
         raise ConfigurationError(f"custom_metadata and metrics: expected at most "
                                  f"{MAX_METADATA_BYTES} bytes of JSON, got {size}")
     return doc
+
+
+def _finite(value: Any) -> float | None:
+    if type(value) not in (int, float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def wall_clock() -> float:

@@ -82,6 +82,7 @@ class SavePath:
         self.any_world = False  # reshard=True: a save must be newer than any world's latest
         self.dedupe_replicated = True
         self._checked_replicas: list[int] | None = None  # every rank's digest, last checked
+        self._metadata_cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (it, owner)
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
              metrics: Any = None) -> AsyncRequest | None:
@@ -99,7 +100,11 @@ class SavePath:
                 self._finalize_job(job)
                 return None
         self._inflight = job
-        job.start(ctx)
+        try:
+            job.start(ctx)
+        except BaseException as exc:  # no thread: the failure is the finalize's, agreed
+            job.error = exc
+            job.done.set()
         return AsyncRequest(wait_for_save, (job.done,),
                             finalize_fns=(partial(self._finalize_job, job),))
 
@@ -295,6 +300,15 @@ class SavePath:
             if job.finalize_error is not None:
                 raise job.finalize_error
             return
+        # Its own thread must be over, whoever calls (a queue whose waiter died early: its
+        # staging memory would be restaged under the thread, and a late commit hold the next
+        # save's bytes)
+        if not job.done.wait(self.ctx.timeout * job.wait_steps):
+            err = CollectiveTimeoutError(
+                f"the async save of iteration {job.iteration} did not finish within "
+                f"{self.ctx.timeout * job.wait_steps:g}s")
+            self.ctx.group.mark_broken(err)
+            raise err
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
@@ -318,6 +332,8 @@ class SavePath:
             doc = ctx.inventory().to_json()
             if self.keep.needs_metadata:
                 doc["metadata"] = self._known_metadata()
+            if self.keep.predicate is not None:
+                doc["predicate_keeps"] = self._predicate_keeps(doc.get("metadata", {}))
             return doc
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
@@ -333,7 +349,9 @@ class SavePath:
             if latest == iteration:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
-                self._retain(iteration, inventories, merge_metadata(outcome.values))
+                self._retain(iteration, inventories, merge_metadata(outcome.values),
+                             {int(it) for v in outcome.values if isinstance(v, dict)
+                              for it in v.get("predicate_keeps", ())})
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]
@@ -356,23 +374,52 @@ class SavePath:
         holds a shard of (from its manifest: rank 0's, in every shard), for keep policies by
         metric or time."""
         ctx, out = self.ctx, {}
-        for ref in ctx.store.committed():
-            if ref.world_size != ctx.world_size or str(ref.iteration) in out:
+        committed = [r for r in ctx.store.committed() if r.world_size == ctx.world_size]
+        cache = self._metadata_cache  # a committed shard's metadata never changes
+        for key in set(cache) - {(r.iteration, r.owner_rank) for r in committed}:
+            del cache[key]
+        for ref in committed:
+            if str(ref.iteration) in out:
                 continue
+            key = (ref.iteration, ref.owner_rank)
+            if key not in cache:
+                try:
+                    cache[key] = ctx.store.read_manifest(ref).metadata
+                except Exception:  # a corrupt copy says nothing; another rank's may
+                    continue
+            if cache[key]:
+                out[str(ref.iteration)] = cache[key]
+        return out
+
+    def _predicate_keeps(self, metadata: dict[str, Any]) -> list[int]:
+        """The iterations of this rank's root the keep predicate keeps, asked here (with the
+        metrics this rank knows; an error keeps the iteration): every rank keeps what any
+        rank's predicate keeps, so ranks whose predicates answer differently delete alike."""
+        ctx, predicate, out = self.ctx, self.keep.predicate, []
+        assert predicate is not None
+        for it in sorted({k[0] for k in ctx.inventory().shards if k[2] == ctx.world_size}):
+            values = metadata.get(str(it)) or {}
             try:
-                out[str(ref.iteration)] = ctx.store.read_manifest(ref).metadata or None
-            except Exception:  # a corrupt copy says nothing; another rank's may
-                continue
-        return {k: v for k, v in out.items() if v is not None}
+                keep = bool(predicate(it, values.get("metrics")))
+            except Exception:
+                logger.exception("rank %d: keep_predicate failed for iteration %d: kept",
+                                 ctx.rank, it)
+                keep = True
+            if keep:
+                out.append(it)
+        return out
 
     def _retain(self, iteration: int, inventories: list[Any],
-                metadata: dict[int, Any] | None = None) -> None:
+                metadata: dict[int, Any] | None = None,
+                predicate_keeps: set[int] | None = None) -> None:
         """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
         is finalized on every rank, and what is left is retried after the next save."""
         ctx = self.ctx
         try:
             fault_point("finalize", ctx.rank, iteration)
-            keep = retained_iterations(inventories, ctx.world_size, self.keep, metadata)
+            policy = replace(self.keep, predicate=None)  # its answers are every rank's, below
+            keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
+            keep |= predicate_keeps or set()
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size):
                 ctx.store.delete(ctx.store.ref(it, owner, world),

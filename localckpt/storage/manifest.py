@@ -230,12 +230,33 @@ class ShardManifest:
 
 
 def _metadata_of(value: Any) -> dict[str, Any]:
-    if type(value) is not dict or not set(value) <= {"custom", "metrics", "saved_unix"} or \
-            type(value.get("metrics", {})) is not dict or \
-            any(type(v) not in (int, float) for v in value.get("metrics", {}).values()) or \
-            type(value.get("saved_unix", 0.0)) not in (int, float):
-        raise ValueError(f"metadata {str(value)[:100]}")
-    return value
+    """The manifest's ``metadata``, keeping only what localckpt reads in the form it reads it.
+    Never an error: it describes no data, so an odd one (another writer's, a newer key) must
+    not make an intact shard look corrupt."""
+    if type(value) is not dict:
+        return {}
+    out: dict[str, Any] = {}
+    if "custom" in value:
+        out["custom"] = value["custom"]
+    metrics = value.get("metrics")
+    if type(metrics) is dict:
+        out["metrics"] = {k: f for k, v in metrics.items()
+                          if type(k) is str and (f := finite(v)) is not None}
+    saved = finite(value.get("saved_unix"))
+    if saved is not None:
+        out["saved_unix"] = saved
+    return out
+
+
+def finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (bools, huge ints, NaN and other types)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def check_consistent(m: ShardManifest, where: str) -> None:

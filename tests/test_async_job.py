@@ -1,0 +1,88 @@
+"""The async save's own thread and the request that waits for it (attacker review of the
+self-driven save): finalize waits for the thread whoever calls it, a forked waiter never hangs
+the exit, a failed thread start fails the save on every rank instead of leaving it in flight."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from localckpt import LocalCheckpointManager
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _slow_writes(mgr: LocalCheckpointManager, seconds: float) -> None:
+    store = mgr._ctx.store
+    real = store.write
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(seconds)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.write = slow  # type: ignore[method-assign]
+
+
+def test_finalize_called_early_waits_for_the_save_thread(root: Path) -> None:
+    """A queue whose waiter died early (Megatron's forked child killed) finalizes at once: the
+    save must still be whole, and the next save must not restage under the thread."""
+    with LocalCheckpointManager(root, keep_last=3, timeout=30) as mgr:
+        mgr.save({"w": torch.full((1000,), 1.0)}, 1)
+        _slow_writes(mgr, 0.5)
+        request = mgr.save({"w": torch.full((1000,), 2.0)}, 2, is_async=True)
+        assert request is not None
+        request.finalize_fns[0]()  # without waiting: the thread is still writing
+        mgr.save({"w": torch.full((1000,), 3.0)}, 3)
+        assert mgr.iterations() == [1, 2, 3]
+        for it in (1, 2, 3):
+            assert torch.equal(mgr.load(iteration=it)[0]["w"], torch.full((1000,), float(it)))
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.5], ids=["at-once", "late-waiter"])
+def test_a_forked_waiter_never_hangs_the_exit(tmp_path: Path, delay: float) -> None:
+    code = textwrap.dedent(f"""
+        import multiprocessing as mp, sys, time, torch
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from test_async_job import _slow_writes
+        from localckpt import LocalCheckpointManager
+        mgr = LocalCheckpointManager({str(tmp_path / "root")!r}, timeout=30)
+        _slow_writes(mgr, 1.0)
+        req = mgr.save({{"w": torch.arange(10.0)}}, 1, is_async=True)
+        def waiter(*args):
+            time.sleep({delay})
+            req.async_fn(*args)
+        mp.get_context("fork").Process(target=waiter, args=req.async_fn_args).start()
+        sys.exit(0)  # the script ends with the save in flight
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list((tmp_path / "root").glob("*/iter_0000000001/rank_*"))  # committed at exit
+
+
+def test_a_save_thread_that_cannot_start_fails_that_save_not_the_manager(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with LocalCheckpointManager(root, timeout=5) as mgr:
+        real = threading.Thread.start
+
+        def refuse(self: threading.Thread) -> None:
+            if self.name.startswith("localckpt-save"):
+                raise RuntimeError("can't start new thread")
+            real(self)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        request = mgr.save({"w": torch.ones(2)}, 1, is_async=True)
+        assert request is not None
+        with pytest.raises(Exception, match="can't start new thread"):
+            request.finalize_fns[0]()
+        monkeypatch.undo()
+        started = time.monotonic()
+        mgr.save({"w": torch.ones(2)}, 2)
+        assert mgr.iterations() == [2] and time.monotonic() - started < 5
