@@ -65,10 +65,10 @@ class LocalCheckpointManager:
             iteration is always kept (see localckpt.control.retention.KeepPolicy).
         save_policy: a :class:`localckpt.SavePolicy`: ``should_save(step)`` answers from it, and
             ``save`` skips (returns None) a step it does not choose unless ``force=True``.
-        preemption_signals: signals (e.g. ``[signal.SIGTERM, signal.SIGUSR1]``) that mean the
-            scheduler preempts the job: handled from construction to ``close`` (the handler
-            before is called after ours when it is Python code), agreed by
-            ``reached_preemption`` (and ``should_save``).
+        preemption_signals: signals (e.g. ``[signal.SIGTERM, signal.SIGUSR1]``; True:
+            SIGTERM) that mean the scheduler preempts the job: handled from construction to
+            ``close`` (the handler before is called after ours when it is Python code), agreed
+            by ``reached_preemption`` (and ``should_save``).
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel.
@@ -109,7 +109,7 @@ class LocalCheckpointManager:
                  keep_predicate: Callable[[int, Any], bool] | None = None,
                  keep_interval: float | None = None,
                  save_policy: SavePolicy | None = None,
-                 preemption_signals: Sequence[int] | None = None,
+                 preemption_signals: Sequence[int] | bool | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
                  io_threads: int = 2, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,

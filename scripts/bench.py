@@ -201,6 +201,9 @@ def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> 
 
         section = json.loads(cuda.read_text())
         text += "\n" + bench_cuda.markdown(section, section["command"])
+    preemption = out / "benchmarks-preemption.md"  # written by bench_preemption.py
+    if preemption.exists():
+        text += "\n" + preemption.read_text().replace("# Preemption", "## Preemption", 1)
     (out / "benchmarks.json").write_text(json.dumps(result, indent=1))
     (out / "benchmarks.md").write_text(text)
     print(text)

@@ -111,8 +111,10 @@ class Schedule:
     manager's control group, from the training thread)."""
 
     def __init__(self, ctx: Any, policy: SavePolicy | None,
-                 signals: Sequence[int] | None) -> None:
+                 signals: Sequence[int] | bool | None) -> None:
         self.ctx, self.policy = ctx, policy
+        if signals is True:
+            signals = [signal.SIGTERM]  # what schedulers send first (Kubernetes, SLURM)
         self.watch = PreemptionWatch(signals) if signals else None
         self._last_save = time.monotonic()
 
