@@ -28,9 +28,6 @@ from ..control.coverage import (
     check_capacity,
     choose_latest,
     decode_inventories,
-    merge_metadata,
-    retained_iterations,
-    shards_to_delete,
     validate_save,
 )
 from ..control.retention import KeepPolicy
@@ -59,6 +56,7 @@ from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import Deduped, dedupe, missing_replicas
 from .job import SaveJob, wait_for_save
 from .metadata import iteration_metadata, wall_clock
+from .retainer import Retainer
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -74,7 +72,7 @@ class SavePath:
 
     def __init__(self, ctx: Context, keep: KeepPolicy, busy: str) -> None:
         self.ctx = ctx
-        self.keep = keep
+        self.retainer = Retainer(ctx, keep)
         self.busy = busy
         self.latest_iteration = -1
         self._arena = StagingArena()
@@ -82,7 +80,6 @@ class SavePath:
         self.any_world = False  # reshard=True: a save must be newer than any world's latest
         self.dedupe_replicated = True
         self._checked_replicas: list[int] | None = None  # every rank's digest, last checked
-        self._metadata_cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (it, owner)
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
              metrics: Any = None) -> AsyncRequest | None:
@@ -330,11 +327,7 @@ class SavePath:
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
             doc = ctx.inventory().to_json()
-            if self.keep.needs_metadata:
-                doc["metadata"] = self._known_metadata()
-            if self.keep.predicate is not None:
-                doc["predicate_keeps"] = self._predicate_keeps(doc.get("metadata", {}))
-            return doc
+            return self.retainer.report(doc)
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
         # whose write and transfers ended early waits for the others' as long as their work
@@ -349,9 +342,7 @@ class SavePath:
             if latest == iteration:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
-                self._retain(iteration, inventories, merge_metadata(outcome.values),
-                             {int(it) for v in outcome.values if isinstance(v, dict)
-                              for it in v.get("predicate_keeps", ())})
+                self.retainer.retain(iteration, inventories, outcome.values)
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]
@@ -369,62 +360,3 @@ class SavePath:
                                  ref.path, exc)
         raise error from outcome.local_error
 
-    def _known_metadata(self) -> dict[str, Any]:
-        """The metadata (metrics, save time) of each iteration of this world size this rank
-        holds a shard of (from its manifest: rank 0's, in every shard), for keep policies by
-        metric or time."""
-        ctx, out = self.ctx, {}
-        committed = [r for r in ctx.store.committed() if r.world_size == ctx.world_size]
-        cache = self._metadata_cache  # a committed shard's metadata never changes
-        for key in set(cache) - {(r.iteration, r.owner_rank) for r in committed}:
-            del cache[key]
-        for ref in committed:
-            if str(ref.iteration) in out:
-                continue
-            key = (ref.iteration, ref.owner_rank)
-            if key not in cache:
-                try:
-                    cache[key] = ctx.store.read_manifest(ref).metadata
-                except Exception:  # a corrupt copy says nothing; another rank's may
-                    continue
-            if cache[key]:
-                out[str(ref.iteration)] = cache[key]
-        return out
-
-    def _predicate_keeps(self, metadata: dict[str, Any]) -> list[int]:
-        """The iterations of this rank's root the keep predicate keeps, asked here (with the
-        metrics this rank knows; an error keeps the iteration): every rank keeps what any
-        rank's predicate keeps, so ranks whose predicates answer differently delete alike."""
-        ctx, predicate, out = self.ctx, self.keep.predicate, []
-        assert predicate is not None
-        for it in sorted({k[0] for k in ctx.inventory().shards if k[2] == ctx.world_size}):
-            values = metadata.get(str(it)) or {}
-            try:
-                keep = bool(predicate(it, values.get("metrics")))
-            except Exception:
-                logger.exception("rank %d: keep_predicate failed for iteration %d: kept",
-                                 ctx.rank, it)
-                keep = True
-            if keep:
-                out.append(it)
-        return out
-
-    def _retain(self, iteration: int, inventories: list[Any],
-                metadata: dict[int, Any] | None = None,
-                predicate_keeps: set[int] | None = None) -> None:
-        """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
-        is finalized on every rank, and what is left is retried after the next save."""
-        ctx = self.ctx
-        try:
-            fault_point("finalize", ctx.rank, iteration)
-            policy = replace(self.keep, predicate=None)  # its answers are every rank's, below
-            keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
-            keep |= predicate_keeps or set()
-            for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
-                                                     ctx.world_size):
-                ctx.store.delete(ctx.store.ref(it, owner, world),
-                                 background=True)
-            ctx.store.remove_leftovers(background=True)
-        except Exception:
-            logger.exception("rank %d: retention after a finalized save failed; it is retried "
-                             "after the next save", ctx.rank)

@@ -12,15 +12,12 @@ guessing.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +27,11 @@ import torch
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
-from ..hollow import EXTENDED_TAGS
-from ..leaves import dtype_by_name, dtype_from_descr, scalar_from_json
+from .hollow_check import MAX_HOLLOW_DEPTH, check_hollow, numpy_byte_tensors
+
+__all__ = ["FORMAT_VERSION", "MAX_HOLLOW_DEPTH", "READABLE_VERSIONS", "ShardManifest",
+           "TensorEntry", "check_consistent", "check_hollow", "dtype_from_name", "dtype_name",
+           "numpy_byte_tensors", "writer_identity"]
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -325,184 +325,6 @@ def check_consistent(m: ShardManifest, where: str) -> None:
                       f"{list(layout.global_shape)}")
     m.__dict__["layouts"] = layouts
     m.__dict__["replicas"] = replicas
-
-
-MAX_HOLLOW_DEPTH = 100  # decoding recurses; state dicts are a handful of levels deep
-
-
-def check_hollow(hollow: Any, count: int, where: str,
-                 replicas: dict[int, tuple[int, ...]] | None = None,
-                 entries: Sequence[TensorEntry] | None = None,
-                 version: int = FORMAT_VERSION) -> dict[int, DTensorLayout]:
-    """Check the hollow structure against its grammar (see :mod:`localckpt.hollow`): every
-    node well formed and known to format ``version``, every ``{"T": i}`` / ``{"DT": ...}``
-    naming one of the ``count`` tensors (each tensor once), every DTensor layout well formed,
-    dict keys hashable, nesting at most MAX_HOLLOW_DEPTH deep, and with ``entries`` (the
-    tensors' table) a numpy array's bytes and a Generator's state what their tensors hold; so
-    decoding a manifest that parsed cannot fail for what it holds (a type the loading process
-    does not allow, or whose class changed, is its own error). Returns the layouts by tensor
-    index, in order; ``replicas`` gets the shard shapes of replicas stored elsewhere
-    (``"replica"``). CorruptShardError naming ``where`` otherwise."""
-    def bad(what: str) -> CorruptShardError:
-        return CorruptShardError(f"{where}: inconsistent manifest: {what}")
-
-    layouts: dict[int, DTensorLayout] = {}
-    plain: set[int] = set()
-
-    def tensor(ref: Any, seen: set[int] | dict[int, DTensorLayout]) -> int:
-        if type(ref) is not int or not 0 <= ref < count or ref in layouts:
-            raise bad(f"the structure refers to tensor {ref!r} of {count}")
-        if isinstance(seen, set):
-            seen.add(ref)
-        return ref
-
-    stack: list[tuple[Any, int]] = [(hollow, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_HOLLOW_DEPTH:
-            raise bad(f"the structure nests deeper than {MAX_HOLLOW_DEPTH} levels")
-        if node is None or type(node) in (bool, int, str):
-            continue
-        if type(node) is list:
-            stack.extend((v, depth + 1) for v in node)
-            continue
-        if type(node) is not dict or len(node) != 1:
-            raise bad(f"malformed structure node {str(node)[:100]}")
-        (tag, value), = node.items()
-        try:
-            if tag == "T":
-                tensor(value, plain)
-            elif tag == "DT":
-                if type(value) is not dict or not {"T", "layout"} <= set(value) <= {
-                        "T", "layout", "replica"}:
-                    raise ValueError(f"DTensor node {str(value)[:100]}")
-                i = tensor(value["T"], layouts)
-                if i in plain:
-                    raise ValueError(f"tensor {i} is both a plain tensor and a DTensor shard")
-                layouts[i] = DTensorLayout.from_json(value["layout"])
-                if "replica" in value:
-                    shape = value["replica"]
-                    if type(shape) is not list or len(shape) != len(layouts[i].global_shape) \
-                            or any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
-                        raise ValueError(f"replica shape {str(shape)[:100]}")
-                    if replicas is not None:
-                        replicas[i] = tuple(shape)
-            elif tag == "f":
-                float.fromhex(value)
-            elif tag == "c":
-                if type(value) is not list or len(value) != 2:
-                    raise ValueError(f"complex {value!r}")
-                float.fromhex(value[0]), float.fromhex(value[1])
-            elif tag == "b":
-                base64.b64decode(value.encode("ascii"), validate=True)
-            elif tag == "S":
-                stack.append((value, depth + 1))
-            elif tag in EXTENDED_TAGS:
-                if version < 4:
-                    raise ValueError(f"a {tag!r} node in a format {version} manifest")
-                stack.extend((v, depth + 1) for v in _check_extended(
-                    tag, value, lambda ref: entries[tensor(ref, plain)] if entries is not None
-                    else tensor(ref, plain)))
-            elif tag == "tuple" and type(value) is list:
-                stack.extend((v, depth + 1) for v in value)
-            elif tag in ("dict", "odict") and type(value) is list:
-                for pair in value:
-                    if type(pair) is not list or len(pair) != 2:
-                        raise ValueError(f"dict item {str(pair)[:100]}")
-                    if not _hashable_key(pair[0]):
-                        raise ValueError(f"dict key {str(pair[0])[:100]}")
-                    stack.extend(((pair[0], depth + 1), (pair[1], depth + 1)))
-            else:
-                raise ValueError(f"node {str(node)[:100]}")
-        except (ValueError, TypeError, AttributeError, RuntimeError, binascii.Error) as exc:
-            raise bad(f"malformed structure: {exc}") from None
-    return dict(sorted(layouts.items()))
-
-
-def numpy_byte_tensors(hollow: Any, entries: Sequence[TensorEntry]) -> frozenset[int]:
-    """See :attr:`ShardManifest.numpy_bytes` (the hollow is already checked)."""
-    out: set[int] = set()
-    stack = [hollow]
-    while stack:
-        node = stack.pop()
-        if type(node) is list:
-            stack.extend(node)
-        elif type(node) is dict:
-            value = node.get("np") if len(node) == 1 else None
-            if type(value) is dict:
-                i = value.get("T")
-                if type(i) is int and entries[i].dtype == "uint8" and value.get("dtype") != "|u1":
-                    out.add(i)
-            else:
-                stack.extend(node.values())
-    return frozenset(out)
-
-
-_KEY_TAGS = ("f", "c", "b", "npg", "enum", "dtype")
-
-
-def _hashable_key(node: Any) -> bool:
-    """Whether a dict key node decodes to a hashable value (scalars, tuples of them)."""
-    if node is None or type(node) in (bool, int, str):
-        return True
-    if type(node) is not dict or len(node) != 1:
-        return False
-    (tag, value), = node.items()
-    if tag == "tuple":
-        return type(value) is list and all(_hashable_key(v) for v in value)
-    return tag in _KEY_TAGS
-
-
-def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
-    """Check a format-4 node (see :mod:`localckpt.hollow`); returns the nodes it holds.
-    ``tensor(ref)``: the entry of tensor ``ref`` (or its index, without a table)."""
-    if tag == "dtype":
-        dtype_by_name(value)
-        return []
-    if tag == "slice":
-        if type(value) is not list or len(value) != 3:
-            raise ValueError(f"slice node {str(value)[:100]}")
-        return list(value)
-    if tag == "ns":
-        if type(value) is not list or any(type(f) is not list or len(f) != 2
-                                          or type(f[0]) is not str for f in value):
-            raise ValueError(f"Namespace node {str(value)[:100]}")
-        return [f[1] for f in value]
-    if type(value) is not dict:
-        raise ValueError(f"{tag!r} node {str(value)[:100]}")
-    if tag == "enum":
-        if set(value) != {"type", "name"} or type(value["type"]) is not str or \
-                type(value["name"]) is not str:
-            raise ValueError(f"enum node {str(value)[:100]}")
-        return []
-    if tag == "np":
-        shape = value.get("shape")
-        if set(value) != {"T", "dtype", "shape"} or type(shape) is not list or \
-                any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
-            raise ValueError(f"numpy array node {str(value)[:100]}")
-        nbytes = dtype_from_descr(value["dtype"]).itemsize * math.prod(shape)
-        entry = tensor(value["T"])
-        if isinstance(entry, TensorEntry) and entry.nbytes != nbytes:
-            raise ValueError(f"numpy array of {nbytes} bytes stored in {entry.nbytes}")
-    elif tag == "npg":
-        if set(value) != {"dtype", "b"} or type(value["b"]) is not str:
-            raise ValueError(f"numpy scalar node {str(value)[:100]}")
-        scalar_from_json(value)
-    elif tag == "G":
-        if set(value) != {"T", "device"} or type(value["device"]) is not str or \
-                torch.device(value["device"]).type == "meta":
-            raise ValueError(f"Generator node {str(value)[:100]}")
-        entry = tensor(value["T"])
-        if isinstance(entry, TensorEntry) and (entry.dtype != "uint8" or len(entry.shape) != 1):
-            raise ValueError(f"Generator state of {entry.dtype} {list(entry.shape)}")
-    else:
-        fields = value.get("fields")
-        if set(value) != {"type", "fields"} or type(value["type"]) is not str or \
-                type(fields) is not list or any(type(f) is not list or len(f) != 2
-                                                or type(f[0]) is not str for f in fields):
-            raise ValueError(f"{tag!r} node {str(value)[:100]}")
-        return [f[1] for f in fields]
-    return []
 
 
 _SCALAR_FIELDS = ("format_version", "session_id", "iteration", "owner_rank", "world_size",

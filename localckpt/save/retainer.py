@@ -1,0 +1,105 @@
+"""Retention after a finalized save: what every rank reports for it (the metadata of the
+iterations it holds, what the keep predicate keeps), and the deletion of what the agreed keep
+set leaves out. Called from the training thread by the save's finalize; deletions run on the
+store's reaper thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..control.context import Context
+from ..control.coverage import merge_metadata, retained_iterations, shards_to_delete
+from ..control.retention import KeepPolicy
+from ..ops.faults import fault_point
+
+logger = logging.getLogger(__name__)
+
+
+class Retainer:
+    """A manager's keep policy, and the metadata of the shards its rank read (a committed
+    shard's never changes)."""
+
+    def __init__(self, ctx: Context, policy: KeepPolicy) -> None:
+        self.ctx, self.policy = ctx, policy
+        self._cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (iteration, owner)
+
+    def report(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """``doc`` (this rank's inventory for the finalize) with what the policy needs from
+        every rank: the metadata of the iterations this rank holds, the predicate's keeps."""
+        if self.policy.needs_metadata:
+            doc["metadata"] = self._known_metadata()
+        if self.policy.predicate is not None:
+            doc["predicate_keeps"] = self._predicate_keeps(doc.get("metadata", {}))
+        return doc
+
+    def retain(self, iteration: int, inventories: list[Any], reports: Sequence[Any]) -> None:
+        """Delete what the policy no longer keeps, decided from every rank's ``reports`` (the
+        same on every rank). Never raises: the save is finalized on every rank, and what is
+        left is retried after the next save."""
+        self._retain(iteration, inventories, merge_metadata(reports),
+                     {int(it) for v in reports if isinstance(v, dict)
+                      for it in v.get("predicate_keeps", ())})
+
+    def _known_metadata(self) -> dict[str, Any]:
+        """The metadata (metrics, save time) of each iteration of this world size this rank
+        holds a shard of (from its manifest: rank 0's, in every shard), for keep policies by
+        metric or time."""
+        ctx, out = self.ctx, {}
+        committed = [r for r in ctx.store.committed() if r.world_size == ctx.world_size]
+        cache = self._cache  # a committed shard's metadata never changes
+        for key in set(cache) - {(r.iteration, r.owner_rank) for r in committed}:
+            del cache[key]
+        for ref in committed:
+            if str(ref.iteration) in out:
+                continue
+            key = (ref.iteration, ref.owner_rank)
+            if key not in cache:
+                try:
+                    cache[key] = ctx.store.read_manifest(ref).metadata
+                except Exception:  # a corrupt copy says nothing; another rank's may
+                    continue
+            if cache[key]:
+                out[str(ref.iteration)] = cache[key]
+        return out
+
+    def _predicate_keeps(self, metadata: dict[str, Any]) -> list[int]:
+        """The iterations of this rank's root the keep predicate keeps, asked here (with the
+        metrics this rank knows; an error keeps the iteration): every rank keeps what any
+        rank's predicate keeps, so ranks whose predicates answer differently delete alike."""
+        ctx, predicate, out = self.ctx, self.policy.predicate, []
+        assert predicate is not None
+        for it in sorted({k[0] for k in ctx.inventory().shards if k[2] == ctx.world_size}):
+            values = metadata.get(str(it)) or {}
+            try:
+                keep = bool(predicate(it, values.get("metrics")))
+            except Exception:
+                logger.exception("rank %d: keep_predicate failed for iteration %d: kept",
+                                 ctx.rank, it)
+                keep = True
+            if keep:
+                out.append(it)
+        return out
+
+    def _retain(self, iteration: int, inventories: list[Any],
+                metadata: dict[int, Any] | None = None,
+                predicate_keeps: set[int] | None = None) -> None:
+        """Delete what retention no longer keeps, on the reaper thread. Never raises: the save
+        is finalized on every rank, and what is left is retried after the next save."""
+        ctx = self.ctx
+        try:
+            fault_point("finalize", ctx.rank, iteration)
+            policy = replace(self.policy, predicate=None)  # its answers are every rank's, below
+            keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
+            keep |= predicate_keeps or set()
+            for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
+                                                     ctx.world_size):
+                ctx.store.delete(ctx.store.ref(it, owner, world),
+                                 background=True)
+            ctx.store.remove_leftovers(background=True)
+        except Exception:
+            logger.exception("rank %d: retention after a finalized save failed; it is retried "
+                             "after the next save", ctx.rank)
