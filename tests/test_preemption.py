@@ -115,3 +115,18 @@ def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from
     resumed = _losses(log)
     assert [s for s, _ in resumed] == list(range(stopped)) + list(range(stopped, 30))
     assert resumed == _losses(tmp_path / "straight.jsonl")
+
+
+def test_a_preemption_finalizes_the_async_save_in_flight_first(root: Path) -> None:
+    from test_async_job import _slow_writes
+
+    with LocalCheckpointManager(root, keep_last=5,
+                                preemption_signals=[signal.SIGUSR2]) as mgr:
+        _slow_writes(mgr, 0.5)
+        request = mgr.save({"w": torch.ones(4)}, 1, is_async=True)
+        assert request is not None  # never scheduled: reached_preemption finalizes it
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert mgr.reached_preemption(1)
+        assert mgr._save._inflight is None and mgr.latest_iteration == 1
+        mgr.save({"w": torch.zeros(4)}, 2, force=True)
+        assert mgr.iterations() == [1, 2]
