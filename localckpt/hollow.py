@@ -18,7 +18,7 @@ import base64
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,18 +352,23 @@ def decode_hollow(node: JSON, tensors: Sequence[torch.Tensor],
     return Decoder(tensors, dtensors, stateful, types)(node)
 
 
-def uses_extended(hollow: JSON) -> bool:
-    """Whether ``hollow`` holds a node only format 4 describes."""
+def tagged_nodes(hollow: JSON) -> Iterator[tuple[str, Any]]:
+    """``(tag, value)`` of every tagged node (a one-key object) of ``hollow``, at any depth, in
+    no particular order; the values are the structure's own objects."""
     stack = [hollow]
     while stack:
         node = stack.pop()
         if type(node) is list:
             stack.extend(node)
         elif type(node) is dict:
-            if len(node) == 1 and not EXTENDED_TAGS.isdisjoint(node):
-                return True
+            if len(node) == 1:
+                yield next(iter(node.items()))
             stack.extend(node.values())
-    return False
+
+
+def uses_extended(hollow: JSON) -> bool:
+    """Whether ``hollow`` holds a node only format 4 describes."""
+    return any(tag in EXTENDED_TAGS for tag, _ in tagged_nodes(hollow))
 
 
 def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None) -> torch.device:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..storage.manifest import finite
 
 Metrics = Mapping[str, float]
 
@@ -149,11 +150,4 @@ class KeepPolicy:
 
 
 def _metric(values: Any, name: str | None) -> float | None:
-    value = values.get(name) if isinstance(values, Mapping) else None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
+    return finite(values.get(name)) if isinstance(values, Mapping) else None

@@ -10,12 +10,12 @@ fails the save on every rank.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..storage.manifest import finite
 
 MAX_METADATA_BYTES = 64 << 10  # it travels in an exchange and sits in every shard's manifest
 
@@ -41,7 +41,7 @@ def iteration_metadata(custom: Any, metrics: Any) -> dict[str, Any]:
                                      "are (tuples become lists, int keys strings), got "
                                      f"{_describe(custom)}")
     if metrics is not None:
-        values = {k: _finite(v) for k, v in metrics.items()} \
+        values = {k: finite(v) for k, v in metrics.items()} \
             if isinstance(metrics, Mapping) else None
         if values is None or any(type(k) is not str or v is None for k, v in values.items()):
             raise ConfigurationError(f"metrics: expected a dict of str to finite int or float, "
@@ -52,16 +52,6 @@ def iteration_metadata(custom: Any, metrics: Any) -> dict[str, Any]:
         raise ConfigurationError(f"custom_metadata and metrics: expected at most "
                                  f"{MAX_METADATA_BYTES} bytes of JSON, got {size}")
     return doc
-
-
-def _finite(value: Any) -> float | None:
-    if type(value) not in (int, float):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
 
 
 def wall_clock() -> float:

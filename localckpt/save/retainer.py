@@ -12,7 +12,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..control.context import Context
-from ..control.coverage import merge_metadata, retained_iterations, shards_to_delete
+from ..control.coverage import (
+    Inventory,
+    merge_metadata,
+    retained_iterations,
+    shards_to_delete,
+)
 from ..control.retention import KeepPolicy
 from ..ops.faults import fault_point
 
@@ -27,13 +32,15 @@ class Retainer:
         self.ctx, self.policy = ctx, policy
         self._cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (iteration, owner)
 
-    def report(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """``doc`` (this rank's inventory for the finalize) with what the policy needs from
+    def report(self, inventory: Inventory) -> dict[str, Any]:
+        """This rank's ``inventory`` as the finalize sends it, with what the policy needs from
         every rank: the metadata of the iterations this rank holds, the predicate's keeps."""
+        doc = inventory.to_json()
         if self.policy.needs_metadata:
             doc["metadata"] = self._known_metadata()
         if self.policy.predicate is not None:
-            doc["predicate_keeps"] = self._predicate_keeps(doc.get("metadata", {}))
+            held = {k[0] for k in inventory.shards if k[2] == self.ctx.world_size}
+            doc["predicate_keeps"] = self._predicate_keeps(held, doc.get("metadata", {}))
         return doc
 
     def retain(self, iteration: int, inventories: list[Any], reports: Sequence[Any]) -> None:
@@ -66,13 +73,13 @@ class Retainer:
                 out[str(ref.iteration)] = cache[key]
         return out
 
-    def _predicate_keeps(self, metadata: dict[str, Any]) -> list[int]:
+    def _predicate_keeps(self, held: set[int], metadata: dict[str, Any]) -> list[int]:
         """The iterations of this rank's root the keep predicate keeps, asked here (with the
         metrics this rank knows; an error keeps the iteration): every rank keeps what any
         rank's predicate keeps, so ranks whose predicates answer differently delete alike."""
         ctx, predicate, out = self.ctx, self.policy.predicate, []
         assert predicate is not None
-        for it in sorted({k[0] for k in ctx.inventory().shards if k[2] == ctx.world_size}):
+        for it in sorted(held):
             values = metadata.get(str(it)) or {}
             try:
                 keep = bool(predicate(it, values.get("metrics")))

@@ -326,8 +326,7 @@ class SavePath:
                 raise job.error
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
-            doc = ctx.inventory().to_json()
-            return self.retainer.report(doc)
+            return self.retainer.report(ctx.inventory())
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
         # whose write and transfers ended early waits for the others' as long as their work

@@ -15,7 +15,7 @@ import torch
 
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError
-from ..hollow import EXTENDED_TAGS
+from ..hollow import EXTENDED_TAGS, tagged_nodes
 from ..leaves import dtype_by_name, dtype_from_descr, scalar_from_json
 
 if TYPE_CHECKING:
@@ -117,19 +117,11 @@ def check_hollow(hollow: Any, count: int, where: str,
 def numpy_byte_tensors(hollow: Any, entries: Sequence[TensorEntry]) -> frozenset[int]:
     """See :attr:`ShardManifest.numpy_bytes` (the hollow is already checked)."""
     out: set[int] = set()
-    stack = [hollow]
-    while stack:
-        node = stack.pop()
-        if type(node) is list:
-            stack.extend(node)
-        elif type(node) is dict:
-            value = node.get("np") if len(node) == 1 else None
-            if type(value) is dict:
-                i = value.get("T")
-                if type(i) is int and entries[i].dtype == "uint8" and value.get("dtype") != "|u1":
-                    out.add(i)
-            else:
-                stack.extend(node.values())
+    for tag, value in tagged_nodes(hollow):
+        if tag == "np" and type(value) is dict:
+            i = value.get("T")
+            if type(i) is int and entries[i].dtype == "uint8" and value.get("dtype") != "|u1":
+                out.add(i)
     return frozenset(out)
 
 
