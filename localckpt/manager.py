@@ -31,6 +31,7 @@ from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
+from .storage.io_sizing import default_io_threads
 from .storage.layout import MAX_WORLD_SIZE, session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.session_lock import SessionLock
@@ -71,7 +72,9 @@ class LocalCheckpointManager:
             by ``reached_preemption`` (and ``should_save``).
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
-        io_threads: threads that checksum and write / read chunk files in parallel.
+        io_threads: threads that checksum and write / read chunk files in parallel (None: the
+            rank's share of the cores it may run on, ``os.sched_getaffinity``, divided among
+            the node's ranks unless the process is pinned; at least 2, at most 8).
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
         busy: what an async save does while the previous one is in flight: "wait" for it, or
             "skip" this save (decided alike on every rank).
@@ -111,7 +114,7 @@ class LocalCheckpointManager:
                  save_policy: SavePolicy | None = None,
                  preemption_signals: Sequence[int] | bool | None = None,
                  timeout: float = 300.0, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 io_threads: int = 2, node_id: str | None = None,
+                 io_threads: int | None = None, node_id: str | None = None,
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
                  strict: bool = False, allow_unsafe_root: bool = False,
                  reshard: bool = False, dedupe_replicated: bool = True,
@@ -142,8 +145,9 @@ class LocalCheckpointManager:
                 f"dedupe_replicated: expected a bool, got {dedupe_replicated!r}")
         if type(recycle_files) is not bool:
             raise ConfigurationError(f"recycle_files: expected a bool, got {recycle_files!r}")
-        if type(io_threads) is not int or io_threads < 1:
-            raise ConfigurationError(f"io_threads: expected an int >= 1, got {io_threads!r}")
+        if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
+            raise ConfigurationError(
+                f"io_threads: expected None or an int >= 1, got {io_threads!r}")
         root = Path(root_local_ckpt_dir)
         session_dir(root, session_id)  # a bad session id is a ConfigurationError
         self.root, self.session_id, self.keep_last, self.busy = root, session_id, keep_last, busy
@@ -176,6 +180,8 @@ class LocalCheckpointManager:
             placement = place_replicas(strategy, topology,
                                        [(int(d["root"][0]), int(d["root"][1])) for d in started],
                                        strict, self.rank)
+            if io_threads is None:  # this rank's share of the cores it may run on
+                io_threads = default_io_threads(names.count(names[self.rank]))
             store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                chunk_nbytes=chunk_nbytes, recycle=recycle_files)
             group.use_nodes(topology.node_of)
@@ -195,7 +201,7 @@ class LocalCheckpointManager:
                             data_group, topology, placement, store, metrics_,
                             self._job_identity)
         self._save = SavePath(self._ctx, keep, busy)
-        self._save.any_world = reshard
+        self._save.agreement.any_world = reshard
         self._save.dedupe_replicated = dedupe_replicated
         self.reshard = reshard
         self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
@@ -266,9 +272,13 @@ class LocalCheckpointManager:
         newer than the latest complete iteration), InsufficientSpaceError (checked before
         writing, replicas counted), RankTypeError (unsupported leaf on some rank), the failing
         rank's error for any failure while staging, IncompleteCheckpointError or the failing
-        rank's error when a write or a transfer failed (for an async save raised by the finalize
-        step), CollectiveError / CollectiveTimeoutError. A failed save's shards are removed only
-        when every rank agreed it failed; nothing committed earlier is touched.
+        rank's error when a write or a transfer failed, CollectiveError /
+        CollectiveTimeoutError. An async save agrees on its own thread, so that ``save``
+        returns as soon as this rank has staged, without waiting for the other ranks: all of
+        these are then raised by the request's finalize step (on every rank, nothing of it
+        written); ``save`` itself raises only what finalizing the previous save raises. A failed
+        save's shards are removed only when every rank agreed it failed; nothing committed
+        earlier is touched.
         """
         if self._schedule.policy is not None and not force and type(iteration) is int and \
                 iteration >= 0 and not self._schedule.should_save(iteration):

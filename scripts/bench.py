@@ -45,6 +45,8 @@ import bench_report
 import benchlib
 import torch
 
+from localckpt.storage.io_sizing import usable_cores
+
 MiB, GiB = 1 << 20, 1 << 30
 PROCESS_OVERHEAD = 400 * MiB  # python + torch + gloo per rank, measured RSS before any state
 
@@ -106,7 +108,9 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32_000)
-    p.add_argument("--io-threads", type=int, default=2, help="LocalCheckpointManager io_threads")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="LocalCheckpointManager io_threads (default: the manager's default, "
+                        "each rank's share of the usable cores, 2 to 8)")
     p.add_argument("--recycle-files", action="store_true",
                    help="LocalCheckpointManager(recycle_files=True)")
     p.add_argument("--steps", nargs="+", default=["raw", "localckpt", "baselines"],
@@ -166,7 +170,8 @@ def main() -> int:
         "machine": platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "python": sys.version.split()[0], "root_fs": benchlib.SHM, "repeats": a.repeats,
         "memory_gib": round(available()[0] / GiB, 1), "case_args": case_args,
-        "io_threads": a.io_threads, "recycle_files": a.recycle_files,
+        "io_threads": a.io_threads or f"default ({usable_cores()[0]} usable cores)",
+        "recycle_files": a.recycle_files,
         "date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - started,
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }

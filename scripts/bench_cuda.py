@@ -223,7 +223,8 @@ def markdown(result: dict[str, Any], cmd: str) -> str:
         lines.append(
             "- **`load` onto the GPU** reads and verifies the shard into fresh host memory, then "
             f"copies each tensor to the device: {load}× the time of a raw read into fresh memory "
-            "on one thread + one host-to-device copy (`load` reads chunks on 2 I/O threads).")
+            "on one thread + one host-to-device copy (`load` reads chunks on the manager's default "
+            "I/O threads: the process's share of its cores, 2 to 8).")
     return "\n".join(lines) + "\n"
 
 

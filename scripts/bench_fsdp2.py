@@ -91,13 +91,13 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
     # One manager saves, as in a job (its staging memory reserved once); each load is a new
     # manager's, as after a restart.
     saver = LocalCheckpointManager(root, "bench", None, timeout=900, node_id=f"node{node}",
-                                   io_threads=config.get("io_threads", 2))
+                                   io_threads=config.get("io_threads"))
     saver.reserve({"app": app})
     for it in range(1, repeats + 1):
         timer.run("localckpt_save", lambda i=it: saver.save({"app": app}, i))
         fresh = _job(mesh, sizes)
         with LocalCheckpointManager(root, "bench", None, timeout=900, node_id=f"node{node}",
-                                    io_threads=config.get("io_threads", 2)) as mgr:
+                                    io_threads=config.get("io_threads")) as mgr:
             timer.run("localckpt_load_into",
                       lambda m=mgr, f=fresh: (m.find_latest(), m.load(into={"app": f})))
         if rank == 0:
@@ -114,7 +114,7 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
     for _ in range(repeats):
         fresh = _job(other, sizes)
         with LocalCheckpointManager(root, "bench", None, timeout=900, node_id=f"node{node}",
-                                    io_threads=config.get("io_threads", 2),
+                                    io_threads=config.get("io_threads"),
                                     reshard=True) as mgr:
             timer.run("localckpt_load_resharded",
                       lambda m=mgr, f=fresh: (m.find_latest(), m.load(into={"app": f})))

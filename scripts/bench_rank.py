@@ -130,7 +130,7 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
 
 
 def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: int, base: Path,
-                      factor: int, repeats: int, io_threads: int,
+                      factor: int, repeats: int, io_threads: int | None,
                       recycle_files: bool = False) -> None:
     """Async save (stall, write, replicate, finalize, call-to-finalized), find_latest and load
     from local disk by a new manager (a restart); with replicas, load after node 1 was wiped
@@ -192,7 +192,7 @@ def _zeros_like(state: Any) -> Any:
 
 
 def _node_loss(timer: Timer, case: bench_cases.Case, rank: int, world: int, root: Path,
-               strategy: Any, repeats: int, io_threads: int) -> None:
+               strategy: Any, repeats: int, io_threads: int | None) -> None:
     """Wipe node 1, then find_latest + load on every rank (node 1's ranks receive their shards;
     node 1's copies are written back in the background, timed on their own). Raw limits:
     ``raw_overlapped_restore``, what load must do at least, overlapped: every rank with its shard
@@ -334,7 +334,7 @@ def measure(rank: int, store_path: str, base_dir: str, out: str, config: dict[st
         measure_raw(timer, case, rank, world, base, placement, topology, repeats)
     if "localckpt" in steps:
         measure_localckpt(timer, case, rank, world, base, factor, repeats,
-                          config.get("io_threads", 2), config.get("recycle_files", False))
+                          config.get("io_threads"), config.get("recycle_files", False))
     if "baselines" in steps:
         measure_baselines(timer, case, rank, world, base, factor, repeats)
     if rank == 0:

@@ -150,10 +150,10 @@ def test_one_per_interval_and_what_a_partial_view_keeps() -> None:
 
 def test_manager_keeps_one_per_interval_by_rank_0s_clock(root: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from localckpt.save import saver
+    from localckpt.save import prepare
 
     clock = iter([0.0, 50.0, 70.0, 200.0, 210.0])
-    monkeypatch.setattr(saver, "wall_clock", lambda: next(clock))
+    monkeypatch.setattr(prepare, "wall_clock", lambda: next(clock))
     with LocalCheckpointManager(root, keep_interval=60) as mgr:
         for it in range(1, 6):
             mgr.save({"w": torch.ones(2)}, it)

@@ -1,9 +1,10 @@
 """One save after staging: the part that can run in the background.
 
-``SaveJob.run`` writes the rank's shard from the staged payload and replicates it; it never
-raises (the error is kept for the finalize step, which agrees on it across ranks) and sets
-``done`` when it is finished. It only uses the manager's *data* group, so it can run on a
-background thread while the main thread uses the control group or the training group.
+``SaveJob.run`` (for an async save, after taking part in the save's agreement) writes the rank's
+shard from the staged payload and replicates it; it never raises (the error is kept for the
+finalize step, which agrees on it across ranks) and sets ``done`` when it is finished. It only
+uses the manager's *data* group, so it can run on a background thread while the main thread uses
+the control group or the training group.
 
 An async save starts ``run`` on a thread of its own (:meth:`SaveJob.start`); the request it
 returns only waits for ``done`` (:meth:`DoneSignal.wait`), in a thread of the process or in
@@ -21,6 +22,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +30,14 @@ import torch
 
 from replication import ExchangePlan, Transfer
 
+from ..errors import CollectiveError
 from ..ops.metrics import Metrics
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import StoreReceiver, exchange_shards
 
 if TYPE_CHECKING:
     from ..control.context import Context
+    from .prepare import AgreedSave
 
 logger = logging.getLogger(__name__)
 
@@ -144,13 +148,23 @@ def wait_for_save(done: DoneSignal | RemoteDone) -> None:
 
 @dataclass(eq=False)
 class SaveJob:
-    """A staged shard on its way to disk and to its replica holders."""
+    """A staged shard on its way to disk and to its replica holders.
+
+    Built either agreed (a synchronous save agreed on the training thread: ``manifest`` and
+    ``plan`` set) or with ``agree`` (an async save): then :meth:`run` first takes part in the
+    agreement on the data group, and ``manifest``, ``plan`` and ``wait_steps`` are set from it.
+    """
 
     iteration: int
-    manifest: ShardManifest  # checksums not yet known
+    manifest: ShardManifest  # checksums not yet known; the agreed one once ``agreed`` is set
     payload: torch.Tensor  # the staging arena's bytes: must not be restaged before ``done``
-    plan: ExchangePlan | None
+    plan: ExchangePlan | None = None
+    agree: Callable[[], AgreedSave] | None = None  # None: agreed already
     error: BaseException | None = None
+    # The agreement's verdict against this save, the same on every rank (nothing was written):
+    # the finalize step raises it without another exchange.
+    agreed_error: Exception | None = None
+    agreed: threading.Event = field(default_factory=threading.Event)
     done: DoneSignal = field(default_factory=DoneSignal)
     finalized: bool = False
     finalize_error: BaseException | None = None  # what finalizing it raised, on every rank
@@ -162,6 +176,10 @@ class SaveJob:
     started_ns: int = field(default_factory=time.monotonic_ns)
     metrics: Metrics = field(default_factory=Metrics)
 
+    def __post_init__(self) -> None:
+        if self.agree is None:
+            self.agreed.set()
+
     def start(self, ctx: Context) -> None:
         """Run :meth:`run` on a thread of its own. Not a daemon: at interpreter exit the shard
         is still committed (every step of it is bounded by the timeout)."""
@@ -169,36 +187,53 @@ class SaveJob:
                          ).start()
 
     def run(self, ctx: Context) -> None:
-        """Write, then replicate (this rank's part of the plan) on ``ctx.data_group``. Never
-        raises; sets ``done``."""
-        metrics, store = self.metrics, ctx.store
-        rank, session = ctx.rank, self.manifest.session_id
+        """Agree (if not yet agreed), write, then replicate (this rank's part of the plan) on
+        ``ctx.data_group``. Never raises; sets ``agreed``, then ``done``."""
         try:
-            committed: ShardManifest | None = None
-            try:
-                with metrics.timed("write", rank, self.iteration, session,
-                                   self.manifest.data_nbytes):
-                    _, committed = store.write(self.manifest, self.payload)
-            except Exception as exc:
-                self.error = exc
-                logger.error("rank %d: writing shard of iteration %d failed: %s",
-                             rank, self.iteration, exc)
-            if self.plan is not None:
-                def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
-                    if committed is None:
-                        raise RuntimeError(f"rank {rank} has no shard to send: {self.error}")
-                    return committed, self.payload
-                received: dict[tuple[int, int], StoreReceiver] = {}
-                sent = sum(1 for t in self.plan.transfers if t.src == rank)
+            if self.agree is not None:
                 try:
-                    with metrics.timed("replicate", rank, self.iteration, session) as box:
-                        exchange_shards(self.plan, ctx.data_group, store, ctx.world_size,
-                                        source, ctx.ring, received)
-                        box["nbytes"] = sent * self.manifest.data_nbytes + sum(
-                            r.manifest.data_nbytes for r in received.values())
-                except Exception as exc:
-                    self.error = self.error or exc
+                    agreed = self.agree()
+                except CollectiveError as exc:  # no agreement: finalize finds out what holds
+                    self.error = exc
+                    return
+                except Exception as exc:  # agreed on every rank: nothing is written anywhere
+                    self.agreed_error = exc
+                    return
+                finally:
+                    self.agreed.set()
+                self.manifest, self.plan, self.wait_steps = \
+                    agreed.manifest, agreed.plan, agreed.wait_steps
+            self._write_and_replicate(ctx)
         except BaseException as exc:  # never let the worker die silently
             self.error = self.error or exc
         finally:
+            self.agreed.set()
             self.done.set()
+
+    def _write_and_replicate(self, ctx: Context) -> None:
+        metrics, store = self.metrics, ctx.store
+        rank, session = ctx.rank, self.manifest.session_id
+        committed: ShardManifest | None = None
+        try:
+            with metrics.timed("write", rank, self.iteration, session,
+                               self.manifest.data_nbytes):
+                _, committed = store.write(self.manifest, self.payload)
+        except Exception as exc:
+            self.error = exc
+            logger.error("rank %d: writing shard of iteration %d failed: %s",
+                         rank, self.iteration, exc)
+        if self.plan is not None:
+            def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
+                if committed is None:
+                    raise RuntimeError(f"rank {rank} has no shard to send: {self.error}")
+                return committed, self.payload
+            received: dict[tuple[int, int], StoreReceiver] = {}
+            sent = sum(1 for t in self.plan.transfers if t.src == rank)
+            try:
+                with metrics.timed("replicate", rank, self.iteration, session) as box:
+                    exchange_shards(self.plan, ctx.data_group, store, ctx.world_size,
+                                    source, ctx.ring, received)
+                    box["nbytes"] = sent * self.manifest.data_nbytes + sum(
+                        r.manifest.data_nbytes for r in received.values())
+            except Exception as exc:
+                self.error = self.error or exc

@@ -1,13 +1,17 @@
 """The save path of one manager, top to bottom:
 
 1. **settle** the async save still in flight (back-pressure: its arena is about to be reused);
-2. **prepare**, one agreed step: flatten the state dict, copy its tensors into the staging arena,
-   build the manifest, and gather every rank's request (iteration, inventory, bytes needed, free
-   space). Whatever fails on one rank, in staging too, fails the save on every rank alike; then
-   the pure checks (iteration, capacity) run on the same gathered input everywhere;
-3. **run** the :class:`~localckpt.save.job.SaveJob`: write the shard and replicate it, now or on
-   the AsyncCallsQueue's thread;
-4. **finalize**, one agreed step: every rank reports its write and its inventory. The iteration is
+2. **stage** (local, :func:`~localckpt.save.prepare.stage_shard`): flatten the state dict, copy
+   its tensors into the staging arena, build the manifest;
+3. **agree**, one agreed step (:class:`~localckpt.save.prepare.SaveAgreement`): gather every
+   rank's request (iteration, inventory, bytes needed, free space) or its staging error;
+   whatever failed on one rank fails the save on every rank alike, then the pure checks
+   (iteration, capacity) run on the same gathered input everywhere. A synchronous save agrees
+   on the training thread; an async save on its own thread, so that its stall is step 2 alone
+   and a failure of steps 2-3 is raised by its finalize step, on every rank;
+4. **run** the :class:`~localckpt.save.job.SaveJob`: write the shard and replicate it, now or on
+   the save's own thread;
+5. **finalize**, one agreed step: every rank reports its write and its inventory. The iteration is
    removed only when every rank *agreed* it failed; when the ranks could not agree (a peer died,
    the group was closed) nothing is deleted, and a complete iteration is found by the next
    ``find_latest``. Then retention, which never fails a finalized save.
@@ -16,50 +20,29 @@
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from replication import save_plan
-
 from ..control.context import Context
-from ..control.coverage import (
-    check_capacity,
-    choose_latest,
-    decode_inventories,
-    validate_save,
-)
+from ..control.coverage import choose_latest, decode_inventories
 from ..control.retention import KeepPolicy
-from ..errors import (
-    CollectiveTimeoutError,
-    ConfigurationError,
-    CorruptShardError,
-    IncompleteCheckpointError,
-    InsufficientSpaceError,
-    error_from_failures,
-)
+from ..errors import CollectiveTimeoutError, IncompleteCheckpointError, error_from_failures
 from ..gc_pause import gc_paused
-from ..hollow import uses_extended
 from ..ops.faults import fault_point
-from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
-from ..storage.manifest import (
-    ShardManifest,
-    TensorEntry,
-    check_hollow,
-    dtype_name,
-    writer_identity,
-)
-from ..storage.peer_io import piece_count
-from ..storage.store import bytes_needed, chunking
+from ..state_dict import as_tensor_aware
+from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
-from .dedupe import Deduped, dedupe, missing_replicas
+from .dedupe import dedupe
 from .job import SaveJob, wait_for_save
-from .metadata import iteration_metadata, wall_clock
+from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
+
+# Exchanges an agreement may take (request, replicated shards, free space after deletions),
+# each bounded by the timeout: how long finalize waits for an async save's agreement.
+AGREEMENT_STEPS = 3
 
 
 class SavePath:
@@ -77,9 +60,8 @@ class SavePath:
         self.latest_iteration = -1
         self._arena = StagingArena()
         self._inflight: SaveJob | None = None
-        self.any_world = False  # reshard=True: a save must be newer than any world's latest
+        self.agreement = SaveAgreement(ctx)  # .any_world: reshard=True
         self.dedupe_replicated = True
-        self._checked_replicas: list[int] | None = None  # every rank's digest, last checked
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
              metrics: Any = None) -> AsyncRequest | None:
@@ -90,17 +72,38 @@ class SavePath:
                 logger.info("rank %d: skipping save of iteration %s: the previous one is still "
                             "in flight", ctx.rank, iteration)
                 return None
-            job = self._prepare(state_dict, iteration, custom_metadata, metrics)
-            box["nbytes"] = job.manifest.data_nbytes
+            staged: StagedShard | Exception
+            try:
+                staged = stage_shard(ctx, self._arena, state_dict, iteration, custom_metadata,
+                                     metrics, self.dedupe_replicated)
+            except Exception as exc:  # the agreement makes it every rank's
+                staged = exc
             if not is_async:
+                agreed = self.agreement.agree(ctx.group, staged)
+                assert not isinstance(staged, Exception)
+                box["nbytes"] = agreed.manifest.data_nbytes
+                job = SaveJob(iteration, agreed.manifest, staged.payload, agreed.plan,
+                              metrics=ctx.metrics, wait_steps=agreed.wait_steps)
                 job.run(ctx)
                 self._finalize_job(job)
                 return None
+            if isinstance(staged, Exception):
+                logger.error("rank %d: staging iteration %s failed (raised by the finalize "
+                             "step, on every rank): %s", ctx.rank, iteration, staged)
+                job = SaveJob(iteration, None, None,  # type: ignore[arg-type]
+                              agree=partial(self.agreement.agree, ctx.data_group, staged),
+                              metrics=ctx.metrics)
+            else:
+                box["nbytes"] = staged.manifest.data_nbytes
+                job = SaveJob(iteration, staged.manifest, staged.payload,
+                              agree=partial(self.agreement.agree, ctx.data_group, staged),
+                              metrics=ctx.metrics)
         self._inflight = job
         try:
             job.start(ctx)
-        except BaseException as exc:  # no thread: the failure is the finalize's, agreed
+        except BaseException as exc:  # no thread, no agreement: the finalize's exchange fails
             job.error = exc
+            job.agreed.set()
             job.done.set()
         return AsyncRequest(wait_for_save, (job.done,),
                             finalize_fns=(partial(self._finalize_job, job),))
@@ -154,138 +157,7 @@ class SavePath:
         self._finalize_job(job)
         return True
 
-    # ------------------------------------------------------------------ 2. prepare
-
-    def _prepare(self, state_dict: Any, iteration: Any, custom_metadata: Any = None,
-                 metrics: Any = None) -> SaveJob:
-        """Stage locally and gather every rank's request in one exchange, then decide."""
-        ctx = self.ctx
-        staged: dict[str, Any] = {}
-
-        def stage() -> dict[str, Any]:
-            meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
-            meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
-            tasd = as_tensor_aware(state_dict)
-            deduped = dedupe(tasd, self.dedupe_replicated)
-            staged["deduped"] = deduped
-            layout = plan_layout(deduped.tensors)
-            chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
-            # The previous save's retention may still be deleting on the reaper thread: not
-            # waited for here (it is the stall's largest part with keep_last=1), only when the
-            # space it frees is needed (below).
-            reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()
-            ctx.store.remove_quarantined()  # corrupt copies a load set aside
-            st = os.statvfs(ctx.root)
-            fault_point("staging", ctx.rank, iteration)
-            payload = self._arena.stage(deduped.tensors, layout, chunk_nbytes * chunk_count)
-            names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
-            entries = tuple(
-                TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
-                                t.dtype, dtype_name(t.dtype)),
-                            shape=tuple(t.shape), offset=off, nbytes=size,
-                            device=names.get(t.device) or names.setdefault(t.device,
-                                                                           str(t.device)))
-                for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
-                                              layout.sizes, strict=True))
-            hollow = deduped.hollow
-            statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
-            if statefuls is None:  # a user's implementation: refuse what no load could decode
-                try:
-                    check_hollow(hollow, len(entries), "hollow_structure()")
-                except CorruptShardError as exc:
-                    raise TypeError(str(exc)) from None
-            # The lowest version that describes it: older readers read what they can, and
-            # refuse (not misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept
-            # by another rank; 4: numpy, Generator, dataclass and named tuple nodes.
-            extended = tasd.extended if type(tasd) is BasicTensorAwareStateDict else \
-                uses_extended(hollow)
-            version = 4 if extended else 3 if deduped.expected else \
-                2 if tasd.layouts or statefuls else 1
-            staged["manifest"] = ShardManifest(
-                session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
-                world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
-                container="basic" if tasd is state_dict else "plain",
-                data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
-                chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})
-            staged["payload"] = payload
-            return {"iteration": iteration if type(iteration) is int else repr(iteration),
-                    "inventory": ctx.inventory().to_json(),
-                    "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
-                                           chunk_count),
-                    "free": st.f_bavail * st.f_frsize, "reaping": reaping,
-                    "chunks": chunk_count,
-                    "pieces": piece_count(chunk_nbytes, chunk_count),
-                    "replicas": deduped.digest, "meta": meta}
-
-        gathered = ctx.group.exchange("save: stage and validate", stage)
-        # Every rank reaches the same verdicts from the same gathered input.
-        inventories = decode_inventories([g["inventory"] for g in gathered])
-        validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
-                      self.any_world)
-        self._check_replicas([int(g["replicas"]) for g in gathered], staged["deduped"])
-        plan = save_plan(ctx.placement, ctx.topology, iteration)
-        needed = [int(g["nbytes"]) for g in gathered]
-        writes = list(needed)
-        for t in plan.transfers:
-            writes[t.dst] += needed[t.src]
-        self._check_capacity(writes, gathered)
-        # A rank writes its chunks, then takes part in the replica rounds, each as long as the
-        # longest transfer in it: the bound of what a fast rank may wait for in finalize.
-        pieces = [int(g["pieces"]) for g in gathered]
-        steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
-            max(pieces[t.src] for t in round_) for round_ in plan.rounds)
-        manifest = staged["manifest"]
-        if gathered[0]["meta"]:  # rank 0's, in every shard: one answer for metadata(iteration)
-            manifest = replace(manifest, metadata=gathered[0]["meta"])
-        return SaveJob(iteration, manifest, staged["payload"],
-                       plan if plan.transfers else None, metrics=ctx.metrics,
-                       wait_steps=steps)
-
-    def _check_capacity(self, writes: list[int], gathered: list[dict[str, Any]]) -> None:
-        """InsufficientSpaceError on every rank unless each node has room for what its ranks
-        write. When space is short while some rank's reaper still deletes an older iteration
-        or recycled files hold space, every rank (deciding alike from the gathered input) waits
-        for its deletions, deletes the recycled files, and the free space is gathered again:
-        one more exchange, only then. (Recycled files are not counted as free: a save may not
-        take them all, and what it does not take is freed only after it.)"""
-        node_of = self.ctx.topology.node_of
-        try:
-            check_capacity(writes, [int(g["free"]) for g in gathered], node_of)
-        except InsufficientSpaceError:
-            if not any(g["reaping"] for g in gathered):
-                raise
-            def free_after_deletions() -> int:
-                self.ctx.store.wait_for_deletions()
-                self.ctx.store.drain_all_recycled()
-                st = os.statvfs(self.ctx.root)
-                return st.f_bavail * st.f_frsize
-
-            free = self.ctx.group.exchange("save: free space after retention",
-                                           free_after_deletions)
-            check_capacity(writes, [int(f) for f in free], node_of)
-
-    def _check_replicas(self, digests: list[int], deduped: Deduped) -> None:
-        """Every replicated shard a rank skipped is stored by the rank it named (see
-        :mod:`localckpt.save.dedupe`), checked when some rank's replicated leaves changed since
-        the last check: one more exchange then. ConfigurationError on every rank otherwise."""
-        if not any(digests) or digests == self._checked_replicas:
-            return
-        def report() -> dict[str, Any]:
-            return {"provided": deduped.provided,
-                    "expected": {str(k): v for k, v in deduped.expected.items()}}
-
-        reports = self.ctx.group.exchange("save: replicated shards", report)
-        missing = missing_replicas([r["provided"] for r in reports],
-                                   [r["expected"] for r in reports])
-        if missing:
-            raise ConfigurationError(
-                "save: replicated DTensor shards would be stored by no rank: "
-                f"{'; '.join(missing[:4])}. The members of a replica group must hold the same "
-                "DTensor leaves; else LocalCheckpointManager(dedupe_replicated=False). Nothing "
-                "was written")
-        self._checked_replicas = digests
-
-    # ------------------------------------------------------------------ 4. finalize
+    # ------------------------------------------------------------------ 5. finalize
 
     def _finalize_job(self, job: SaveJob) -> None:
         """Finalize ``job`` once. The queue may call this after back-pressure already did: it
@@ -299,16 +171,20 @@ class SavePath:
             return
         # Its own thread must be over, whoever calls (a queue whose waiter died early: its
         # staging memory would be restaged under the thread, and a late commit hold the next
-        # save's bytes)
-        if not job.done.wait(self.ctx.timeout * job.wait_steps):
+        # save's bytes). The agreement's exchanges first, then the work it agreed on.
+        if not (job.agreed.wait(self.ctx.timeout * AGREEMENT_STEPS)
+                and job.done.wait(self.ctx.timeout * job.wait_steps)):
             err = CollectiveTimeoutError(
                 f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.ctx.timeout * job.wait_steps:g}s")
+                f"{self.ctx.timeout * (AGREEMENT_STEPS + job.wait_steps):g}s")
             self.ctx.group.mark_broken(err)
             raise err
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
+        if job.agreed_error is not None:  # every rank agreed: nothing written, nothing to do
+            job.finalize_error = job.agreed_error
+            raise job.agreed_error
         try:
             with self.ctx.timed("finalize", job.iteration):
                 self._finalize(job, finalizing_agreed_calls())

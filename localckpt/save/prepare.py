@@ -1,0 +1,207 @@
+"""The two halves of preparing a save: staging (local) and the agreement (collective).
+
+:func:`stage_shard` runs on the training thread: it flattens the state dict, copies its tensors
+into the staging arena and builds the manifest. Nothing in it waits for another rank, lists the
+root or deletes anything: it is the whole of an async save's stall.
+
+:func:`agree_on_save` is the one agreed step before any byte is written: every rank's request
+(iteration, inventory, bytes needed, free space, or its staging error) is gathered, and the pure
+checks (iteration, capacity, replicated shards) run on the same gathered input everywhere, so
+every rank reaches the same verdict. A synchronous save runs it on the training thread and the
+manager's control group; an async save on the save's own thread and the data group, before it
+writes (see :class:`localckpt.save.job.SaveJob`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from replication import ExchangePlan, save_plan
+
+from ..control.coverage import check_capacity, decode_inventories, validate_save
+from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from ..hollow import uses_extended
+from ..ops.faults import fault_point
+from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
+from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
+from ..storage.peer_io import piece_count
+from ..storage.store import bytes_needed, chunking
+from .dedupe import Deduped, dedupe, missing_replicas
+from .metadata import iteration_metadata, wall_clock
+from .staging import StagingArena, plan_layout
+
+if TYPE_CHECKING:
+    from ..control.collectives import CheckpointGroup
+    from ..control.context import Context
+
+
+@dataclass(frozen=True)
+class StagedShard:
+    """One rank's shard in the staging arena, before the agreement."""
+
+    iteration: Any
+    manifest: ShardManifest  # checksums not yet known; metadata set by the agreement
+    payload: torch.Tensor  # the arena's bytes: must not be restaged before the save is done
+    deduped: Deduped
+    request: dict[str, Any]  # this rank's part of the agreement, without the listings
+
+
+@dataclass(frozen=True)
+class AgreedSave:
+    """What every rank agreed on: write ``manifest`` from the payload, then ``plan``."""
+
+    manifest: ShardManifest
+    plan: ExchangePlan | None
+    wait_steps: int  # units of work the slowest rank may still have (SaveJob.wait_steps)
+
+
+def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: Any,
+                custom_metadata: Any, metrics: Any, dedupe_replicated: bool) -> StagedShard:
+    """Stage this rank's shard. Training thread; local; raises what the state dict or the
+    metadata make impossible to save (TypeError, ValueError), or a staging fault."""
+    meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
+    meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
+    tasd = as_tensor_aware(state_dict)
+    deduped = dedupe(tasd, dedupe_replicated)
+    layout = plan_layout(deduped.tensors)
+    chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
+    fault_point("staging", ctx.rank, iteration)
+    payload = arena.stage(deduped.tensors, layout, chunk_nbytes * chunk_count)
+    names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
+    entries = tuple(
+        TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
+                        t.dtype, dtype_name(t.dtype)),
+                    shape=tuple(t.shape), offset=off, nbytes=size,
+                    device=names.get(t.device) or names.setdefault(t.device, str(t.device)))
+        for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
+                                      layout.sizes, strict=True))
+    hollow = deduped.hollow
+    statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
+    if statefuls is None:  # a user's implementation: refuse what no load could decode
+        try:
+            check_hollow(hollow, len(entries), "hollow_structure()")
+        except CorruptShardError as exc:
+            raise TypeError(str(exc)) from None
+    # The lowest version that describes it: older readers read what they can, and refuse (not
+    # misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept by another rank;
+    # 4: numpy, Generator, dataclass and named tuple nodes.
+    extended = tasd.extended if type(tasd) is BasicTensorAwareStateDict else \
+        uses_extended(hollow)
+    version = 4 if extended else 3 if deduped.expected else \
+        2 if tasd.layouts or statefuls else 1
+    manifest = ShardManifest(
+        session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
+        world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
+        container="basic" if tasd is state_dict else "plain",
+        data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
+        chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})
+    request = {"iteration": iteration if type(iteration) is int else repr(iteration),
+               "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
+                                      chunk_count),
+               "chunks": chunk_count, "pieces": piece_count(chunk_nbytes, chunk_count),
+               "replicas": deduped.digest, "meta": meta}
+    return StagedShard(iteration, manifest, payload, deduped, request)
+
+
+class SaveAgreement:
+    """The agreement of one manager's saves. ``any_world``: a save must be newer than any world
+    size's latest (reshard=True). Remembers the replicated-shard digests last checked."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.any_world = False
+        self._checked_replicas: list[int] | None = None
+
+    def agree(self, group: CheckpointGroup, staged: StagedShard | Exception) -> AgreedSave:
+        """Collective on ``group``. Raises on every rank alike the staging error of any rank,
+        InvalidIterationError, InsufficientSpaceError or ConfigurationError (the agreed
+        verdicts), or CollectiveError when no agreement was reached."""
+        ctx = self.ctx
+
+        def request() -> dict[str, Any]:
+            if isinstance(staged, Exception):
+                raise staged
+            # The previous save's retention may still be deleting on the reaper thread: not
+            # waited for here, only when the space it frees is needed (_check_capacity).
+            reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()
+            ctx.store.remove_quarantined()  # corrupt copies a load set aside
+            st = os.statvfs(ctx.root)
+            return {**staged.request, "inventory": ctx.inventory().to_json(),
+                    "free": st.f_bavail * st.f_frsize, "reaping": reaping}
+
+        gathered = group.exchange("save: stage and validate", request)
+        assert not isinstance(staged, Exception)  # the exchange raised it
+        inventories = decode_inventories([g["inventory"] for g in gathered])
+        validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
+                      self.any_world)
+        self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
+        plan = save_plan(ctx.placement, ctx.topology, staged.iteration)
+        needed = [int(g["nbytes"]) for g in gathered]
+        writes = list(needed)
+        for t in plan.transfers:
+            writes[t.dst] += needed[t.src]
+        self._check_capacity(group, writes, gathered)
+        # A rank writes its chunks, then takes part in the replica rounds, each as long as the
+        # longest transfer in it: the bound of what a fast rank may wait for in finalize.
+        pieces = [int(g["pieces"]) for g in gathered]
+        steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
+            max(pieces[t.src] for t in round_) for round_ in plan.rounds)
+        manifest = staged.manifest
+        if gathered[0]["meta"]:  # rank 0's, in every shard: one answer for metadata(iteration)
+            manifest = replace(manifest, metadata=gathered[0]["meta"])
+        return AgreedSave(manifest, plan if plan.transfers else None, steps)
+
+    def _check_capacity(self, group: CheckpointGroup, writes: list[int],
+                        gathered: list[dict[str, Any]]) -> None:
+        """InsufficientSpaceError on every rank unless each node has room for what its ranks
+        write. When space is short while some rank's reaper still deletes an older iteration
+        or recycled files hold space, every rank (deciding alike from the gathered input) waits
+        for its deletions, deletes the recycled files, and the free space is gathered again:
+        one more exchange, only then. (Recycled files are not counted as free: a save may not
+        take them all, and what it does not take is freed only after it.)"""
+        node_of = self.ctx.topology.node_of
+        try:
+            check_capacity(writes, [int(g["free"]) for g in gathered], node_of)
+        except InsufficientSpaceError:
+            if not any(g["reaping"] for g in gathered):
+                raise
+            store, root = self.ctx.store, self.ctx.root
+
+            def free_after_deletions() -> int:
+                store.wait_for_deletions()
+                store.drain_all_recycled()
+                st = os.statvfs(root)
+                return st.f_bavail * st.f_frsize
+
+            free = group.exchange("save: free space after retention", free_after_deletions)
+            check_capacity(writes, [int(f) for f in free], node_of)
+
+    def _check_replicas(self, group: CheckpointGroup, digests: list[int],
+                        deduped: Deduped) -> None:
+        """Every replicated shard a rank skipped is stored by the rank it named (see
+        :mod:`localckpt.save.dedupe`), checked when some rank's replicated leaves changed since
+        the last check: one more exchange then. ConfigurationError on every rank otherwise."""
+        if not any(digests) or digests == self._checked_replicas:
+            return
+        def report() -> dict[str, Any]:
+            return {"provided": deduped.provided,
+                    "expected": {str(k): v for k, v in deduped.expected.items()}}
+
+        reports = group.exchange("save: replicated shards", report)
+        missing = missing_replicas([r["provided"] for r in reports],
+                                   [r["expected"] for r in reports])
+        if missing:
+            raise ConfigurationError(
+                "save: replicated DTensor shards would be stored by no rank: "
+                f"{'; '.join(missing[:4])}. The members of a replica group must hold the same "
+                "DTensor leaves; else LocalCheckpointManager(dedupe_replicated=False). Nothing "
+                "was written")
+        self._checked_replicas = digests
+
+
+AgreeFn = Callable[[], AgreedSave]
