@@ -31,7 +31,7 @@ from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
 from .save.async_calls import AsyncRequest
 from .save.saver import SavePath
-from .storage.io_sizing import default_io_threads
+from .storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
 from .storage.layout import MAX_WORLD_SIZE, session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.session_lock import SessionLock
@@ -73,8 +73,8 @@ class LocalCheckpointManager:
         timeout: seconds any collective of the manager may take before it raises.
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel (None: the
-            rank's share of the cores it may run on, ``os.sched_getaffinity``, divided among
-            the node's ranks unless the process is pinned; at least 2, at most 8).
+            rank's share of the cores it may run on: its affinity mask, capped by a cgroup CPU
+            quota, divided among the ranks of its node with the same mask; 2 to 8).
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
         busy: what an async save does while the previous one is in flight: "wait" for it, or
             "skip" this save (decided alike on every rank).
@@ -171,7 +171,7 @@ class LocalCheckpointManager:
             doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
                                        min(self.timeout / 3, 30.0), recycle_files)
             locks.append(lock)
-            return doc
+            return {**doc, "cpus": cpu_set()}
 
         try:
             started = group.exchange("start", start)
@@ -181,7 +181,8 @@ class LocalCheckpointManager:
                                        [(int(d["root"][0]), int(d["root"][1])) for d in started],
                                        strict, self.rank)
             if io_threads is None:  # this rank's share of the cores it may run on
-                io_threads = default_io_threads(names.count(names[self.rank]))
+                io_threads = default_io_threads(ranks_sharing(
+                    self.rank, names, [d.get("cpus") for d in started]))
             store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                chunk_nbytes=chunk_nbytes, recycle=recycle_files)
             group.use_nodes(topology.node_of)

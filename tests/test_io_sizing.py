@@ -10,38 +10,60 @@ import torch
 
 from localckpt import LocalCheckpointManager
 from localckpt.storage import io_sizing
-from localckpt.storage.io_sizing import MAX_IO_THREADS, MIN_IO_THREADS, default_io_threads
+from localckpt.storage.io_sizing import (
+    MAX_IO_THREADS,
+    MIN_IO_THREADS,
+    default_io_threads,
+    ranks_sharing,
+)
 
 
-@pytest.mark.parametrize(("ranks", "cores", "pinned", "expected"), [
-    (1, 2, False, 2),     # a 2-core CI runner: as before
-    (2, 2, False, 2),     # never fewer than two
-    (1, 16, False, 8),    # alone on a 16-core GPU host: capped where tmpfs stopped scaling
-    (8, 16, False, 2),    # eight ranks share those cores
-    (4, 16, False, 4),
-    (8, 4, True, 4),      # pinned to its own 4 cores: those are its share already
-    (1, 64, True, 8),
-    (0, 6, False, 6),     # no rank count known: the whole machine
+@pytest.mark.parametrize(("sharing", "cores", "expected"), [
+    (1, 2, 2),     # a 2-core CI runner: as before
+    (2, 2, 2),     # never fewer than two
+    (1, 16, 8),    # alone on a 16-core GPU host: capped where tmpfs stopped scaling
+    (8, 16, 2),    # eight ranks share those cores
+    (4, 16, 4),
+    (1, 64, 8),
+    (0, 6, 6),
 ])
-def test_default_is_the_ranks_share_of_its_cores(ranks: int, cores: int, pinned: bool,
-                                                 expected: int) -> None:
-    assert default_io_threads(ranks, cores, pinned) == expected
+def test_default_is_the_share_of_the_cores(sharing: int, cores: int, expected: int) -> None:
+    assert default_io_threads(sharing, cores) == expected
     assert MIN_IO_THREADS <= expected <= MAX_IO_THREADS
 
 
-def test_usable_cores_reads_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+def test_ranks_share_the_cores_of_their_node_with_the_same_cpu_set() -> None:
+    nodes = ["a", "a", "a", "a", "b", "b"]
+    # a container's cpuset (or no pinning): one set for the whole node
+    assert ranks_sharing(0, nodes, ["s"] * 6) == 4
+    assert ranks_sharing(5, nodes, ["s"] * 6) == 2
+    # NUMA binding: two ranks per set
+    assert ranks_sharing(1, nodes, ["x", "x", "y", "y", "z", "w"]) == 2
+    assert ranks_sharing(4, nodes, ["x", "x", "y", "y", "z", "w"]) == 1
+
+
+def test_usable_cores_reads_the_affinity_mask_and_the_cgroup_quota(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert io_sizing.usable_cores() == (4, True)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert io_sizing.usable_cores() == (16, False)
+    monkeypatch.setattr(io_sizing, "_CPU_MAX", str(tmp_path / "missing"))
+    cores, key = io_sizing.usable_cores()
+    assert cores == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    assert io_sizing.usable_cores() == (4, io_sizing.usable_cores()[1]) != (4, key)
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs of quota
+    monkeypatch.setattr(io_sizing, "_CPU_MAX", str(cpu_max))
+    assert io_sizing.usable_cores()[0] == 2
+    cpu_max.write_text("max 100000\n")
+    assert io_sizing.usable_cores()[0] == 4
     monkeypatch.delattr(os, "sched_getaffinity")
-    assert io_sizing.usable_cores() == (16, False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert io_sizing.usable_cores()[0] == 16
 
 
 def test_the_manager_sizes_its_pool_from_the_cores(root: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(io_sizing, "usable_cores", lambda: (16, False))
+    monkeypatch.setattr(io_sizing, "usable_cores", lambda: (16, "set"))
     with LocalCheckpointManager(root) as mgr:
         assert mgr._ctx.store._pool._max_workers == 8
         mgr.save({"w": torch.arange(10)}, 1)

@@ -30,7 +30,7 @@ import torch
 
 from replication import ExchangePlan, Transfer
 
-from ..errors import CollectiveError
+from ..errors import CheckpointingError, CollectiveError
 from ..ops.metrics import Metrics
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import StoreReceiver, exchange_shards
@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from .prepare import AgreedSave
 
 logger = logging.getLogger(__name__)
+
+# Exchanges an agreement may take (request, replicated shards, free space after deletions),
+# each bounded by the timeout: how long a waiter gives an async save's agreement.
+AGREEMENT_STEPS = 3
 
 
 class DoneSignal:
@@ -161,10 +165,13 @@ class SaveJob:
     plan: ExchangePlan | None = None
     agree: Callable[[], AgreedSave] | None = None  # None: agreed already
     error: BaseException | None = None
-    # The agreement's verdict against this save, the same on every rank (nothing was written):
-    # the finalize step raises it without another exchange.
+    # The agreement's verdict against this save, the same on every rank that reached it
+    # (nothing was written): what finalize reports for this rank.
     agreed_error: Exception | None = None
     agreed: threading.Event = field(default_factory=threading.Event)
+    # Whether this rank passed the agreement (iteration validated): only then may a failed
+    # save's shards of ``iteration`` here be deleted, as this save wrote them.
+    passed_agreement: bool = False
     done: DoneSignal = field(default_factory=DoneSignal)
     finalized: bool = False
     finalize_error: BaseException | None = None  # what finalizing it raised, on every rank
@@ -178,7 +185,14 @@ class SaveJob:
 
     def __post_init__(self) -> None:
         if self.agree is None:
+            self.passed_agreement = True
             self.agreed.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the job is done, waiting up to ``timeout`` (seconds per unit of work) for
+        its agreement (AGREEMENT_STEPS units), then for the work agreed (``wait_steps``)."""
+        return self.agreed.wait(timeout * AGREEMENT_STEPS) and \
+            self.done.wait(timeout * self.wait_steps)
 
     def start(self, ctx: Context) -> None:
         """Run :meth:`run` on a thread of its own. Not a daemon: at interpreter exit the shard
@@ -193,16 +207,23 @@ class SaveJob:
             if self.agree is not None:
                 try:
                     agreed = self.agree()
+                    self.manifest, self.plan, self.wait_steps = \
+                        agreed.manifest, agreed.plan, agreed.wait_steps
+                    self.passed_agreement = True
                 except CollectiveError as exc:  # no agreement: finalize finds out what holds
                     self.error = exc
                     return
-                except Exception as exc:  # agreed on every rank: nothing is written anywhere
+                except CheckpointingError as exc:  # a verdict on the gathered input: agreed
                     self.agreed_error = exc
                     return
-                finally:
+                except Exception as exc:  # this rank's alone (e.g. its group torn down)
+                    self.error = CollectiveError(
+                        f"save of iteration {self.iteration}: the agreement failed on rank "
+                        f"{ctx.rank}: {type(exc).__name__}: {exc}")
+                    self.error.__cause__ = exc
+                    return
+                finally:  # after the agreed bound (wait_steps) is set: finalize reads it
                     self.agreed.set()
-                self.manifest, self.plan, self.wait_steps = \
-                    agreed.manifest, agreed.plan, agreed.wait_steps
             self._write_and_replicate(ctx)
         except BaseException as exc:  # never let the worker die silently
             self.error = self.error or exc

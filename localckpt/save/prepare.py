@@ -173,7 +173,7 @@ class SaveAgreement:
             store, root = self.ctx.store, self.ctx.root
 
             def free_after_deletions() -> int:
-                store.wait_for_deletions()
+                store.wait_for_deletions(timeout=self.ctx.timeout / 2)  # others wait a timeout
                 store.drain_all_recycled()
                 st = os.statvfs(root)
                 return st.f_bavail * st.f_frsize

@@ -26,23 +26,24 @@ from typing import Any
 from ..control.context import Context
 from ..control.coverage import choose_latest, decode_inventories
 from ..control.retention import KeepPolicy
-from ..errors import CollectiveTimeoutError, IncompleteCheckpointError, error_from_failures
+from ..errors import (
+    CollectiveTimeoutError,
+    IncompleteCheckpointError,
+    describe_failure,
+    error_from_failures,
+)
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..state_dict import as_tensor_aware
 from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
-from .job import SaveJob, wait_for_save
+from .job import AGREEMENT_STEPS, SaveJob, wait_for_save
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
 from .staging import StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
-
-# Exchanges an agreement may take (request, replicated shards, free space after deletions),
-# each bounded by the timeout: how long finalize waits for an async save's agreement.
-AGREEMENT_STEPS = 3
 
 
 class SavePath:
@@ -129,7 +130,7 @@ class SavePath:
         """Wait (up to the timeout) for the local work of a save in flight: its shard is then
         committed, to be finalized through the AsyncCallsQueue or found by the next job."""
         job = self._inflight
-        if job is not None and not job.done.wait(self.ctx.timeout):
+        if job is not None and not job.wait(self.ctx.timeout):
             logger.error("rank %d: async save of iteration %d still running at close",
                          self.ctx.rank, job.iteration)
         self._arena = StagingArena()  # the staging memory goes now, not when garbage collected
@@ -148,14 +149,19 @@ class SavePath:
         group = self.ctx.group
         if skip and not all(group.exchange("save: previous done?", job.done.is_set)):
             return False
-        if not job.done.wait(self.ctx.timeout):
-            err = CollectiveTimeoutError(
-                f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.ctx.timeout:g}s")
-            group.mark_broken(err)  # the other ranks time out in finalize: so do we, for good
-            raise err
+        self._wait(job)
         self._finalize_job(job)
         return True
+
+    def _wait(self, job: SaveJob) -> None:
+        """Wait for ``job``'s own thread as long as its agreement and the work agreed may
+        take; CollectiveTimeoutError (the control group is then unusable) after that."""
+        if not job.wait(self.ctx.timeout):
+            err = CollectiveTimeoutError(
+                f"the async save of iteration {job.iteration} did not finish within "
+                f"{self.ctx.timeout * (AGREEMENT_STEPS + job.wait_steps):g}s")
+            self.ctx.group.mark_broken(err)  # the other ranks time out in finalize: so do we
+            raise err
 
     # ------------------------------------------------------------------ 5. finalize
 
@@ -172,19 +178,10 @@ class SavePath:
         # Its own thread must be over, whoever calls (a queue whose waiter died early: its
         # staging memory would be restaged under the thread, and a late commit hold the next
         # save's bytes). The agreement's exchanges first, then the work it agreed on.
-        if not (job.agreed.wait(self.ctx.timeout * AGREEMENT_STEPS)
-                and job.done.wait(self.ctx.timeout * job.wait_steps)):
-            err = CollectiveTimeoutError(
-                f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.ctx.timeout * (AGREEMENT_STEPS + job.wait_steps):g}s")
-            self.ctx.group.mark_broken(err)
-            raise err
+        self._wait(job)
         job.finalized = True
         if self._inflight is job:
             self._inflight = None
-        if job.agreed_error is not None:  # every rank agreed: nothing written, nothing to do
-            job.finalize_error = job.agreed_error
-            raise job.agreed_error
         try:
             with self.ctx.timed("finalize", job.iteration):
                 self._finalize(job, finalizing_agreed_calls())
@@ -197,6 +194,8 @@ class SavePath:
         ctx, iteration = self.ctx, job.iteration
 
         def report() -> dict[str, Any]:
+            if job.agreed_error is not None:  # refused by the agreement: nothing was written
+                raise job.agreed_error
             fault_point("after_commit", ctx.rank, iteration)
             if isinstance(job.error, Exception):
                 raise job.error
@@ -210,6 +209,10 @@ class SavePath:
         wait = None if done_everywhere else ctx.timeout * job.wait_steps
         outcome = ctx.group.gather_outcomes("save: finalize", report, wait=wait)
         if outcome.failures:
+            refusal = job.agreed_error
+            if refusal is not None and len(outcome.failures) == ctx.world_size and all(
+                    tuple(f) == describe_failure(refusal) for f in outcome.failures.values()):
+                raise refusal  # the agreement's own verdict, alike everywhere
             error: Exception = error_from_failures("save: finalize", outcome.failures)
         else:
             inventories = decode_inventories(outcome.values)  # type: ignore[arg-type]
@@ -224,8 +227,12 @@ class SavePath:
             error = IncompleteCheckpointError(
                 f"save of iteration {iteration}: expected a shard from every rank, ranks "
                 f"{missing} have none; the latest complete iteration is {latest}")
-        # Every rank agreed the save failed: its shards here, replicas included, can go. A
-        # deletion that fails is left to the next save's retention: the agreed error is raised.
+        # Every rank agreed the save failed: its shards here, replicas included, can go, if
+        # this rank passed the agreement (which checked that no complete iteration has this
+        # number: what it holds of it was written by this save). A deletion that fails is left
+        # to the next save's retention: the agreed error is raised.
+        if not job.passed_agreement or iteration <= self.latest_iteration:
+            raise error from outcome.local_error
         for ref in ctx.store.committed():
             if ref.iteration == iteration and ref.world_size == ctx.world_size:
                 try:

@@ -3,35 +3,62 @@
 tmpfs writes and reads scale with writers (on a 16-core H100 host: 2.0 GB/s with one writer,
 14.7 GB/s with eight, measured for issue 22), and each chunk is checksummed on the thread that
 writes or reads it, so a rank alone on a many-core node should use several threads; ranks that
-share a node share its cores. Two threads stay the least (what a 2-core runner measured best),
-eight the most (where tmpfs stopped scaling on that host).
+share cores share them. Two threads stay the least (what a 2-core runner measured best), eight
+the most (where tmpfs stopped scaling on that host).
+
+Which ranks share cores is decided from what each rank reports at start-up (:func:`cpu_set`):
+ranks of one node with the same CPU set (a container's cpuset, or no pinning at all) share it;
+ranks pinned to sets of their own (``taskset``, NUMA binding) each have theirs.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import zlib
 
 MIN_IO_THREADS = 2
 MAX_IO_THREADS = 8
+_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
 
 
-def usable_cores() -> tuple[int, bool]:
-    """(cores this process may run on, whether it was pinned to fewer than the machine has).
-    A pinned process (``taskset``, torchrun's ``--numa-binding``, a container's cpuset) already
-    has its own share; an unpinned one shares the machine with the node's other ranks."""
-    machine = os.cpu_count() or 1
+def usable_cores() -> tuple[int, str]:
+    """(cores this process may use, a key naming its CPU set). The count is that of the
+    affinity mask, lowered by a cgroup CPU quota when there is one."""
     try:
-        allowed = len(os.sched_getaffinity(0))
+        allowed = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this platform
-        return machine, False
-    return allowed, allowed < machine
+        allowed = list(range(os.cpu_count() or 1))
+    cores = len(allowed)
+    quota = _cgroup_quota()
+    if quota is not None:
+        cores = max(1, min(cores, math.ceil(quota)))
+    return cores, format(zlib.crc32(",".join(map(str, allowed)).encode()), "08x")
 
 
-def default_io_threads(ranks_on_node: int, cores: int | None = None,
-                       pinned: bool | None = None) -> int:
-    """Pure given ``cores`` and ``pinned`` (else :func:`usable_cores`): the rank's share of the
-    cores, between MIN_IO_THREADS and MAX_IO_THREADS."""
-    if cores is None or pinned is None:
-        cores, pinned = usable_cores()
-    share = cores if pinned else cores // max(1, ranks_on_node)
-    return max(MIN_IO_THREADS, min(MAX_IO_THREADS, share))
+def _cgroup_quota() -> float | None:
+    try:
+        with open(_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_set() -> str:
+    """What a rank reports at start-up: the key of its CPU set."""
+    return usable_cores()[1]
+
+
+def default_io_threads(sharing: int, cores: int | None = None) -> int:
+    """``cores`` (default: this process's, :func:`usable_cores`) divided among the ``sharing``
+    ranks that run on them, between MIN_IO_THREADS and MAX_IO_THREADS. Pure given ``cores``."""
+    if cores is None:
+        cores = usable_cores()[0]
+    return max(MIN_IO_THREADS, min(MAX_IO_THREADS, cores // max(1, sharing)))
+
+
+def ranks_sharing(rank: int, nodes: list[str], cpu_sets: list[str | None]) -> int:
+    """How many ranks of ``rank``'s node report its CPU set (itself included). Pure."""
+    return sum(1 for node, cpus in zip(nodes, cpu_sets, strict=True)
+               if node == nodes[rank] and cpus == cpu_sets[rank])

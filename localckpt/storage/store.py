@@ -35,7 +35,7 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
 
@@ -143,12 +143,16 @@ class ShardStore:
         self._reaper.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
-    def wait_for_deletions(self) -> None:
+    def wait_for_deletions(self, timeout: float | None = None) -> None:
         """Block until every ``background=True`` deletion so far is done (free space is then
-        what ``statvfs`` reports). Deletion errors are logged by the reaper, never raised."""
+        what ``statvfs`` reports), or raise TimeoutError after ``timeout`` seconds (those still
+        running stay pending). Deletion errors are logged by the reaper, never raised."""
         pending, self._reaping = self._reaping, []
-        for f in pending:
-            f.result()
+        _, not_done = wait(pending, timeout)
+        if not_done:
+            self._reaping = [f for f in pending if f in not_done] + self._reaping
+            raise TimeoutError(f"{len(not_done)} deletions of older shards still running after "
+                               f"{timeout:g}s")
 
     def drain_recycled(self, before_ns: int) -> None:
         """Delete, on the reaper thread, the recycled files that arrived before ``before_ns``
