@@ -4,7 +4,10 @@
 - ``small``: many small fp32 tensors (default 10,000 × 4 KiB), where per-tensor cost dominates;
 - ``transformer``: a decoder stack's parameters in bf16, fp32 master weights and Adam's
   ``exp_avg`` / ``exp_avg_sq`` / ``step`` (a real ``torch.optim.Adam`` step fills them), the CPU
-  RNG state and a data-loader position: what a mixed-precision training rank hands over.
+  RNG state and a data-loader position: what a mixed-precision training rank hands over;
+- ``adam``: fp32 matrices (64 MiB each by default) with Adam's two moments and a ``step`` each,
+  plus a share of the bytes (1 % or 15 %) in 4-64 KiB parameters (norms, biases) with their
+  own moments and steps: the GPU workload of scripts/bench_cuda.py.
 """
 
 from __future__ import annotations
@@ -96,6 +99,30 @@ def transformer(d_model: int, layers: int, vocab: int, seed: int) -> Case:
         "iteration": 1000,
     }
     return _with_payload("transformer", state)
+
+
+def adam(nbytes: int, small_share: float, seed: int, matrix_nbytes: int = 64 << 20) -> Case:
+    """About ``nbytes`` of Adam state: matrices of ``matrix_nbytes`` and ``small_share`` of the
+    bytes in small parameters of 4, 8, 16, 32 and 64 KiB in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def param(name: str, numel: int) -> int:
+        model[name] = torch.randn(numel, generator=gen)
+        state[name] = {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel, generator=gen),
+                       "exp_avg_sq": torch.rand(numel, generator=gen)}
+        return 3 * numel * 4 + 4
+
+    large = i = 0
+    while i == 0 or large + 3 * matrix_nbytes <= nbytes * (1 - small_share):
+        large += param(f"layers.{i}.weight", matrix_nbytes // 4)
+        i += 1
+    target, small_done, kib = large * small_share / (1 - small_share), 0, (4, 8, 16, 32, 64)
+    while small_done < target:
+        small_done += param(f"norms.{len(model) - i}.weight", kib[(len(model) - i) % 5] * 256)
+    name = f"adam {small_share:.0%} small"
+    return _with_payload(name, {"model": model, "optimizer": {"state": state}})
 
 
 def _with_payload(name: str, state: dict[str, Any]) -> Case:

@@ -1,27 +1,28 @@
-"""CUDA staging: the device-to-host copies of a save against a raw copy into pinned memory.
+"""On the GPU: an async save's stall, the save through finalize and the load back onto the
+device, each against the machine's floor on the same bytes, measured in the same run.
 
-On one GPU, for each state dict (``uniform`` at each ``--sizes-mib``, ``transformer``,
-``small``), all on the device:
+For each state dict (the Adam workload at each ``--sizes-mib``, with 1 % and with 15 % of its
+bytes in small tensors; ``uniform`` at each ``--uniform-mib``), every tensor on the device:
 
-- raw limits, on a flat device buffer of the same bytes: D2H into pinned memory (one copy,
-  ``non_blocking``, then synchronize), D2H into pageable memory, host memcpy;
-- localckpt: ``StagingArena.stage`` (the side stream into the pinned arena), the stall of an
-  async save (``LocalCheckpointManager`` in a world of one: validation, staging, manifest), the
-  time until that save is finalized, and ``load`` by a new manager (read, verify, copy back to
-  the GPU).
+- floors (scripts/bench_floors.py): D2H into pinned memory, H2D from pinned memory, tmpfs write
+  of fresh fsynced 16 MiB chunk files and their read back into preallocated memory, each with 1
+  and with N threads (N = the manager's default I/O threads here); a floor is the fastest;
+- localckpt in a world of one with ``--keep-last`` (every save has an older iteration to
+  delete): ``StagingArena.stage``, the stall of ``save(is_async=True)``, the time to finalized,
+  and a fresh manager's ``load()`` with every tensor back on the device (checked bit for bit).
 
-Medians of ``--repeats``; ratios to the raw pinned copy. Writes docs/benchmarks-cuda.{json,md}
-and renders docs/benchmarks.md again, which embeds that section. Without a CUDA device it says
-so and exits 0 without writing anything.
+Ratios: ``stall_to_d2h_pinned``, ``finalized_to_floor`` (÷ D2H + write floor), ``load_to_floor``
+(÷ read floor + H2D). Writes docs/benchmarks-cuda.{json,md} and renders docs/benchmarks.md
+again, which embeds that section. Without a CUDA device it says so and exits 0 without writing
+anything, unless ``--device cpu`` (every path on the CPU: a smoke run of the bench itself).
 
-Usage: python scripts/bench_cuda.py [--quick] [--repeats 5] [--sizes-mib 64 256 1024 2048]
+Usage: python scripts/bench_cuda.py [--quick] [--repeats 5] [--sizes-mib 1024 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import shutil
 import statistics
@@ -35,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_cases
+import bench_floors
 import benchlib
 import torch
 
@@ -43,48 +45,25 @@ from localckpt.ops import health
 from localckpt.save.async_calls import AsyncCallsQueue
 from localckpt.save.staging import StagingArena, plan_layout
 from localckpt.state_dict import as_tensor_aware
+from localckpt.storage.io_sizing import default_io_threads, usable_cores
 from localckpt.storage.store import byte_view
 
 
-def to_cuda(obj: Any) -> Any:
-    """Every tensor of a nested dict / list / tuple on the GPU, except RNG states (CPU state)."""
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Every tensor of a nested dict / list / tuple on ``device``, except RNG states (CPU)."""
     if isinstance(obj, torch.Tensor):
-        return obj.cuda()
+        return obj.to(device)
     if isinstance(obj, dict):
-        return {k: v if k == "rng" else to_cuda(v) for k, v in obj.items()}
+        return {k: v if k == "rng" else to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cuda(v) for v in obj)
+        return type(obj)(to_device(v, device) for v in obj)
     return obj
 
 
-def median_s(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn`` with the GPU idle before each run and after it."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def raw_limits(payload: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Median seconds of the raw copies of ``payload``'s bytes (a flat uint8 CPU tensor)."""
-    src = payload.cuda()
-    pinned = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
-    pageable = torch.empty(payload.numel(), dtype=torch.uint8)
-    pageable.fill_(0)  # fault the pages in once, as the arena's are after the first save
-    return {
-        "d2h_pinned": median_s(lambda: pinned.copy_(src, non_blocking=True), repeats),
-        "d2h_pageable": median_s(lambda: pageable.copy_(src), repeats),
-        "memcpy": median_s(lambda: pageable.copy_(pinned), repeats),
-    }
-
-
-def raw_read_to_gpu_s(payload: torch.Tensor, root: Path, repeats: int) -> float:
-    """Median seconds to read ``payload``'s bytes from a tmpfs file into fresh host memory and
-    copy them to the GPU: the floor of a load onto the GPU."""
+def raw_read_to_gpu_s(payload: torch.Tensor, root: Path, device: torch.device,
+                      repeats: int) -> float:
+    """Median seconds to read ``payload``'s bytes from a tmpfs file into fresh host memory on one
+    thread and copy them to the device: how a naive restart loads (reported, not a floor)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "raw.bin"
     payload.numpy().tofile(path)
@@ -98,56 +77,100 @@ def raw_read_to_gpu_s(payload: torch.Tensor, root: Path, repeats: int) -> float:
                 if not n:
                     raise OSError(f"{path}: short read")
                 done += n
-        buf.cuda()
+        buf.to(device)
 
     try:
-        return median_s(read, repeats)
+        return bench_floors.median_s(read, repeats, sync=_sync(device))
     finally:
         path.unlink()
 
 
-def arena_stage_s(tensors: list[torch.Tensor], repeats: int) -> float:
+def _sync(device: torch.device) -> Callable[[], None] | None:
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def arena_stage_s(tensors: list[torch.Tensor], device: torch.device, repeats: int) -> float:
     layout = plan_layout(tensors)
     arena = StagingArena()
     arena.stage(tensors, layout, layout.nbytes)  # warm: pinned allocation
-    return median_s(lambda: arena.stage(tensors, layout, layout.nbytes), repeats)
+    return bench_floors.median_s(lambda: arena.stage(tensors, layout, layout.nbytes), repeats,
+                                 sync=_sync(device))
 
 
-def measure_case(case: bench_cases.Case, repeats: int, root: Path) -> dict[str, Any]:
-    nbytes = case.nbytes
-    med = raw_limits(case.payload, repeats)
-    med["read_to_gpu"] = raw_read_to_gpu_s(case.payload, root, repeats)
-    state = to_cuda(case.state)
+def floors(payload: torch.Tensor, root: Path, device: torch.device, threads: int,
+           repeats: int) -> dict[str, float]:
+    """The raw operations on ``payload``'s bytes, with 1 and ``threads`` writers / readers."""
+    med = bench_floors.device_copies(payload, device, repeats)
+    for n in sorted({1, threads}):
+        med[f"tmpfs_write_{n}"] = bench_floors.tmpfs_write(payload, root, n, repeats)
+        med[f"tmpfs_read_{n}"] = bench_floors.tmpfs_read(payload, root, n, repeats)
+    bench_floors.remove_files(root)
+    med["tmpfs_write"] = min(v for k, v in med.items() if k.startswith("tmpfs_write_"))
+    med["tmpfs_read"] = min(v for k, v in med.items() if k.startswith("tmpfs_read_"))
+    med["read_to_device_one_thread"] = raw_read_to_gpu_s(payload, root, device, repeats)
+    return med
+
+
+def measure_case(case: bench_cases.Case, repeats: int, root: Path, device: torch.device,
+                 keep_last: int) -> dict[str, Any]:
+    """Floors, staging, and a world of one's async saves (an older iteration to delete at
+    every save: ``keep_last`` of them kept) and loads by a fresh manager onto ``device``."""
+    threads = default_io_threads(1)
+    med = floors(case.payload, root / "floors", device, threads, repeats)
+    state = to_device(case.state, device)
     tensors = list(as_tensor_aware(state).tensors)  # what a save stages, in its order
-    med["arena_stage"] = arena_stage_s(tensors, repeats)
+    med["arena_stage"] = arena_stage_s(tensors, device, repeats)
+    sync = _sync(device) or (lambda: None)
 
     stalls, finalized, loads = [], [], []
-    with LocalCheckpointManager(root, "cuda", keep_last=1, timeout=600) as mgr:
+    with LocalCheckpointManager(root / "ckpt", "cuda", keep_last=keep_last,
+                                timeout=600) as mgr:
         queue = AsyncCallsQueue(timeout=600)
-        mgr.save(state, 0)  # warm: arena, directories
-        for it in range(1, repeats + 1):
-            torch.cuda.synchronize()
+        for it in range(keep_last + 1):  # warm, and as many iterations as are kept
+            mgr.save(state, it)
+        for it in range(keep_last + 1, keep_last + 1 + repeats):
+            sync()
             t = time.perf_counter()
             req = mgr.save(state, it, is_async=True)
             stalls.append(time.perf_counter() - t)
             queue.schedule_async_request(req)  # type: ignore[arg-type]
             queue.maybe_finalize_async_calls(blocking=True)
             finalized.append(time.perf_counter() - t)
-            with LocalCheckpointManager(root, "cuda", timeout=600) as fresh:
+            with LocalCheckpointManager(root / "ckpt", "cuda", timeout=600) as fresh:
+                sync()
                 t = time.perf_counter()
                 loaded, _ = fresh.load()
-                torch.cuda.synchronize()
+                sync()
                 loads.append(time.perf_counter() - t)
+            if it == keep_last + repeats and not _same(loaded, state):
+                raise AssertionError(f"{case.name}: the load did not give back what was saved")
             del loaded
         queue.close()
     med |= {"save_stall": statistics.median(stalls),
             "async_save_to_finalized": statistics.median(finalized),
-            "load_to_gpu": statistics.median(loads)}
-    raw = med["d2h_pinned"]
-    return {"case": case.name, "nbytes": nbytes, "tensors": len(tensors), "median_s": med,
-            "ratios": {"stage_to_d2h_pinned": med["arena_stage"] / raw,
-                       "stall_to_d2h_pinned": med["save_stall"] / raw,
-                       "load_to_raw_read_to_gpu": med["load_to_gpu"] / med["read_to_gpu"]}}
+            "load_to_device": statistics.median(loads)}
+    save_floor = med["d2h_pinned"] + med["tmpfs_write"]
+    load_floor = med["tmpfs_read"] + med["h2d_pinned"]
+    return {"case": case.name, "nbytes": case.nbytes, "tensors": len(tensors),
+            "keep_last": keep_last, "io_threads": threads, "median_s": med,
+            "floors_s": {"save": save_floor, "load": load_floor},
+            "ratios": {"stage_to_d2h_pinned": med["arena_stage"] / med["d2h_pinned"],
+                       "stall_to_d2h_pinned": med["save_stall"] / med["d2h_pinned"],
+                       "finalized_to_floor": med["async_save_to_finalized"] / save_floor,
+                       "load_to_floor": med["load_to_device"] / load_floor}}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit for bit, on the devices they were saved from."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.device == b.device and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
 
 
 def _ratio(row: dict[str, Any], key: str) -> str:
@@ -155,6 +178,60 @@ def _ratio(row: dict[str, Any], key: str) -> str:
 
 
 def markdown(result: dict[str, Any], cmd: str) -> str:
+    if "keep_last" not in result:
+        return markdown_staging_only(result, cmd)
+    gpu, rows = result["gpu"], result["rows"]
+    threads = rows[0]["io_threads"] if rows else "-"
+    lines = [
+        "## CUDA: staging, save and load against the machine's floors",
+        "",
+        f"Measured by `{result.get('command', cmd)}` on {result['date']}: {gpu['name']} "
+        f"({gpu['memory_gib']:.0f} GiB, driver {gpu['driver']}, NVML: {gpu['nvml']}), torch "
+        f"{result['torch']}, {result['cpus']} usable CPUs, scratch on `{result['root']}`. "
+        f"One rank, every tensor on the device, `keep_last={result['keep_last']}` (every save "
+        f"has an older iteration to delete), default I/O threads ({threads}). "
+        f"Medians of {result['repeats']} runs; GB/s are 10⁹ bytes per second. Floors, on the same "
+        "bytes in the same run: **stall** ÷ D2H into pinned memory; **save to finalized** ÷ "
+        "(D2H pinned + the fastest tmpfs write of fresh fsynced 16 MiB chunk files, 1 or N "
+        "threads); **load** ÷ (the fastest tmpfs read of those files, 1 or N threads + H2D "
+        "from pinned memory). Every load is a fresh manager's `load()` (find_latest included), "
+        "every tensor back on the device, checked bit for bit.",
+        "",
+        "| state dict | size | tensors | D2H pinned GB/s | H2D pinned GB/s "
+        "| tmpfs write GB/s, 1 / N threads | tmpfs read GB/s, 1 / N threads "
+        "| arena stage ms (÷ D2H) | async save stall ms (÷ D2H) "
+        "| async save to finalized ms (÷ floor) | `load` onto the device ms (÷ floor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        m, n, k = r["median_s"], r["nbytes"], r["io_threads"]
+
+        def gbs(key: str, m: dict[str, float] = m, n: int = n) -> str:
+            return f"{n / m[key] / 1e9:.1f}" if key in m else "–"
+        lines.append(
+            f"| {r['case']} | {n / 2**20:,.0f} MiB | {r['tensors']:,} "
+            f"| {gbs('d2h_pinned')} | {gbs('h2d_pinned')} "
+            f"| {gbs('tmpfs_write_1')} / {gbs(f'tmpfs_write_{k}')} "
+            f"| {gbs('tmpfs_read_1')} / {gbs(f'tmpfs_read_{k}')} "
+            f"| {m['arena_stage'] * 1e3:,.1f} ({_ratio(r, 'stage_to_d2h_pinned')}) "
+            f"| {m['save_stall'] * 1e3:,.1f} ({_ratio(r, 'stall_to_d2h_pinned')}) "
+            f"| {m['async_save_to_finalized'] * 1e3:,.0f} ({_ratio(r, 'finalized_to_floor')}) "
+            f"| {m['load_to_device'] * 1e3:,.0f} ({_ratio(r, 'load_to_floor')}) |")
+    if rows:
+        def span(key: str) -> str:
+            values = [r["ratios"][key] for r in rows]
+            return f"{min(values):.2f} – {max(values):.2f}"
+        lines += [
+            "",
+            f"- **Stall** ÷ pinned D2H: {span('stall_to_d2h_pinned')} (target ≤ 1.1).",
+            f"- **Async save to finalized** ÷ floor: {span('finalized_to_floor')} (target ≤ 1.2).",
+            f"- **Load onto the device** ÷ floor: {span('load_to_floor')} (target ≤ 1.3).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_staging_only(result: dict[str, Any], cmd: str) -> str:
+    """The report of a run before the floors were measured (docs/ may still hold one)."""
     gpu, rows = result["gpu"], result["rows"]
     lines = [
         "## CUDA staging",
@@ -234,40 +311,41 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs per figure (median)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     p.add_argument("--out", default=str(benchlib.DOCS), help="where the report goes")
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[1024, 4096],
+                   help="sizes of the Adam workloads (each with 1 %% and 15 %% small tensors)")
+    p.add_argument("--uniform-mib", type=int, nargs="*", default=[256],
+                   help="sizes of the uniform case (8 large tensors)")
+    p.add_argument("--keep-last", type=int, default=1)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: every path on the CPU (a smoke run of the bench itself)")
     p.add_argument("--root", default=None, help="checkpoint scratch (default: tmpfs)")
     a = p.parse_args()
-    if not torch.cuda.is_available():
+    if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing measured, nothing written")
         return 0
-    sizes = [4] if a.quick else a.sizes_mib
+    device = torch.device(a.device)
     repeats = 2 if a.quick else a.repeats
-    status, gpus = health.gpu_inventory()
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    driver = "unknown"
-    if status == "ok":
-        import pynvml
-
-        raw = pynvml.nvmlSystemGetDriverVersion()
-        driver = raw.decode() if isinstance(raw, bytes) else str(raw)
-    cases = [bench_cases.build("uniform", s * 2**20, seed=0) for s in sizes]
-    cases.append(bench_cases.build("transformer", 0, seed=0, layers=1 if a.quick else 4,
-                                   vocab=1000 if a.quick else 32_000))
-    cases.append(bench_cases.build("small", 0, seed=0, small_count=200 if a.quick else 10_000))
+    matrix = (1 << 20) if a.quick else (64 << 20)
+    sizes = [8] if a.quick else a.sizes_mib
+    cases = [bench_cases.adam(s << 20, share, seed=0, matrix_nbytes=matrix)
+             for s in sizes for share in (0.01, 0.15)]
+    cases += [bench_cases.build("uniform", s << 20, seed=0)
+              for s in ([4] if a.quick else a.uniform_mib)]
     rows = []
     for case in cases:
         root = Path(a.root) if a.root else benchlib.scratch("localckpt-cuda-")
         root.mkdir(parents=True, exist_ok=True)
         print(f"run  {case.name}, {case.nbytes / 2**20:,.0f} MiB ...", flush=True)
-        rows.append(measure_case(case, repeats, root / "ckpt"))
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            rows.append(measure_case(case, repeats, root, device, a.keep_last))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     result = {
-        "command": "python scripts/bench_cuda.py" + (" --quick" if a.quick else ""),
+        "command": " ".join(["python scripts/bench_cuda.py", *_args_but_out(sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
+        "cpus": usable_cores()[0], "machine": platform.machine(),
         "root": a.root or benchlib.SHM or "a temporary directory", "repeats": repeats,
-        "gpu": {"name": gpus[0].name if gpus else props.name, "nvml": status, "driver": driver,
-                "memory_gib": props.total_memory / 2**30},
+        "keep_last": a.keep_last, "device": a.device, "gpu": gpu_identity(device),
         "rows": rows,
     }
     benchlib.write_report(a.out, "benchmarks-cuda", result, markdown, "bench_cuda.py", a.quick)
@@ -277,6 +355,30 @@ def main() -> int:
                         "--report-from", str(main_json), "--out", a.out],
                        check=True, stdout=subprocess.DEVNULL)
     return 0
+
+
+def _args_but_out(args: list[str]) -> list[str]:
+    out = [a for a in args if not a.startswith("--out=")]
+    while "--out" in out:
+        i = out.index("--out")
+        del out[i:i + 2]
+    return out
+
+
+def gpu_identity(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"name": "none (--device cpu)", "nvml": "not used", "driver": "none",
+                "memory_gib": 0.0}
+    status, gpus = health.gpu_inventory()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    driver = "unknown"
+    if status == "ok":
+        import pynvml
+
+        raw = pynvml.nvmlSystemGetDriverVersion()
+        driver = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return {"name": gpus[0].name if gpus else props.name, "nvml": status, "driver": driver,
+            "memory_gib": props.total_memory / 2**30}
 
 
 if __name__ == "__main__":
