@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy
 from .errors import (
@@ -28,6 +29,7 @@ from .save.async_calls import AsyncCallsQueue, AsyncRequest
 from .state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 
 __all__ = [
+    "DurableTier",
     "AsyncCallsQueue",
     "AsyncRequest",
     "BasicTensorAwareStateDict",

@@ -24,13 +24,16 @@ from replication import ReplicationStrategy, Topology, make_strategy, strategy_n
 from .control.bootstrap import open_node_root, place_replicas
 from .control.collectives import CheckpointGroup
 from .control.context import Context
+from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy, Schedule
-from .errors import CollectiveError, ConfigurationError
+from .errors import CollectiveError, ConfigurationError, InvalidIterationError
 from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
 from .save.async_calls import AsyncRequest
+from .save.persist import Persister
 from .save.saver import SavePath
+from .storage.durable import DurableStore
 from .storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
 from .storage.layout import MAX_WORLD_SIZE, session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
@@ -93,6 +96,10 @@ class LocalCheckpointManager:
         dedupe_replicated: store a replicated DTensor shard (a Replicate placement: HSDP,
             tensor-parallel norms) once per replica group, by one member chosen per leaf, not by
             every rank (see localckpt.save.dedupe; ``load`` assembles the others' from it).
+        durable: a :class:`localckpt.DurableTier` (a directory on a shared file system): every
+            ``persist_every``-th finalized save is copied there in the background, and
+            ``find_latest`` / ``load`` restore from it when the node-local tiers cannot serve a
+            newer iteration (a whole job restarted on empty nodes). See docs/durable.md.
         recycle_files: retention keeps the chunk files of the shards it deletes in a pool of the
             node root and later saves write over them (on tmpfs nearly twice as fast as into
             new files, and no pages are freed); between saves the node then holds one retired
@@ -118,7 +125,7 @@ class LocalCheckpointManager:
                  busy: str = "wait", metrics: Metrics | MetricHook | None = None,
                  strict: bool = False, allow_unsafe_root: bool = False,
                  reshard: bool = False, dedupe_replicated: bool = True,
-                 recycle_files: bool = False) -> None:
+                 recycle_files: bool = False, durable: DurableTier | None = None) -> None:
         # Arguments: the same on every rank, so checked before any collective.
         metrics_ = as_metrics(metrics)
         strategy = make_strategy(repl_strategy) if isinstance(repl_strategy, str) \
@@ -131,6 +138,9 @@ class LocalCheckpointManager:
         keep = KeepPolicy(keep_last, keep_every, keep_best, best_metric, best_mode,
                           keep_without_metric, keep_predicate,
                           keep_interval)  # ConfigurationError on a bad value
+        if durable is not None and not isinstance(durable, DurableTier):
+            raise ConfigurationError(f"durable: expected None or a DurableTier, got "
+                                     f"{type(durable).__name__}")
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise ConfigurationError(f"save_policy: expected None or a SavePolicy, got "
                                      f"{type(save_policy).__name__}")
@@ -207,6 +217,14 @@ class LocalCheckpointManager:
         self.reshard = reshard
         self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
         self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
+        self.durable = durable
+        if durable is not None:  # opens nothing yet: an unreachable store fails no rank here
+            tier = DurableStore(durable.path, session_id, self.rank)
+            self._load.durable = tier
+            persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
+                                  durable.commit_timeout or self.timeout)
+            self._save.persister = persister
+            self._save.retainer.pinned = persister.pinned
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -220,6 +238,8 @@ class LocalCheckpointManager:
         except CollectiveError as exc:  # logged; closing goes on
             logger.error("rank %d: close: %s", self.rank, exc)
         self._save.close()
+        if self._save.persister is not None:
+            self._save.persister.close(self.timeout)
         self._schedule.close()
         self._ctx.ring.release()
         self._ctx.store.close()
@@ -394,6 +414,30 @@ class LocalCheckpointManager:
         if any(self._ctx.placement.holders):  # a piece is at most the shard, at most this
             self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
         return nbytes
+
+    def persist(self, iteration: int | None = None) -> None:
+        """Copy ``iteration`` (default: the latest finalized) to the durable tier in the
+        background, as ``DurableTier.persist_every`` does. Call it on every rank with the same
+        iteration (rank 0 commits it once every rank's copy is there). Not collective; returns
+        at once. ConfigurationError without a durable tier; InvalidIterationError when there is
+        no such finalized iteration here."""
+        persister = self._save.persister
+        if persister is None:
+            raise ConfigurationError("persist: this manager has no durable tier "
+                                     "(LocalCheckpointManager(..., durable=DurableTier(...)))")
+        it = self.latest_iteration if iteration is None else iteration
+        if type(it) is not int or it < 0 or not any(
+                r.iteration == it and r.owner_rank == self.rank and r.world_size ==
+                self.world_size for r in self._ctx.store.committed()):
+            raise InvalidIterationError(f"persist: expected an iteration whose shard this rank "
+                                        f"holds, got {it!r}")
+        persister.request(it)
+
+    def wait_for_persist(self, timeout: float | None = None) -> bool:
+        """Whether no persist is running or waiting on this rank, waiting up to ``timeout``
+        seconds. Not collective."""
+        persister = self._save.persister
+        return persister is None or persister.wait_idle(timeout)
 
     def wait_for_write_back(self) -> None:
         """Block until the last ``load``'s write-back is over: the shards a replaced node must

@@ -27,7 +27,9 @@ from ..errors import (
 from ..gc_pause import gc_paused
 from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
+from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
+from .from_durable import durable_candidates, fetch_from_durable
 from .reshard import reshard_restore
 from .restore import find_latest, restore, write_back_after
 from .write_back import WriteBack
@@ -49,6 +51,11 @@ class LoadPath:
         self._found = (-1, ctx.world_size)  # find_latest's (iteration, world size it was saved at)
         self._write_back: WriteBack | None = None  # the last load's, until waited for
         self._warned_foreign: set[int] = set()
+        self.durable: DurableStore | None = None
+        # find_latest's: durable iterations newer than the local tiers cover, newest first,
+        # and the newest the local tiers cover (the fallback)
+        self._durable_candidates: list[int] = []
+        self._local_latest = -1
 
     @property
     def latest_iteration(self) -> int:
@@ -75,6 +82,13 @@ class LoadPath:
         with ctx.timed("find_latest", -1) as box, gc_paused():
             self.latest_iteration, world, self._listed = find_latest(ctx, self.reshard)
             self._found = (self.latest_iteration, world)
+            self._local_latest, self._durable_candidates = self.latest_iteration, []
+            if self.durable is not None and (world == ctx.world_size or self.latest_iteration < 0):
+                self._durable_candidates = durable_candidates(ctx, self.durable,
+                                                              self.latest_iteration)
+                if self._durable_candidates:
+                    self.latest_iteration = self._durable_candidates[0]
+                    self._found = (self.latest_iteration, ctx.world_size)
             box["iteration"] = self.latest_iteration
         if self.latest_iteration >= 0 and world == ctx.world_size:
             # Parsed once: load finds it in the store's manifest cache.
@@ -129,6 +143,16 @@ class LoadPath:
         self.settle()
         if self.latest_iteration < 0:
             self.find_latest()
+        if self._durable_candidates:  # newer than the local tiers: copied here first
+            assert self.durable is not None
+            fetched = fetch_from_durable(self.ctx, self.durable, self._durable_candidates)
+            self._durable_candidates, self._listed = [], None
+            self.latest_iteration = fetched if fetched >= 0 else self._local_latest
+            if fetched < 0 and self.latest_iteration < 0:
+                raise NoCheckpointError(
+                    f"load: no complete checkpoint in the local tiers, and none the durable "
+                    f"tier {self.durable.root} could restore (session {self.ctx.session_id!r}, "
+                    f"world size {self.ctx.world_size})")
         if self._saved_by() != self.ctx.world_size:  # another world size (reshard=True)
             return self._load_resharded(into)
         listed, self._listed = self._listed, None

@@ -7,7 +7,7 @@ store's reaper thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +31,9 @@ class Retainer:
     def __init__(self, ctx: Context, policy: KeepPolicy) -> None:
         self.ctx, self.policy = ctx, policy
         self._cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (iteration, owner)
+        # Iterations this rank must keep for now (a persist to the durable tier copies them):
+        # reported, and kept by every rank (the node roots they share hold them too).
+        self.pinned: Callable[[], set[int]] = set
 
     def report(self, inventory: Inventory) -> dict[str, Any]:
         """This rank's ``inventory`` as the finalize sends it, with what the policy needs from
@@ -41,6 +44,9 @@ class Retainer:
         if self.policy.predicate is not None:
             held = {k[0] for k in inventory.shards if k[2] == self.ctx.world_size}
             doc["predicate_keeps"] = self._predicate_keeps(held, doc.get("metadata", {}))
+        pinned = self.pinned()
+        if pinned:
+            doc["pinned"] = sorted(pinned)
         return doc
 
     def retain(self, iteration: int, inventories: list[Any], reports: Sequence[Any]) -> None:
@@ -49,7 +55,7 @@ class Retainer:
         left is retried after the next save."""
         self._retain(iteration, inventories, merge_metadata(reports),
                      {int(it) for v in reports if isinstance(v, dict)
-                      for it in v.get("predicate_keeps", ())})
+                      for it in (*v.get("predicate_keeps", ()), *v.get("pinned", ()))})
 
     def _known_metadata(self) -> dict[str, Any]:
         """The metadata (metrics, save time) of each iteration of this world size this rank

@@ -39,6 +39,7 @@ from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
 from .job import AGREEMENT_STEPS, SaveJob, wait_for_save
+from .persist import Persister
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
 from .staging import StagingArena, plan_layout
@@ -63,6 +64,7 @@ class SavePath:
         self._inflight: SaveJob | None = None
         self.agreement = SaveAgreement(ctx)  # .any_world: reshard=True
         self.dedupe_replicated = True
+        self.persister: Persister | None = None  # the durable tier's, when there is one
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
              metrics: Any = None) -> AsyncRequest | None:
@@ -221,6 +223,8 @@ class SavePath:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self.retainer.retain(iteration, inventories, outcome.values)
+                if self.persister is not None:
+                    self.persister.finalized(iteration)
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]

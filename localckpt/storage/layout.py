@@ -67,6 +67,17 @@ def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_si
             / f"rank_{owner:05d}_of_{world_size:05d}")
 
 
+def iteration_dir(root: Path, session_id: str, iteration: int) -> Path:
+    """The directory of ``iteration``'s shards (see :func:`shard_path`)."""
+    return shard_path(root, session_id, iteration, 0, 1).parent
+
+
+def list_iterations(root: Path, session_id: str) -> list[int]:
+    """Iterations with a directory under ``root`` (committed shards or not), sorted."""
+    return sorted(int(m[1]) for e in _scandir(session_dir(root, session_id))
+                  if (m := _ITER_RE.fullmatch(e.name)) and e.is_dir(follow_symlinks=False))
+
+
 def list_shards(root: Path, session_id: str) -> list[ShardRef]:
     """Committed shards of ``session_id`` under ``root``, sorted. Never raises for a missing root
     or stray files; ignores temporary and trash directories."""

@@ -1,0 +1,131 @@
+"""Persisting finalized iterations to the durable tier, in the background.
+
+After every ``every``-th finalized save (the same iterations on every rank: finalize is agreed),
+each rank copies its own shard of that iteration from its node root to the durable tier
+(:class:`localckpt.storage.durable.DurableStore`), on a thread of its own: no collective, neither
+the training group nor localckpt's, and nothing the training thread waits for. Rank 0 then waits
+for every rank's shard to be there and commits the iteration (its commit file, written last),
+then applies the durable keep policy. At most one persist runs per rank; a request that arrives
+meanwhile replaces the one waiting (the newest wins), so a slow store never queues work up.
+
+A failure (store unreachable, full, an error, a timeout waiting for other ranks) is logged and
+counted, never raised to training, and never touches a local checkpoint: the local shard being
+copied is kept by local retention until the copy is over (:meth:`Persister.pinned`). Ranks that
+coalesced differently leave uncommitted shards of an iteration; rank 0 removes those of
+iterations older than the one it commits (each rank copies in order, so none is still written).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..control.context import Context
+from ..storage.durable import DurableStore
+
+logger = logging.getLogger(__name__)
+
+
+class Persister:
+    """One rank's persists. ``request`` and ``pinned`` are called from the training thread."""
+
+    def __init__(self, ctx: Context, tier: DurableStore, every: int | None, keep: int,
+                 wait: float) -> None:
+        self.ctx, self.tier, self.every, self.keep, self.wait_s = ctx, tier, every, keep, wait
+        self.persisted: list[int] = []  # iterations this rank copied (rank 0: committed)
+        self.failures: list[tuple[int, str]] = []  # (iteration, error) of failed persists
+        self._finalized = 0
+        self._pending: int | None = None
+        self._running: int | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="localckpt-persist")
+        self._thread.start()
+
+    def finalized(self, iteration: int) -> None:
+        """A save of ``iteration`` was finalized: persist it if it is the ``every``-th."""
+        self._finalized += 1
+        if self.every is not None and self._finalized % self.every == 0:
+            self.request(iteration)
+
+    def request(self, iteration: int) -> None:
+        """Persist ``iteration`` (committed locally on every rank) as soon as the one running
+        is over; replaces a request still waiting."""
+        with self._cond:
+            if self._pending is not None:
+                logger.info("rank %d: persist of iteration %d skipped: %d is newer",
+                            self.ctx.rank, self._pending, iteration)
+            self._pending = iteration
+            self._cond.notify_all()
+
+    def pinned(self) -> set[int]:
+        """Iterations whose local shards a persist still needs."""
+        with self._cond:
+            return {it for it in (self._pending, self._running) if it is not None}
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Whether no persist is running or waiting, waiting up to ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._pending is None and self._running is None, timeout)
+
+    def close(self, timeout: float) -> None:
+        """Let the persists running and waiting finish (up to ``timeout`` seconds in all: the
+        last save before an exit is persisted too), then stop."""
+        idle = self.wait_idle(timeout)
+        with self._cond:
+            self._closed = True
+            self._pending = None
+            self._cond.notify_all()
+        self._thread.join(1.0 if idle else 0.0)
+        if self._thread.is_alive():
+            logger.error("rank %d: a persist to %s still runs at close", self.ctx.rank,
+                         self.tier.root)
+        else:
+            self.tier.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                self._running, self._pending = self._pending, None
+            iteration = self._running
+            try:
+                self._persist(iteration)
+                self.persisted.append(iteration)
+            except Exception as exc:
+                self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
+                logger.error("rank %d: persisting iteration %d to %s failed (training goes "
+                             "on; the local checkpoint is intact): %s", self.ctx.rank,
+                             iteration, self.tier.root, exc)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _persist(self, iteration: int) -> None:
+        ctx, tier = self.ctx, self.tier
+        with ctx.timed("persist", iteration) as box:
+            box["nbytes"] = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
+        if ctx.rank != 0:
+            return
+        tier.commit(iteration, ctx.world_size, self.wait_s)
+        self._retain(iteration)
+
+    def _retain(self, committed: int) -> None:
+        """Rank 0, after committing ``committed``: keep the newest ``keep`` complete iterations;
+        remove older ones, and uncommitted leftovers older than ``committed``."""
+        tier, world = self.tier, self.ctx.world_size
+        complete = tier.complete(world)
+        try:
+            for it in complete[:-self.keep]:
+                tier.delete(it, world)
+            for it in tier.uncommitted():
+                if it < committed:  # every rank copies in order: none still writes there
+                    tier.remove_uncommitted(it)
+        except OSError as exc:
+            logger.error("rank 0: durable retention in %s: %s (retried after the next "
+                         "persist)", tier.root, exc)

@@ -1,0 +1,174 @@
+"""The durable tier: a directory on a shared file system (Lustre, GPFS, NFS) that every rank sees.
+
+It holds shards in the same layout and format as a node root (a zarr v3 group per shard, each
+chunk checksummed, committed by rename), written by the same :class:`ShardStore`, plus one file
+per iteration that commits the whole job's copy::
+
+    <durable root>/<session>/iter_<iteration>/rank_<owner>_of_<world>/   each rank's shard
+    <durable root>/<session>/iter_<iteration>/COMMITTED-<world>.json     written last, by rank 0
+
+An iteration is complete in the durable tier only once its commit file exists; the file names
+the digest of every shard's manifest, so a shard replaced after the commit is not taken for the
+committed one. Copies in either direction are read back and verified chunk by chunk (CRC-32C)
+before they are committed: a shard is read from its source (verified), then written to its
+destination (every chunk's CRC checked against the manifest on the way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptShardError
+from .fsutil import fsync_dir
+from .layout import ShardRef, iteration_dir, list_iterations
+from .store import ShardStore
+
+COMMIT_FORMAT = 1
+_SHARD_OF = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
+
+
+def _names(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def commit_name(world_size: int) -> str:
+    return f"COMMITTED-{world_size:05d}.json"
+
+
+def manifest_digest(store: ShardStore, ref: ShardRef) -> int:
+    """CRC-32 of the bytes of a committed shard's manifest file (names its content)."""
+    with open(ref.path / "zarr.json", "rb") as f:
+        return zlib.crc32(f.read())
+
+
+class DurableStore:
+    """One rank's view of the durable tier. Thread-safe for distinct shards (as ShardStore).
+
+    Every method does file I/O on the shared file system and may raise OSError (unreachable,
+    permission, full) or CorruptShardError; none is collective.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], session_id: str, rank: int,
+                 io_threads: int = 2) -> None:
+        self.root = Path(root)
+        self.store = ShardStore(self.root, session_id, writer_rank=rank, io_threads=io_threads)
+        self.session_id = session_id
+
+    def close(self) -> None:
+        self.store.close()
+
+    # ------------------------------------------------------------------ copies
+
+    def put(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> int:
+        """Copy the committed local shard (``iteration``, ``owner``) here, verified; returns
+        its bytes of data. Holds the shard in memory meanwhile."""
+        manifest, payload = local.read(local.ref(iteration, owner, world_size))
+        self.store.session_path.mkdir(parents=True, exist_ok=True)
+        self.store.write(manifest, payload)
+        return manifest.data_nbytes
+
+    def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> None:
+        """Copy the durable shard (``iteration``, ``owner``) into ``local``, verified, after
+        checking it is the one the iteration's commit names (CorruptShardError otherwise)."""
+        ref = self.store.ref(iteration, owner, world_size)
+        expected = self.commit_record(iteration, world_size)["shards"].get(str(owner))
+        if expected is None or manifest_digest(self.store, ref) != expected:
+            raise CorruptShardError(f"{ref.path}: not the shard the commit of iteration "
+                                    f"{iteration} names")
+        manifest, payload = self.store.read(ref)
+        local.write(manifest, payload)
+
+    # ------------------------------------------------------------------ the job's commit
+
+    def shards_present(self, iteration: int, world_size: int) -> list[int]:
+        """Owners whose shard of ``iteration`` is committed here (one directory listed)."""
+        directory = iteration_dir(self.root, self.session_id, iteration)
+        return sorted(int(m[1]) for name in _names(directory)
+                      if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size)
+
+    def commit(self, iteration: int, world_size: int, wait: float, poll: float = 0.05) -> None:
+        """Rank 0: once every owner's shard of ``iteration`` is here (waiting up to ``wait``
+        seconds; TimeoutError naming the missing ones), write the iteration's commit file
+        atomically (written, fsynced, renamed, directory fsynced)."""
+        deadline = time.monotonic() + wait
+        while True:
+            present = self.shards_present(iteration, world_size)
+            if len(present) == world_size:
+                break
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(world_size)) - set(present))
+                raise TimeoutError(f"durable copy of iteration {iteration}: shards of ranks "
+                                   f"{missing[:8]} not there after {wait:g}s")
+            time.sleep(poll)
+        shards = {str(owner): manifest_digest(self.store, self.store.ref(iteration, owner,
+                                                                          world_size))
+                  for owner in range(world_size)}
+        doc = {"format": COMMIT_FORMAT, "session": self.session_id, "iteration": iteration,
+               "world_size": world_size, "shards": shards}
+        directory = iteration_dir(self.root, self.session_id, iteration)
+        tmp = directory / f".tmp-commit-{uuid.uuid4().hex}"
+        with open(tmp, "x") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, directory / commit_name(world_size))
+        fsync_dir(directory)
+
+    def commit_record(self, iteration: int, world_size: int) -> dict[str, Any]:
+        """The commit file of ``iteration``; CorruptShardError if it is not a valid one."""
+        path = iteration_dir(self.root, self.session_id, iteration) / commit_name(world_size)
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise CorruptShardError(f"{path}: unreadable commit file: {exc}") from exc
+        if not (isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT
+                and doc.get("iteration") == iteration and doc.get("world_size") == world_size
+                and isinstance(doc.get("shards"), dict)):
+            raise CorruptShardError(f"{path}: not a commit file of iteration {iteration} at "
+                                    f"world size {world_size}")
+        return doc
+
+    def complete(self, world_size: int) -> list[int]:
+        """Iterations whose commit file for ``world_size`` exists, oldest first."""
+        name = commit_name(world_size)
+        return [it for it in list_iterations(self.root, self.session_id)
+                if (iteration_dir(self.root, self.session_id, it) / name).is_file()]
+
+    def uncommitted(self) -> list[int]:
+        """Iterations with a directory here but no commit file of any world size."""
+        return [it for it in list_iterations(self.root, self.session_id)
+                if not any(iteration_dir(self.root, self.session_id, it).glob("COMMITTED-*"))]
+
+    def remove_uncommitted(self, iteration: int) -> None:
+        """Rank 0: remove the directory of an iteration no commit file names, with whatever
+        copies (and crash leftovers of copies) it holds. Only once no rank writes there."""
+        directory = iteration_dir(self.root, self.session_id, iteration)
+        if any(directory.glob("COMMITTED-*")):
+            raise ValueError(f"{directory} is committed")
+        trash = directory.with_name(f".trash-durable-{uuid.uuid4().hex}")
+        os.rename(directory, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def delete(self, iteration: int, world_size: int) -> None:
+        """Rank 0: the commit file first (the iteration is no longer complete), then the
+        shards of ``world_size``, each hidden by a rename, then the directory if empty."""
+        directory = iteration_dir(self.root, self.session_id, iteration)
+        (directory / commit_name(world_size)).unlink(missing_ok=True)
+        fsync_dir(directory)
+        for ref in self.store.committed():
+            if ref.iteration == iteration and ref.world_size == world_size:
+                self.store.delete(ref)
+        with contextlib.suppress(OSError):
+            directory.rmdir()
