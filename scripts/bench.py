@@ -209,6 +209,9 @@ def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> 
     preemption = out / "benchmarks-preemption.md"  # written by bench_preemption.py
     if preemption.exists():
         text += "\n" + preemption.read_text().replace("# Preemption", "## Preemption", 1)
+    durable = out / "benchmarks-durable.md"  # written by bench_durable.py
+    if durable.exists():
+        text += "\n" + durable.read_text().replace("# The durable tier", "## The durable tier", 1)
     (out / "benchmarks.json").write_text(json.dumps(result, indent=1))
     (out / "benchmarks.md").write_text(text)
     print(text)

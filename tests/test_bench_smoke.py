@@ -110,3 +110,15 @@ def test_bench_preemption_small_writes_report(tmp_path: Path) -> None:
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["plain_save_s"] > 0 and 0 < figures["signal_to_finalized_s"] < 60
     assert "signal to a finalized checkpoint on every rank" in out.read_text()
+
+
+def test_bench_durable_small_writes_report(tmp_path: Path) -> None:
+    proc = run_script("bench_durable.py", "--mib", "4", "--repeats", "1", "--durable-dir",
+                      str(tmp_path), "--out", str(tmp_path / "out"), timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "benchmarks-durable.json").read_text())
+    assert result["failures"] == []
+    assert set(result["ratios"]) == {"persist_to_raw_copy", "restore_to_raw_read",
+                                     "restore_to_dcp_load"}
+    assert all(v > 0 for v in result["ratios"].values())
+    assert "whole job on empty nodes" in (tmp_path / "out" / "benchmarks-durable.md").read_text()
