@@ -136,6 +136,38 @@ def ci_scenarios() -> list[Scenario]:
     raises += [Scenario("raise on one rank writing over recycled files", "local_write", "raise",
                         "local_write:raise:rank=1:iteration=29", expect_restart=False,
                         expect_failed=(29,), args=recycled)]
+    # The durable tier ({work}/shared): the whole job lost (both nodes killed, roots wiped) and
+    # restarted on empty nodes from it; a kill or a raise while persisting or committing.
+    durable = ("--durable", "{work}/shared", "--step-seconds", "0.05")
+    kills += [
+        Scenario("whole job lost, restarted on empty nodes from the durable tier", "staging",
+                 "job_lost", "staging:kill_node:rank=0:iteration=29;"
+                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=durable),
+        Scenario("kill rank while persisting to the durable tier", "persist_write", k,
+                 "persist_write:kill:rank=1:iteration=19", args=durable),
+        Scenario("kill rank 0 before the durable commit", "persist_commit", k,
+                 "persist_commit:kill:rank=0:iteration=19", args=durable),
+        # a first run ends at 29 (persisted), then every node root is lost at rest
+        Scenario("kill rank fetching from the durable tier after the job was lost",
+                 "durable_fetch", "job_lost", "durable_fetch:kill:rank=1", damage="job_lost",
+                 args=durable),
+        Scenario("job lost and the newest durable copy corrupt: the older one loads",
+                 "at_rest", "job_lost", damage="job_lost:flip_durable", args=durable,
+                 expect_resume=SAVED[1]),
+    ]
+    raises += [
+        Scenario("raise while persisting on one rank", "persist_write", "raise",
+                 "persist_write:raise:rank=1:iteration=19", expect_restart=False,
+                 expect_failed=(), args=durable),
+        # rank 1 cannot copy the newest persisted iteration: every rank gives it up, the older
+        # one is restored
+        Scenario("raise fetching from the durable tier after the job was lost", "durable_fetch",
+                 "raise", "durable_fetch:raise:rank=1", damage="job_lost", args=durable,
+                 expect_resume=SAVED[1]),
+        Scenario("raise before the durable commit", "persist_commit", "raise",
+                 "persist_commit:raise:rank=0:iteration=19", expect_restart=False,
+                 expect_failed=(), args=durable),
+    ]
     return kills + raises + [
         Scenario("one rank in find_latest while the other saves", "staging", "reorder",
                  args=("--desync-at-step", "29", "--desync-rank", "1")),
@@ -197,14 +229,15 @@ def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
     started = time.monotonic()
     pre = None
     error = None
+    args = tuple(a.replace("{work}", str(work)) for a in sc.args)
     if sc.damage or sc.pre_args:  # a first run, to iteration 29 (damage) or to the end
         pre_steps = SAVED[2] + 1 if sc.damage else STEPS
-        error = Job(work, pre_steps, timeout, args=sc.args + sc.pre_args).run(
+        error = Job(work, pre_steps, timeout, args=args + sc.pre_args).run(
             deadline, wipe_lost=False)
         pre = sc.expect_resume if sc.expect_resume is not None else pre_steps - 1
         if error is None and sc.damage:
             error = damage_at_rest(work, sc.damage)
-    job = Job(work, STEPS, timeout, sc.faults, args=sc.args)
+    job = Job(work, STEPS, timeout, sc.faults, args=args)
     during: list[str | None] = []
     watcher = None
     if sc.during == "gc":

@@ -6,6 +6,7 @@ gc`` between runs, and while a job runs), and the invariants every scenario must
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +51,16 @@ def cli(*argv: str) -> subprocess.CompletedProcess[str]:
 def damage_at_rest(work: Path, what: str) -> str | None:
     """Damage the newest iteration on node 0 (its own, "primary", shard or a replica it holds),
     leave crash leftovers, or run ``localckpt gc`` as an operator would. Returns a violation."""
+    if what.startswith("job_lost"):  # every node root gone; maybe the newest durable damaged
+        for n in range(NODES):
+            shutil.rmtree(work / f"node{n}", ignore_errors=True)
+        if what.endswith(":flip_durable"):
+            it_dir = work / "shared" / SESSION / f"iter_{SAVED[2]:010d}"
+            chunk = it_dir / "rank_00001_of_00002" / "data" / "c" / "0"
+            raw = bytearray(chunk.read_bytes())
+            raw[len(raw) // 2] ^= 0x10
+            chunk.write_bytes(bytes(raw))
+        return None
     if what in ("leftovers", "gc"):
         it_dir = work / "node0" / SESSION / f"iter_{SAVED[1]:010d}"
         (it_dir / ".tmp-rank_00000_of_00002-w00000-deadbeef0000" / "data").mkdir(parents=True)
@@ -191,9 +202,32 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
             violations.append(f"node {n} holds shards {sorted(held)} of iteration {last}, "
                               f"expected {sorted(want)}"
                               + (" (redundancy not restored)" if replicated else ""))
+    if "--durable" in sc.args and not error:
+        violations += _durable_violations(work / "shared")
     return Outcome(sc.name, sc.point, sc.kind, expected, resumed, identical, round(recovery, 2),
                    round(time.monotonic() - started, 1), violations,
                    fired=fired_faults(work))
+
+
+def _durable_violations(shared: Path) -> list[str]:
+    """After the last save: the durable tier's newest complete iteration is the last saved, every
+    shard of it verifies, and no uncommitted iteration older than it is left."""
+    from localckpt.storage.durable import DurableStore
+
+    tier = DurableStore(shared, SESSION, 0)
+    try:
+        complete = tier.complete(NODES)
+        if not complete or complete[-1] != SAVED[-1]:
+            return [f"the durable tier's complete iterations are {complete}, expected the last "
+                    f"save {SAVED[-1]} among them, newest"]
+        for owner in range(NODES):
+            tier.store.read(tier.store.ref(SAVED[-1], owner, NODES))  # raises if corrupt
+        old = [it for it in tier.uncommitted() if it < complete[-1]]
+        return [f"uncommitted durable iterations {old} left"] if old else []
+    except Exception as exc:
+        return [f"the durable tier does not verify: {type(exc).__name__}: {exc}"]
+    finally:
+        tier.close()
 
 
 def _agreed_saves(sc: Any, initial: list[dict[str, Any]]) -> list[str]:

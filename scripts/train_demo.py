@@ -44,6 +44,7 @@ from localckpt import (
     AsyncCallsQueue,
     CheckpointingError,
     CollectiveError,
+    DurableTier,
     LocalCheckpointManager,
 )
 
@@ -105,6 +106,9 @@ def main() -> None:
                         help="extra time per step (gives faults time to land mid-save)")
     parser.add_argument("--desync-at-step", type=int, default=-1)
     parser.add_argument("--desync-rank", type=int, default=1)
+    parser.add_argument("--durable", default=None,
+                        help="a shared directory: LocalCheckpointManager(durable=DurableTier(...))")
+    parser.add_argument("--persist-every", type=int, default=1)
     parser.add_argument("--close-order", choices=("queue-first", "manager-first"),
                         default="queue-first")
     args = parser.parse_args()
@@ -134,6 +138,8 @@ def main() -> None:
     mgr = LocalCheckpointManager(
         args.root.format(node=node), "demo", repl, keep_last=args.keep_last,
         timeout=args.timeout, node_id=f"node{node}", recycle_files=args.recycle_files,
+        durable=DurableTier(args.durable, persist_every=args.persist_every, keep=2)
+        if args.durable else None,
         metrics=lambda m: fetched.append(m.nbytes) if m.phase == "fetch_from_peer" else None)
     queue = AsyncCallsQueue(timeout=args.timeout)
     started = time.monotonic()
@@ -197,6 +203,9 @@ def main() -> None:
         while pending:
             finalize(blocking=True)
         queue.close()
+    if args.durable and mgr.wait_for_persist(args.timeout * 4):
+        persister = mgr._save.persister
+        events("persisted", iterations=persister.persisted if persister else [])
     out = Path(args.out)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "node": node, "attempt": attempt, "resumed_from": resumed_from,

@@ -17,7 +17,8 @@ from localckpt.ops.faults import POINTS
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = {"kill_rank", "kill_node", "wipe_node", "raise", "reorder", "flip_byte", "truncate",
-         "forge_manifest", "no_replica", "enospc", "slow_rank", "leftovers", "operator"}
+         "forge_manifest", "no_replica", "enospc", "slow_rank", "leftovers", "operator",
+         "job_lost"}
 
 
 def test_ci_chaos_set_has_no_violations(tmp_path: Path) -> None:

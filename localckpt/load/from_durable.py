@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..control.context import Context
+from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def fetch_from_durable(ctx: Context, tier: DurableStore, candidates: list[int]) 
             if any(r.iteration == iteration and r.owner_rank == ctx.rank
                    and r.world_size == world for r in ctx.store.committed()):
                 return  # already here (a node that survived)
+            fault_point("durable_fetch", ctx.rank, iteration)
             tier.get(ctx.store, iteration, ctx.rank, world)
             fetched = True
 

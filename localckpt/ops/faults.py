@@ -48,7 +48,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 POINTS = ("staging", "local_write", "before_commit", "replica_send", "replica_receive",
-          "after_commit", "finalize", "find_latest", "load_retrieval", "load_write_back")
+          "after_commit", "finalize", "find_latest", "load_retrieval", "load_write_back",
+          "persist_write", "persist_commit", "durable_fetch")
 ACTIONS = ("kill", "kill_node", "raise", "enospc", "sleep")
 
 

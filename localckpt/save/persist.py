@@ -21,6 +21,7 @@ import logging
 import threading
 
 from ..control.context import Context
+from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
 
 logger = logging.getLogger(__name__)
@@ -109,10 +110,12 @@ class Persister:
     def _persist(self, iteration: int) -> None:
         ctx, tier = self.ctx, self.tier
         with ctx.timed("persist", iteration) as box:
+            fault_point("persist_write", ctx.rank, iteration)
             box["nbytes"] = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
         if ctx.rank != 0:
             return
-        tier.commit(iteration, ctx.world_size, self.wait_s)
+        tier.commit(iteration, ctx.world_size, self.wait_s,
+                    before=lambda: fault_point("persist_commit", ctx.rank, iteration))
         self._retain(iteration)
 
     def _retain(self, committed: int) -> None:

@@ -24,6 +24,7 @@ import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ class DurableStore:
         return sorted(int(m[1]) for name in _names(directory)
                       if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size)
 
-    def commit(self, iteration: int, world_size: int, wait: float, poll: float = 0.05) -> None:
+    def commit(self, iteration: int, world_size: int, wait: float, poll: float = 0.05,
+               before: Callable[[], None] | None = None) -> None:
         """Rank 0: once every owner's shard of ``iteration`` is here (waiting up to ``wait``
         seconds; TimeoutError naming the missing ones), write the iteration's commit file
         atomically (written, fsynced, renamed, directory fsynced)."""
@@ -118,6 +120,8 @@ class DurableStore:
         doc = {"format": COMMIT_FORMAT, "session": self.session_id, "iteration": iteration,
                "world_size": world_size, "shards": shards}
         directory = iteration_dir(self.root, self.session_id, iteration)
+        if before is not None:
+            before()  # a fault point
         tmp = directory / f".tmp-commit-{uuid.uuid4().hex}"
         with open(tmp, "x") as f:
             json.dump(doc, f)
