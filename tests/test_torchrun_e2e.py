@@ -27,6 +27,10 @@ def test_node_loss_demo_resumes_bit_identical(tmp_path: Path) -> None:
     assert [r["fetched_bytes"] > 0 for r in result["ranks"]] == [
         r["node"] == 1 for r in result["ranks"]]
     assert "bit-identical" in proc.stdout and "redundancy restored" in proc.stdout
+    # Act 2: every node lost and replaced empty; the job resumed from the durable tier.
+    lost = result["job_lost"]
+    assert lost["ok"] and lost["replaced"] == [0, 1], lost
+    assert lost["resumed"] == [19, 19] and lost["identical"] == [True, True]
 
 
 def _losses(path: Path) -> list[tuple[int, float]]:
