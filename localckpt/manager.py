@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -181,7 +182,7 @@ class LocalCheckpointManager:
             doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
                                        min(self.timeout / 3, 30.0), recycle_files)
             locks.append(lock)
-            return {**doc, "cpus": cpu_set()}
+            return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex}
 
         try:
             started = group.exchange("start", start)
@@ -204,6 +205,7 @@ class LocalCheckpointManager:
             group.close()
             raise
         self._lock = locks[0]
+        self._run = str(started[0]["run"])  # this job run's id: rank 0's
         self.topology = topology
         # Recorded in every manifest; a shard written under another layout is warned about.
         self._job_identity = {"world_size": self.world_size, "nodes": topology.num_nodes,
@@ -222,7 +224,7 @@ class LocalCheckpointManager:
             tier = DurableStore(durable.path, session_id, self.rank)
             self._load.durable = tier
             persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
-                                  durable.commit_timeout or self.timeout)
+                                  durable.commit_timeout or self.timeout, self._run)
             self._save.persister = persister
             self._save.retainer.pinned = persister.pinned
 
@@ -416,22 +418,24 @@ class LocalCheckpointManager:
         return nbytes
 
     def persist(self, iteration: int | None = None) -> None:
-        """Copy ``iteration`` (default: the latest finalized) to the durable tier in the
-        background, as ``DurableTier.persist_every`` does. Call it on every rank with the same
-        iteration (rank 0 commits it once every rank's copy is there). Not collective; returns
-        at once. ConfigurationError without a durable tier; InvalidIterationError when there is
-        no such finalized iteration here."""
+        """Copy ``iteration`` (default: the latest finalized or loaded) to the durable tier in
+        the background, as ``DurableTier.persist_every`` does. Call it on every rank with the
+        same iteration (rank 0 commits it once every rank's copy is there). Not collective;
+        returns once a load's write-back is over. An iteration not newer than one requested
+        before is ignored (logged), and a rank whose shard of it is missing logs the failure:
+        neither raises. ConfigurationError without a durable tier; InvalidIterationError for
+        an ``iteration`` that is no non-negative int (alike on every rank)."""
         persister = self._save.persister
         if persister is None:
             raise ConfigurationError("persist: this manager has no durable tier "
                                      "(LocalCheckpointManager(..., durable=DurableTier(...)))")
+        if iteration is not None and (type(iteration) is not int or iteration < 0):
+            raise InvalidIterationError(f"persist: iteration: expected None or a non-negative "
+                                        f"int, got {iteration!r}")
+        self.wait_for_write_back()  # a replaced node's own shard comes back with it
         it = self.latest_iteration if iteration is None else iteration
-        if type(it) is not int or it < 0 or not any(
-                r.iteration == it and r.owner_rank == self.rank and r.world_size ==
-                self.world_size for r in self._ctx.store.committed()):
-            raise InvalidIterationError(f"persist: expected an iteration whose shard this rank "
-                                        f"holds, got {it!r}")
-        persister.request(it)
+        if it >= 0:
+            persister.request(it)
 
     def wait_for_persist(self, timeout: float | None = None) -> bool:
         """Whether no persist is running or waiting on this rank, waiting up to ``timeout``

@@ -57,3 +57,75 @@ def restore(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
     return {"latest": latest, "loaded": ckpt_id[0], "digest": digest(state),
             "expected": digest(make_state(rank, ckpt_id[0])), "local": local, "after": after,
             "error": None}
+
+
+def _timeline(rank: int, state: Any) -> str:
+    for offset, name in ((0, "A"), (1000, "B")):
+        for it in range(1, 6):
+            if digest(state) == digest(make_state(rank, it + offset)):
+                return f"{name}{it}"
+    return "?"
+
+
+def save_timeline(rank: int, world: int, base: str, durable: str, iterations: list[int],
+                  offset: int, fail_rank: int, fail_iteration: int) -> dict[str, Any]:
+    """Restore whatever there is, then save ``iterations`` with the states of ``offset``'s
+    timeline, persisting each; ``fail_rank``'s copy of ``fail_iteration`` fails."""
+    from localckpt.storage.durable import DurableStore
+
+    real_put = DurableStore.put
+
+    def put(self: DurableStore, local: Any, iteration: int, owner: int, w: int) -> Any:
+        if rank == fail_rank and iteration == fail_iteration:
+            raise OSError(5, "the copy failed (injected)")
+        return real_put(self, local, iteration, owner, w)
+    DurableStore.put = put  # type: ignore[method-assign]
+    mgr = _manager(rank, base, durable, persist_every=1, keep=5, commit_timeout=3)
+    start = mgr.find_latest()
+    if start >= 0:
+        mgr.load()
+    for it in iterations:
+        mgr.save(make_state(rank, it + offset), it)
+        assert mgr.wait_for_persist(30)
+    persister = mgr._save.persister
+    assert persister is not None
+    out = {"start": start, "persisted": list(persister.persisted),
+           "failures": [f[0] for f in persister.failures]}
+    mgr.close()
+    DurableStore.put = real_put  # type: ignore[method-assign]
+    return out
+
+
+def restore_timeline(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    mgr = _manager(rank, base, durable, persist_every=None)
+    latest = mgr.find_latest()
+    state, ckpt_id = mgr.load()
+    mgr.close()
+    return {"latest": latest, "loaded": ckpt_id[0], "timeline": _timeline(rank, state)}
+
+
+def local_only_saves(rank: int, world: int, base: str, iterations: list[int]) -> None:
+    """Saves without a durable tier (timeline A), to leave shards in node roots."""
+    from replication import make_strategy
+
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", make_strategy("node_spread"),
+                                timeout=20, chunk_nbytes=8192, node_id=f"node{rank}") as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it), it)
+
+
+def persist_older_after_newer(rank: int, world: int, base: str, durable: str
+                              ) -> dict[str, Any]:
+    """persist(3) then persist(1) on every rank: the older one is ignored, 3 is committed."""
+    mgr = _manager(rank, base, durable, persist_every=None, keep=5, commit_timeout=10)
+    for it in (1, 2, 3):
+        mgr.save(make_state(rank, it), it)
+    mgr.persist(3)
+    mgr.persist(1)
+    assert mgr.wait_for_persist(30)
+    persister = mgr._save.persister
+    assert persister is not None
+    out = {"persisted": list(persister.persisted), "failures": list(persister.failures),
+           "complete": persister.tier.complete(world)}
+    mgr.close()
+    return out

@@ -37,8 +37,8 @@ def test_a_whole_job_lost_restarts_on_empty_nodes_from_the_durable_tier(
     values = _persist_run(tmp_path, root, durable)
     # every 2nd finalized save (2 and 4), the newest 2 complete kept
     assert all(v["persisted"] == [2, 4] for v in values), values
-    assert sorted(p.name for p in (durable / "job").iterdir()) == [
-        "iter_0000000002", "iter_0000000004"]
+    assert sorted(p.name for p in (durable / "job").iterdir() if p.name.startswith("iter_")) \
+        == ["iter_0000000002", "iter_0000000004"]
     assert (_iter_dir(durable, 4) / commit_name(2)).is_file()
     shutil.rmtree(root)  # every node lost, replaced by empty ones
     for r in run_ranks(sc.restore, 2, tmp_path, str(root), str(durable)):
@@ -120,10 +120,10 @@ def test_a_request_while_one_runs_replaces_the_one_waiting(
     gate, started = threading.Event(), threading.Event()
     real_put = DurableStore.put
 
-    def slow_put(self: DurableStore, *args: Any) -> None:
+    def slow_put(self: DurableStore, *args: Any) -> Any:
         started.set()
         assert gate.wait(30)
-        real_put(self, *args)
+        return real_put(self, *args)
     monkeypatch.setattr(DurableStore, "put", slow_put)
     with LocalCheckpointManager(root, keep_last=1,
                                 durable=DurableTier(tmp_path / "d", keep=5)) as mgr:
@@ -153,8 +153,14 @@ def test_persist_on_demand(root: Path, tmp_path: Path) -> None:
         assert mgr.wait_for_persist(5) and not (tmp_path / "d" / "_default").exists()
         mgr.persist(1)
         assert mgr.wait_for_persist(30)
-        with pytest.raises(InvalidIterationError, match="holds"):
-            mgr.persist(7)
+        with pytest.raises(InvalidIterationError, match="non-negative"):
+            mgr.persist("7")  # type: ignore[arg-type]
+        mgr.persist(7)  # no shard of 7 here: logged and counted, not raised
+        assert mgr.wait_for_persist(30)
+        persister = mgr._save.persister
+        assert persister is not None and [f[0] for f in persister.failures] == [7]
+        mgr.persist(1)  # not newer than 7: ignored
+        assert mgr.wait_for_persist(30) and persister.persisted == [1]
         doc = json.loads((tmp_path / "d" / "_default" / "iter_0000000001" /
                           commit_name(1)).read_text())
         assert doc["iteration"] == 1 and set(doc["shards"]) == {"0"}
@@ -176,3 +182,128 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
 def test_the_manager_refuses_another_type(root: Path) -> None:
     with pytest.raises(ConfigurationError, match="DurableTier"):
         LocalCheckpointManager(root, durable="/shared")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- from an attacker review
+
+
+def test_a_rollback_reaches_the_durable_tier(root: Path, tmp_path: Path) -> None:
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, keep_last=5, durable=durable) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+        mgr.load(iteration=2, discard_newer=True)
+        tier = DurableStore(tmp_path / "d", "", 0)
+        assert tier.complete(1) == [1, 2]  # 3 and 4 would come back at the next find_latest
+        assert mgr.find_latest() == 2
+        mgr.save({"w": torch.full((3,), 30.0)}, 3)  # a new timeline from 2
+        assert mgr.wait_for_persist(30)
+        assert tier.complete(1) == [1, 2, 3]  # committed, and kept by durable retention
+    shutil.rmtree(root)
+    with LocalCheckpointManager(root, durable=durable) as fresh:
+        assert fresh.find_latest() == 3 and float(fresh.load()[0]["w"][0]) == 30.0
+
+
+def test_a_shard_of_another_save_of_the_same_iteration_is_never_committed(
+        tmp_path: Path, root: Path) -> None:
+    durable = str(tmp_path / "shared")
+    # Timeline A: 1 and 2 committed; rank 0's copy of 3 fails, so rank 1's copy of 3 stays
+    # there, uncommitted.
+    for r in run_ranks(sc.save_timeline, 2, tmp_path, str(root), durable, [1, 2, 3], 0, 0, 3):
+        assert r.ok, r.message
+    shutil.rmtree(root)  # the job lost; it restarts from 2 and saves 3 again (timeline B),
+    # and now rank 1's copy of 3 fails: rank 1's old copy must not be taken for its new one
+    results = run_ranks(sc.save_timeline, 2, tmp_path, str(root), durable, [3], 1000, 1, 3)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["start"] == 2, r.value
+    assert 3 in results[0].value["failures"], results[0].value  # rank 0 never committed 3
+    shutil.rmtree(root)
+    loaded = [r.value for r in run_ranks(sc.restore_timeline, 2, tmp_path, str(root), durable)]
+    assert [v["timeline"] for v in loaded] == ["A2", "A2"], loaded
+
+
+def test_a_stale_local_shard_is_not_taken_for_the_committed_one(
+        tmp_path: Path, root: Path) -> None:
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_timeline, 2, tmp_path, str(root), durable, [1, 2, 3], 1000, -1,
+                       -1):
+        assert r.ok, r.message
+    shutil.rmtree(root)
+    # node 0 holds its own shard of 3 from another save (timeline A), node 1 nothing
+    other = tmp_path / "other"
+    for r in run_ranks(sc.local_only_saves, 2, tmp_path, str(other), [3]):
+        assert r.ok, r.message
+    stale = other / "node0" / "job" / "iter_0000000003" / "rank_00000_of_00002"
+    target = root / "node0" / "job" / "iter_0000000003" / "rank_00000_of_00002"
+    target.parent.mkdir(parents=True)
+    shutil.copytree(stale, target)
+    loaded = [r.value for r in run_ranks(sc.restore_timeline, 2, tmp_path, str(root), durable)]
+    assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
+
+
+def test_an_older_persist_after_a_newer_one_is_ignored(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(sc.persist_older_after_newer, 2, tmp_path, str(root),
+                        str(tmp_path / "shared"))
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["persisted"] == [3] and r.value["failures"] == [], r.value
+    assert results[0].value["complete"] == [3]  # rank 0's persist ends with the commit
+
+
+def test_rank_0_gives_up_at_once_on_a_copy_a_rank_went_past(tmp_path: Path,
+                                                            root: Path) -> None:
+    import time
+
+    from localckpt.storage.store import ShardStore
+
+    with LocalCheckpointManager(root, keep_last=5) as mgr:
+        mgr.save({"w": torch.ones(4)}, 1)
+    local = ShardStore(root, "", 0)
+    tier = DurableStore(tmp_path / "d", "", 0)
+    try:
+        manifest = tier.put(local, 1, 0, 1)
+        save_id = manifest.metadata["save_id"]
+        tier.mark_progress(1, "run", 2)  # rank 1 of this run copies 2: it skipped 1
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="went on"):
+            tier.commit(1, 2, save_id, wait=60,
+                        gone_past=lambda r: tier.progress(r, "run") > 1)
+        assert time.monotonic() - started < 10
+        assert tier.progress(1, "another run") == -1  # a record of another run says nothing
+    finally:
+        local.close()
+        tier.close()
+
+
+def test_a_hung_durable_listing_does_not_hold_find_latest(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    with LocalCheckpointManager(root, timeout=2, durable=DurableTier(tmp_path / "d")) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        assert mgr.wait_for_persist(30)
+        monkeypatch.setattr(DurableStore, "complete", lambda self, w: time.sleep(60))
+        started = time.monotonic()
+        assert mgr.find_latest() == 1  # the local tier's, after half a timeout
+        assert time.monotonic() - started < 5
+
+
+def test_a_save_fault_point_never_fires_in_a_persist(root: Path, tmp_path: Path) -> None:
+    from localckpt.ops import faults
+
+    with LocalCheckpointManager(root, keep_last=5, durable=DurableTier(
+            tmp_path / "d", persist_every=None)) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        armed = [faults.Fault("local_write", "raise", iteration=1),
+                 faults.Fault("before_commit", "raise", iteration=1)]
+        faults.arm(*armed)
+        try:
+            mgr.persist(1)
+            assert mgr.wait_for_persist(30)
+        finally:
+            faults.disarm()
+        persister = mgr._save.persister
+        assert persister is not None and persister.persisted == [1], persister.failures
+        assert [f.times for f in armed] == [1, 1]  # not consumed by the durable copy

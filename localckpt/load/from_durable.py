@@ -12,6 +12,9 @@ the next failure is cheap (the next save replicates afresh).
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..control.context import Context
 from ..ops.faults import fault_point
@@ -23,18 +26,42 @@ logger = logging.getLogger(__name__)
 def durable_candidates(ctx: Context, tier: DurableStore, newer_than: int) -> list[int]:
     """Complete durable iterations of this world size newer than ``newer_than``, newest first:
     rank 0's listing, the same on every rank. Collective (control group). A store rank 0 cannot
-    list counts as empty (logged)."""
+    list within half a timeout counts as empty (logged)."""
     def listing() -> list[int] | None:
         if ctx.rank != 0:
             return None
         try:
-            return tier.complete(ctx.world_size)
+            return _within(ctx.timeout / 2, lambda: tier.complete(ctx.world_size))
         except OSError as exc:
             logger.error("rank 0: cannot list the durable tier %s: %s", tier.root, exc)
             return []
 
     listed = ctx.group.exchange("find_latest: durable tier", listing)[0] or []
     return sorted((int(it) for it in listed if int(it) > newer_than), reverse=True)
+
+
+T = TypeVar("T")
+
+
+def _within(seconds: float, fn: Callable[[], T]) -> T:
+    """``fn()`` on a daemon thread (a hung mount must hold neither rank 0 past the others'
+    timeout nor the interpreter's exit); TimeoutError after ``seconds``."""
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+    thread = threading.Thread(target=run, daemon=True, name="localckpt-durable-list")
+    thread.start()
+    thread.join(seconds)
+    if errors:
+        raise errors[0]
+    if not box:
+        raise TimeoutError(f"no answer within {seconds:g}s")
+    return box[0]
 
 
 def fetch_from_durable(ctx: Context, tier: DurableStore, candidates: list[int]) -> int:
@@ -46,12 +73,10 @@ def fetch_from_durable(ctx: Context, tier: DurableStore, candidates: list[int]) 
 
         def fetch(iteration: int = iteration) -> None:
             nonlocal fetched
-            if any(r.iteration == iteration and r.owner_rank == ctx.rank
-                   and r.world_size == world for r in ctx.store.committed()):
-                return  # already here (a node that survived)
             fault_point("durable_fetch", ctx.rank, iteration)
-            tier.get(ctx.store, iteration, ctx.rank, world)
-            fetched = True
+            # A shard of this iteration already here is kept only if it is the committed one
+            # (not a leftover of another save of the same iteration number).
+            fetched = tier.get(ctx.store, iteration, ctx.rank, world)
 
         with ctx.timed("fetch_from_durable", iteration):
             outcome = ctx.group.gather_outcomes(f"load: from the durable tier, iteration "

@@ -28,6 +28,7 @@ from ..gc_pause import gc_paused
 from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
 from ..storage.durable import DurableStore
+from ..storage.layout import list_iterations
 from ..storage.manifest import ShardManifest
 from .from_durable import durable_candidates, fetch_from_durable
 from .reshard import reshard_restore
@@ -83,7 +84,7 @@ class LoadPath:
             self.latest_iteration, world, self._listed = find_latest(ctx, self.reshard)
             self._found = (self.latest_iteration, world)
             self._local_latest, self._durable_candidates = self.latest_iteration, []
-            if self.durable is not None and (world == ctx.world_size or self.latest_iteration < 0):
+            if self.durable is not None:  # of this world size, newer than any local one
                 self._durable_candidates = durable_candidates(ctx, self.durable,
                                                               self.latest_iteration)
                 if self._durable_candidates:
@@ -195,6 +196,8 @@ class LoadPath:
         iteration incomplete, which retention removes."""
         ctx = self.ctx
         self.wait_for_write_back()  # it may still be writing the rolled-back iteration's copies
+        if self.durable is not None:
+            self._discard_newer_durable(iteration)
         for ref in ctx.store.committed():
             if ref.iteration > iteration and ref.world_size == ctx.world_size:
                 try:
@@ -204,6 +207,34 @@ class LoadPath:
                                  ctx.rank, ref.path, iteration, exc)
         self._listed = None
         self.latest_iteration = iteration
+
+    def _discard_newer_durable(self, iteration: int) -> None:
+        """The rollback reaches the durable tier too, or its newer iterations would come back
+        at the next ``find_latest``: every rank's persists settle (two agreed steps), then rank
+        0 removes the newer iterations there, commit files first. Raises on every rank when
+        that fails (nothing local was discarded yet)."""
+        ctx, tier, persister = self.ctx, self.durable, self._save.persister
+        assert tier is not None
+
+        def settled() -> None:
+            if persister is not None:
+                if not persister.wait_idle(ctx.timeout / 2):
+                    raise TimeoutError(f"a persist to {tier.root} still runs")
+                persister.rolled_back(iteration)
+
+        def fence() -> None:
+            if ctx.rank != 0:
+                return
+            committed = set(tier.complete(ctx.world_size))
+            for it in list_iterations(tier.root, tier.session_id):
+                if it > iteration:
+                    if it in committed:
+                        tier.delete(it, ctx.world_size)
+                    elif not tier.committed_by_any(it):
+                        tier.remove_uncommitted(it)
+
+        ctx.group.exchange(f"rollback to {iteration}: persists settled", settled)
+        ctx.group.exchange(f"rollback to {iteration}: the durable tier", fence)
 
     def _fetched(self, seconds: float, nbytes: int) -> None:
         ctx = self.ctx

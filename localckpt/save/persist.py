@@ -31,11 +31,13 @@ class Persister:
     """One rank's persists. ``request`` and ``pinned`` are called from the training thread."""
 
     def __init__(self, ctx: Context, tier: DurableStore, every: int | None, keep: int,
-                 wait: float) -> None:
+                 wait: float, run: str) -> None:
         self.ctx, self.tier, self.every, self.keep, self.wait_s = ctx, tier, every, keep, wait
+        self.run = run  # this job run's id (rank 0's, agreed at start): names progress records
         self.persisted: list[int] = []  # iterations this rank copied (rank 0: committed)
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of failed persists
         self._finalized = 0
+        self._newest = -1  # the newest iteration requested: requests only go forward
         self._pending: int | None = None
         self._running: int | None = None
         self._cond = threading.Condition()
@@ -50,15 +52,27 @@ class Persister:
         if self.every is not None and self._finalized % self.every == 0:
             self.request(iteration)
 
-    def request(self, iteration: int) -> None:
+    def request(self, iteration: int) -> bool:
         """Persist ``iteration`` (committed locally on every rank) as soon as the one running
-        is over; replaces a request still waiting."""
+        is over, replacing an older request still waiting. Requests only go forward: one not
+        newer than the newest requested is ignored (False), so every rank copies in order."""
         with self._cond:
+            if iteration <= self._newest:
+                logger.warning("rank %d: persist of iteration %d ignored: %d was requested "
+                               "already", self.ctx.rank, iteration, self._newest)
+                return False
             if self._pending is not None:
                 logger.info("rank %d: persist of iteration %d skipped: %d is newer",
                             self.ctx.rank, self._pending, iteration)
-            self._pending = iteration
+            self._newest = self._pending = iteration
             self._cond.notify_all()
+            return True
+
+    def rolled_back(self, iteration: int) -> None:
+        """The job went back to ``iteration`` (every persist was waited for): later requests
+        may name iterations up from there again."""
+        with self._cond:
+            self._newest = min(self._newest, iteration)
 
     def pinned(self) -> set[int]:
         """Iterations whose local shards a persist still needs."""
@@ -110,12 +124,19 @@ class Persister:
     def _persist(self, iteration: int) -> None:
         ctx, tier = self.ctx, self.tier
         with ctx.timed("persist", iteration) as box:
+            tier.mark_progress(ctx.rank, self.run, iteration)
             fault_point("persist_write", ctx.rank, iteration)
-            box["nbytes"] = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
+            manifest = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
+            box["nbytes"] = manifest.data_nbytes
         if ctx.rank != 0:
             return
-        tier.commit(iteration, ctx.world_size, self.wait_s,
-                    before=lambda: fault_point("persist_commit", ctx.rank, iteration))
+        # Only shards of this very save count (rank 0's id, in every rank's manifest); a rank
+        # whose newer request replaced this one never delivers it: its progress record says
+        # it went past, and this one is given up at once.
+        save_id = str(manifest.metadata.get("save_id", ""))
+        tier.commit(iteration, ctx.world_size, save_id, self.wait_s,
+                    before=lambda: fault_point("persist_commit", ctx.rank, iteration),
+                    gone_past=lambda r: tier.progress(r, self.run) > iteration)
         self._retain(iteration)
 
     def _retain(self, committed: int) -> None:

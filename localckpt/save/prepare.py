@@ -15,6 +15,7 @@ writes (see :class:`localckpt.save.job.SaveJob`).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     metadata make impossible to save (TypeError, ValueError), or a staging fault."""
     meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
     meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
+    meta["save_id"] = uuid.uuid4().hex  # rank 0's is kept: names this save's shards
     tasd = as_tensor_aware(state_dict)
     deduped = dedupe(tasd, dedupe_replicated)
     layout = plan_layout(deduped.tensors)

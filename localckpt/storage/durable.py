@@ -31,9 +31,11 @@ from typing import Any
 from ..errors import CorruptShardError
 from .fsutil import fsync_dir
 from .layout import ShardRef, iteration_dir, list_iterations
+from .manifest import ShardManifest
 from .store import ShardStore
 
 COMMIT_FORMAT = 1
+PROGRESS_DIR = ".persisting"  # per rank: the iteration it copies (rank 0 reads it)
 _SHARD_OF = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
 
 
@@ -64,7 +66,8 @@ class DurableStore:
     def __init__(self, root: str | os.PathLike[str], session_id: str, rank: int,
                  io_threads: int = 2) -> None:
         self.root = Path(root)
-        self.store = ShardStore(self.root, session_id, writer_rank=rank, io_threads=io_threads)
+        self.store = ShardStore(self.root, session_id, writer_rank=rank, io_threads=io_threads,
+                                fault_points=False)
         self.session_id = session_id
 
     def close(self) -> None:
@@ -72,24 +75,38 @@ class DurableStore:
 
     # ------------------------------------------------------------------ copies
 
-    def put(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> int:
-        """Copy the committed local shard (``iteration``, ``owner``) here, verified; returns
-        its bytes of data. Holds the shard in memory meanwhile."""
+    def put(self, local: ShardStore, iteration: int, owner: int,
+            world_size: int) -> ShardManifest:
+        """Copy the committed local shard (``iteration``, ``owner``) here, verified; returns its
+        manifest. Holds the shard in memory meanwhile."""
         manifest, payload = local.read(local.ref(iteration, owner, world_size))
         self.store.session_path.mkdir(parents=True, exist_ok=True)
         self.store.write(manifest, payload)
-        return manifest.data_nbytes
+        return manifest
 
-    def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> None:
-        """Copy the durable shard (``iteration``, ``owner``) into ``local``, verified, after
-        checking it is the one the iteration's commit names (CorruptShardError otherwise)."""
+    def committed_manifest(self, iteration: int, owner: int, world_size: int) -> ShardManifest:
+        """The manifest of the durable shard (``iteration``, ``owner``), after checking it is the
+        one the iteration's commit names (CorruptShardError otherwise)."""
         ref = self.store.ref(iteration, owner, world_size)
         expected = self.commit_record(iteration, world_size)["shards"].get(str(owner))
         if expected is None or manifest_digest(self.store, ref) != expected:
             raise CorruptShardError(f"{ref.path}: not the shard the commit of iteration "
                                     f"{iteration} names")
-        manifest, payload = self.store.read(ref)
+        return self.store.read_manifest(ref)
+
+    def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> bool:
+        """Copy the committed durable shard (``iteration``, ``owner``) into ``local``, verified,
+        unless ``local`` already holds that very shard (another copy, e.g. from another save
+        of the same iteration number, is replaced). Whether it copied."""
+        manifest = self.committed_manifest(iteration, owner, world_size)
+        mine = local.ref(iteration, owner, world_size)
+        if mine.path.is_dir():
+            with contextlib.suppress(Exception):  # unreadable here: copied again
+                if local.read_manifest(mine) == manifest:
+                    return False
+        manifest, payload = self.store.read(self.store.ref(iteration, owner, world_size))
         local.write(manifest, payload)
+        return True
 
     # ------------------------------------------------------------------ the job's commit
 
@@ -99,26 +116,59 @@ class DurableStore:
         return sorted(int(m[1]) for name in _names(directory)
                       if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size)
 
-    def commit(self, iteration: int, world_size: int, wait: float, poll: float = 0.05,
-               before: Callable[[], None] | None = None) -> None:
-        """Rank 0: once every owner's shard of ``iteration`` is here (waiting up to ``wait``
-        seconds; TimeoutError naming the missing ones), write the iteration's commit file
-        atomically (written, fsynced, renamed, directory fsynced)."""
+    def mark_progress(self, rank: int, run: str, iteration: int) -> None:
+        """Record that ``rank`` of the job run ``run`` now copies ``iteration`` (each rank
+        copies in order): rank 0 stops waiting for a copy a rank has gone past."""
+        directory = self.store.session_path / PROGRESS_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".tmp-{rank}-{uuid.uuid4().hex}"
+        tmp.write_text(json.dumps({"run": run, "iteration": iteration}))
+        os.rename(tmp, directory / f"rank_{rank:05d}.json")
+
+    def progress(self, rank: int, run: str) -> int:
+        """The iteration ``rank`` of the job run ``run`` copies or copied last; -1 if unknown
+        (no record, or another run's)."""
+        path = self.store.session_path / PROGRESS_DIR / f"rank_{rank:05d}.json"
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return -1
+        ok = isinstance(doc, dict) and doc.get("run") == run and type(doc.get("iteration")) is int
+        return int(doc["iteration"]) if ok else -1
+
+    def commit(self, iteration: int, world_size: int, save_id: str, wait: float,
+               poll: float = 0.05, before: Callable[[], None] | None = None,
+               gone_past: Callable[[int], bool] = lambda rank: False) -> None:
+        """Rank 0: once every owner's shard of ``iteration`` from the save ``save_id`` is here
+        (a shard of another save of that iteration number does not count), write the
+        iteration's commit file atomically (written, fsynced, renamed, directory fsynced).
+        TimeoutError naming the missing ranks after ``wait`` seconds, or as soon as a missing
+        rank has ``gone_past(rank)`` this iteration (it will never deliver it)."""
         deadline = time.monotonic() + wait
+        digests: dict[int, int] = {}  # owner -> digest of its shard of this save
         while True:
-            present = self.shards_present(iteration, world_size)
-            if len(present) == world_size:
+            for owner in self.shards_present(iteration, world_size):
+                ref = self.store.ref(iteration, owner, world_size)
+                with contextlib.suppress(OSError, CorruptShardError):  # being replaced
+                    digest = manifest_digest(self.store, ref)
+                    if digests.get(owner) != digest:
+                        digests.pop(owner, None)
+                        if self.store.read_manifest(ref).metadata.get("save_id") == save_id:
+                            digests[owner] = digest
+            if len(digests) == world_size:
                 break
+            missing = sorted(set(range(world_size)) - set(digests))
+            past = [r for r in missing[:64] if gone_past(r)]
+            if past:
+                raise TimeoutError(f"durable copy of iteration {iteration} given up: ranks "
+                                   f"{past[:8]} went on to a newer one without it")
             if time.monotonic() >= deadline:
-                missing = sorted(set(range(world_size)) - set(present))
                 raise TimeoutError(f"durable copy of iteration {iteration}: shards of ranks "
                                    f"{missing[:8]} not there after {wait:g}s")
             time.sleep(poll)
-        shards = {str(owner): manifest_digest(self.store, self.store.ref(iteration, owner,
-                                                                          world_size))
-                  for owner in range(world_size)}
         doc = {"format": COMMIT_FORMAT, "session": self.session_id, "iteration": iteration,
-               "world_size": world_size, "shards": shards}
+               "world_size": world_size, "save_id": save_id,
+               "shards": {str(o): d for o, d in sorted(digests.items())}}
         directory = iteration_dir(self.root, self.session_id, iteration)
         if before is not None:
             before()  # a fault point
@@ -153,7 +203,11 @@ class DurableStore:
     def uncommitted(self) -> list[int]:
         """Iterations with a directory here but no commit file of any world size."""
         return [it for it in list_iterations(self.root, self.session_id)
-                if not any(iteration_dir(self.root, self.session_id, it).glob("COMMITTED-*"))]
+                if not self.committed_by_any(it)]
+
+    def committed_by_any(self, iteration: int) -> bool:
+        """Whether ``iteration`` has a commit file of some world size."""
+        return any(iteration_dir(self.root, self.session_id, iteration).glob("COMMITTED-*"))
 
     def remove_uncommitted(self, iteration: int) -> None:
         """Rank 0: remove the directory of an iteration no commit file names, with whatever

@@ -245,6 +245,9 @@ def _metadata_of(value: Any) -> dict[str, Any]:
     saved = finite(value.get("saved_unix"))
     if saved is not None:
         out["saved_unix"] = saved
+    save_id = value.get("save_id")
+    if type(save_id) is str and len(save_id) <= 64:
+        out["save_id"] = save_id
     return out
 
 

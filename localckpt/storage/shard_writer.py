@@ -110,8 +110,10 @@ class ShardWriter:
     """
 
     def __init__(self, manifest: ShardManifest, final: Path, writer_rank: int,
-                 pool: ThreadPoolExecutor, files: FilePool | None = None) -> None:
+                 pool: ThreadPoolExecutor, files: FilePool | None = None,
+                 fault_points: bool = True) -> None:
         self.manifest = manifest
+        self._fault_points = fault_points  # the node root's writes (not the durable tier's)
         self.final = final
         self._writer_rank = writer_rank
         self._pool = pool
@@ -146,7 +148,7 @@ class ShardWriter:
         own = self.manifest.owner_rank == self._writer_rank
 
         def write() -> int:
-            if index == 0:
+            if index == 0 and self._fault_points:
                 fault_point("local_write" if own else "replica_receive", self._writer_rank,
                             self.manifest.iteration)
             return _write_chunk(path, chunk, self._files)
@@ -191,7 +193,7 @@ class ShardWriter:
             _write_file(tmp / "zarr.json", group_metadata(manifest))
             for d in (tmp / "data" / "c", tmp / "data", tmp):
                 fsync_dir(d)
-            if manifest.owner_rank == self._writer_rank:
+            if manifest.owner_rank == self._writer_rank and self._fault_points:
                 fault_point("before_commit", self._writer_rank, manifest.iteration)
             self._rename_into_place()
             fsync_dir(self.final.parent)

@@ -114,12 +114,13 @@ class ShardStore:
 
     def __init__(self, root: str | os.PathLike[str], session_id: str, writer_rank: int,
                  io_threads: int = 2, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-                 recycle: bool = False) -> None:
+                 recycle: bool = False, fault_points: bool = True) -> None:
         self.root = Path(root)
         self.session_id = session_id
         self.session_path = session_dir(self.root, session_id)
         self.writer_rank = writer_rank
         self.chunk_nbytes = chunk_nbytes
+        self.fault_points = fault_points  # False: the chaos fault points of a save never fire
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="localckpt-io")
         # Freeing tmpfs pages costs about as much as writing them (~0.4 s per GiB here), so
         # retention hands hidden shards to one thread instead of blocking a finalize on it.
@@ -201,7 +202,8 @@ class ShardStore:
     def begin_write(self, manifest: ShardManifest) -> ShardWriter:
         """Start writing the shard ``manifest`` describes; see :class:`ShardWriter`."""
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
-        return ShardWriter(manifest, final, self.writer_rank, self._pool, self.files)
+        return ShardWriter(manifest, final, self.writer_rank, self._pool, self.files,
+                           self.fault_points)
 
     def commit(self, writer: ShardWriter) -> Path:
         """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
