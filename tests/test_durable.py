@@ -307,3 +307,30 @@ def test_a_save_fault_point_never_fires_in_a_persist(root: Path, tmp_path: Path)
         persister = mgr._save.persister
         assert persister is not None and persister.persisted == [1], persister.failures
         assert [f.times for f in armed] == [1, 1]  # not consumed by the durable copy
+
+
+def test_the_cli_shows_checks_and_collects_a_durable_root(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from localckpt.ops.cli import main
+
+    shared = tmp_path / "d"
+    with LocalCheckpointManager(root, "run", keep_last=3,
+                                durable=DurableTier(shared, keep=3)) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((4,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    assert main(["ls", str(shared), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["iteration"], r["durable_committed"]) for r in rows] == [
+        (it, [str(shared)]) for it in (1, 2, 3)]
+    assert main(["ls", str(root), "--json"]) == 0  # a node root: nothing committed as a job
+    assert all(r["durable_committed"] == [] for r in json.loads(capsys.readouterr().out))
+    assert main(["verify", str(shared)]) == 0
+    capsys.readouterr()
+    assert main(["gc", str(shared), "--keep-last", "1", "--json"]) == 0
+    capsys.readouterr()
+    tier = DurableStore(shared, "run", 0)
+    assert tier.complete(1) == [3] and tier.uncommitted() == []  # commit files went first
+    with LocalCheckpointManager(tmp_path / "empty", "run",
+                                durable=DurableTier(shared)) as fresh:
+        assert fresh.find_latest() == 3 and float(fresh.load()[0]["w"][0]) == 3.0

@@ -30,6 +30,7 @@ from typing import Any
 from ..control.coverage import complete_from_listings
 from ..control.retention import KeepPolicy
 from ..errors import CheckpointingError, ConfigurationError, UnsupportedFormatError
+from ..storage.durable import commit_path
 from ..storage.layout import (
     ShardRef,
     find_leftovers,
@@ -105,16 +106,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      "copies_min": min(copies), "copies_max": max(copies),
                      "bytes": sizes[(session, it, world)],
                      "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())},
-                     "metrics": metrics.get((session, it, world))})
+                     "metrics": metrics.get((session, it, world)),
+                     # roots holding the iteration as a durable tier does: committed as a job
+                     "durable_committed": [str(r) for r in roots
+                                           if commit_path(r, session, it, world).is_file()]})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'session':<12} {'iteration':>10} {'world':>5} {'complete':>8} {'copies':>7} "
-          f"{'MiB':>10}  {'missing owners':<15} metrics")
+          f"{'MiB':>10}  {'durable':>9}  {'missing owners':<15} metrics")
     for r in rows:
         print(f"{r['session'] or '(default)':<12} {r['iteration']:>10} {r['world_size']:>5} "
               f"{'yes' if r['complete'] else 'NO':>8} "
               f"{r['copies_min']}-{r['copies_max']:<5} {r['bytes'] / 2**20:>10.1f}  "
+              f"{'committed' if r['durable_committed'] else '-':>9}  "
               f"{_ranges(r['missing_owners']) or '-':<15} "
               f"{' '.join(f'{k}={v:g}' for k, v in (r['metrics'] or {}).items()) or '-'}")
     return 0
@@ -270,6 +275,9 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
             try:
                 for r, ref in doomed:
                     if r == root:
+                        # a durable tier's iteration stops being complete before any shard goes
+                        commit_path(root, session, ref.iteration, ref.world_size).unlink(
+                            missing_ok=True)
                         store.delete(ref)  # renamed out of sight first, then freed
             finally:
                 store.close()

@@ -50,6 +50,11 @@ def commit_name(world_size: int) -> str:
     return f"COMMITTED-{world_size:05d}.json"
 
 
+def commit_path(root: Path, session_id: str, iteration: int, world_size: int) -> Path:
+    """Where the commit file of ``iteration`` at ``world_size`` lives under a durable root."""
+    return iteration_dir(root, session_id, iteration) / commit_name(world_size)
+
+
 def manifest_digest(store: ShardStore, ref: ShardRef) -> int:
     """CRC-32 of the bytes of a committed shard's manifest file (names its content)."""
     with open(ref.path / "zarr.json", "rb") as f:
