@@ -12,7 +12,8 @@ RAW = ("memcpy", "crc32c", "tmpfs_write_fresh", "tmpfs_write_in_place", "tmpfs_r
 
 # (ratio, how it is formed, bound, "<=" or ">=", what it says)
 TARGETS = (
-    ("stall_to_memcpy", "stall / memcpy", 1.25, "<=", "async save stall vs memcpy (time)"),
+    ("stall_to_memcpy", "stall / memcpy", 1.0, "<=",
+     "async save stall vs a single-thread memcpy (time)"),
     ("write_to_raw_write", "raw write / local write", 0.85, ">=",
      "local write vs raw tmpfs write (throughput)"),
     ("write_to_raw_overwrite", "raw overwrite / local write", 0.85, ">=",
@@ -37,6 +38,11 @@ READING = """
 The machine has 2 cores, and every rank of a configuration shares them: figures for 4 ranks
 are those of 4 processes on 2 cores, noisier and lower per rank than for 2.
 
+- **The stall** of an async save is this rank's staging copy alone: the save's agreement with
+  the other ranks runs on the save's own thread. It is compared with a single-thread memcpy of
+  the same bytes. With 2 ranks on 2 cores each rank has one core, so the copy cannot beat that
+  memcpy. With 4 processes on 2 cores, one rank's staging also competes with the other ranks'
+  save threads, which start writing as soon as they have agreed.
 - **Replication** is measured against the same transfers over bare gloo send/recv into memory.
   A replica is only of use once on the holder's disk, so the phase also checksums every chunk
   and writes it to tmpfs. localckpt pipelines that (piece i is written while piece i+1 arrives),
