@@ -185,7 +185,10 @@ def main() -> None:
         "chunk's CRC-32C checked, fsyncs and renames it; rank 0 then commits the iteration. "
         "A restore copies each rank's shard into its empty node root (read and verified, "
         "written, committed: the node holds it again), then loads it from there; DCP reads "
-        "into the caller's tensors and keeps no local copy.\n")
+        "into the caller's tensors and keeps no local copy. The files were just written, "
+        "so every read here (the raw one, the restore's, DCP's) comes from the page "
+        "cache: the raw read is a memory-speed floor, not what a shared file system "
+        "delivers; the restore against DCP is the comparison that carries over.\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmarks-durable.md").write_text(text)
