@@ -64,6 +64,11 @@ class NoCheckpointError(CheckpointingError, FileNotFoundError):
     """``load`` was called but no complete checkpoint exists."""
 
 
+class DurableTierUnavailableError(CheckpointingError, OSError):
+    """The durable tier could not be listed while the node-local tiers hold nothing: what it
+    holds is unknown, so no rank may take the job for a fresh one."""
+
+
 class IncompleteCheckpointError(CheckpointingError):
     """After a save, some rank's shard of the iteration is missing: the save failed."""
 
@@ -110,6 +115,7 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
         CorruptShardError,
         InsufficientSpaceError,
         NoCheckpointError,
+        DurableTierUnavailableError,
         IncompleteCheckpointError,
         SessionInUseError,
         CollectiveError,

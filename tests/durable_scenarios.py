@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,13 @@ from scenarios import digest, make_state
 from localckpt import AsyncCallsQueue, DurableTier, LocalCheckpointManager
 
 
-def _manager(rank: int, base: str, durable: str, **kwargs: Any) -> LocalCheckpointManager:
+def _manager(rank: int, base: str, durable: str, keep_last: int = 1,
+             **kwargs: Any) -> LocalCheckpointManager:
     from replication import make_strategy
 
     return LocalCheckpointManager(Path(base) / f"node{rank}", "job", make_strategy("node_spread"),
                                   timeout=20, chunk_nbytes=8192, node_id=f"node{rank}",
-                                  durable=DurableTier(durable, **kwargs))
+                                  keep_last=keep_last, durable=DurableTier(durable, **kwargs))
 
 
 def save_and_persist(rank: int, world: int, base: str, durable: str, iterations: list[int],
@@ -127,5 +129,32 @@ def persist_older_after_newer(rank: int, world: int, base: str, durable: str
     assert persister is not None
     out = {"persisted": list(persister.persisted), "failures": list(persister.failures),
            "complete": persister.tier.complete(world)}
+    mgr.close()
+    return out
+
+
+def rollback_then_save(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    """Persist 1-4, roll back to 2, save 3 anew: 3 must be committed (no record of the
+    discarded 4 may make rank 0 give it up)."""
+    mgr = _manager(rank, base, durable, keep_last=5, persist_every=1, keep=5, commit_timeout=10)
+    for it in (1, 2, 3, 4):
+        mgr.save(make_state(rank, it), it)
+        assert mgr.wait_for_persist(30)
+    mgr.load(iteration=2, discard_newer=True)
+    from localckpt.save.persist import Persister
+
+    real_persist = Persister._persist
+
+    def late(self: Persister, iteration: int) -> None:  # rank 1 starts its copy of 3 late
+        if rank == 1:
+            time.sleep(1.0)
+        real_persist(self, iteration)
+    Persister._persist = late  # type: ignore[method-assign]
+    mgr.save(make_state(rank, 1003), 3)
+    assert mgr.wait_for_persist(30)
+    Persister._persist = real_persist  # type: ignore[method-assign]
+    persister = mgr._save.persister
+    assert persister is not None
+    out = {"failures": list(persister.failures), "complete": persister.tier.complete(world)}
     mgr.close()
     return out

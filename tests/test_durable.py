@@ -334,3 +334,121 @@ def test_the_cli_shows_checks_and_collects_a_durable_root(
     with LocalCheckpointManager(tmp_path / "empty", "run",
                                 durable=DurableTier(shared)) as fresh:
         assert fresh.find_latest() == 3 and float(fresh.load()[0]["w"][0]) == 3.0
+
+
+# ---------------------------------------------------------------- a second attacker review
+
+
+def test_gc_on_a_durable_root_counts_only_committed_iterations(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from localckpt.ops.cli import main
+
+    shared = tmp_path / "d"
+    with LocalCheckpointManager(root, "run", keep_last=3,
+                                durable=DurableTier(shared, keep=3)) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((4,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    (shared / "run" / "iter_0000000003" / commit_name(1)).unlink()  # 3: copied, not committed
+    assert main(["ls", str(shared), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(1, True), (2, True), (3, False)]
+    assert main(["gc", str(shared), "--keep-last", "1", "--json"]) == 0
+    capsys.readouterr()
+    assert DurableStore(shared, "run", 0).complete(1) == [2]  # the newest committed is kept
+    with LocalCheckpointManager(tmp_path / "empty", "run",
+                                durable=DurableTier(shared)) as fresh:
+        assert fresh.find_latest() == 2
+
+
+def test_saves_after_find_latest_make_the_durable_offer_stale(root: Path,
+                                                              tmp_path: Path) -> None:
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, keep_last=5, durable=durable) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)
+    with LocalCheckpointManager(root, keep_last=5, durable=durable) as mgr:
+        assert mgr.find_latest() == 4  # from the durable tier
+        mgr.save({"w": torch.full((3,), 50.0)}, 5)  # training went on without loading
+        state, (iteration, _, _) = mgr.load()
+        assert iteration == 5 and float(state["w"][0]) == 50.0
+
+
+def test_a_hung_mount_fails_a_rollback_alike_instead_of_hanging_rank_0(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from localckpt.errors import CheckpointingError
+
+    with LocalCheckpointManager(root, keep_last=5, timeout=2,
+                                durable=DurableTier(tmp_path / "d", keep=5)) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+        monkeypatch.setattr(DurableStore, "complete", lambda self, w: time.sleep(60))
+        started = time.monotonic()
+        with pytest.raises(CheckpointingError, match="durable tier"):
+            mgr.load(iteration=1, discard_newer=True)
+        assert time.monotonic() - started < 10
+        # nothing local was discarded
+        assert {r.iteration for r in mgr._ctx.store.committed()} == {1, 2, 3}
+
+
+def test_an_unlistable_durable_tier_with_nothing_local_is_an_error_not_a_fresh_start(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from localckpt.errors import DurableTierUnavailableError
+
+    def unreachable(self: DurableStore, world: int) -> list[int]:
+        raise OSError(116, "Stale file handle")
+    monkeypatch.setattr(DurableStore, "complete", unreachable)
+    with LocalCheckpointManager(root, durable=DurableTier(tmp_path / "d")) as mgr, \
+            pytest.raises(DurableTierUnavailableError, match="not starting over"):
+        mgr.find_latest()
+    with LocalCheckpointManager(root, durable=DurableTier(tmp_path / "d")) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        assert mgr.find_latest() == 1  # the local tier's, with the durable one unlisted
+
+
+def test_a_persist_of_a_save_already_there_writes_nothing_again(root: Path,
+                                                               tmp_path: Path) -> None:
+    shared = tmp_path / "d"
+    with LocalCheckpointManager(root, keep_last=2, durable=DurableTier(shared)) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        assert mgr.wait_for_persist(30)
+    shard = shared / "_default" / "iter_0000000001" / "rank_00000_of_00001"
+    before = shard.stat().st_ino
+    with LocalCheckpointManager(root, keep_last=2, durable=DurableTier(shared)) as mgr:
+        mgr.persist(1)  # a new job asks again: the copy is there, committed
+        assert mgr.wait_for_persist(30)
+        persister = mgr._save.persister
+        assert persister is not None and persister.persisted == [1] and not persister.failures
+    assert shard.stat().st_ino == before
+
+
+def test_a_new_commit_after_a_rollback_is_not_given_up(tmp_path: Path, root: Path) -> None:
+    results = run_ranks(sc.rollback_then_save, 2, tmp_path, str(root), str(tmp_path / "shared"))
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["failures"] == [], r.value
+    assert 3 in results[0].value["complete"], results[0].value
+
+
+def test_stale_replicas_of_a_restored_iteration_are_dropped(tmp_path: Path, root: Path) -> None:
+    durable = str(tmp_path / "shared")
+    b = tmp_path / "b"  # timeline B, persisted: 1-3 committed
+    for r in run_ranks(sc.save_timeline, 2, tmp_path, str(b), durable, [1, 2, 3], 1000, -1, -1):
+        assert r.ok, r.message
+    a = tmp_path / "a"  # timeline A, node roots only
+    for r in run_ranks(sc.local_only_saves, 2, tmp_path, str(a), [3]):
+        assert r.ok, r.message
+    # node 0 holds only A's replica of rank 1's shard of 3; node 1 nothing
+    replica = "job/iter_0000000003/rank_00001_of_00002"
+    (root / "node0" / replica).parent.mkdir(parents=True)
+    shutil.copytree(a / "node0" / replica, root / "node0" / replica)
+    loaded = [r.value for r in run_ranks(sc.restore_timeline, 2, tmp_path, str(root), durable)]
+    assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
+    shutil.rmtree(root / "node1")  # node 1 lost again: its shard must not come from A's copy
+    loaded = [r.value for r in run_ranks(sc.restore_timeline, 2, tmp_path, str(root), durable)]
+    assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded

@@ -30,7 +30,7 @@ from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.layout import list_iterations
 from ..storage.manifest import ShardManifest
-from .from_durable import durable_candidates, fetch_from_durable
+from .from_durable import durable_candidates, fetch_from_durable, within
 from .reshard import reshard_restore
 from .restore import find_latest, restore, write_back_after
 from .write_back import WriteBack
@@ -67,8 +67,10 @@ class LoadPath:
         self._save.latest_iteration = iteration
 
     def forget_listing(self) -> None:
-        """The disk is about to change (a save): a load must list again."""
+        """The disk is about to change (a save): a load must list again, and what the durable
+        tier offered is no longer newer than what the job holds."""
         self._listed = None
+        self._durable_candidates = []
 
     def settle(self) -> None:
         """Before anything that reads the disk: the write-back is over and the async save in
@@ -216,15 +218,18 @@ class LoadPath:
         ctx, tier, persister = self.ctx, self.durable, self._save.persister
         assert tier is not None
 
-        def settled() -> None:
-            if persister is not None:
-                if not persister.wait_idle(ctx.timeout / 2):
-                    raise TimeoutError(f"a persist to {tier.root} still runs")
-                persister.rolled_back(iteration)
+        settle_s = (persister.wait_s if persister is not None else 0.0) + ctx.timeout / 2
 
-        def fence() -> None:
-            if ctx.rank != 0:
+        def settled() -> None:
+            if persister is None:
                 return
+            try:
+                if not persister.wait_idle(settle_s):
+                    raise TimeoutError(f"a persist to {tier.root} still runs")
+            finally:  # alike on every rank, whatever the outcome
+                within(ctx.timeout / 2, lambda: persister.rolled_back(iteration))
+
+        def remove_newer() -> None:
             committed = set(tier.complete(ctx.world_size))
             for it in list_iterations(tier.root, tier.session_id):
                 if it > iteration:
@@ -233,7 +238,12 @@ class LoadPath:
                     elif not tier.committed_by_any(it):
                         tier.remove_uncommitted(it)
 
-        ctx.group.exchange(f"rollback to {iteration}: persists settled", settled)
+        def fence() -> None:
+            if ctx.rank == 0:  # a hung mount: an error on every rank, not a hung rank 0
+                within(ctx.timeout / 2, remove_newer)
+
+        ctx.group.exchange(f"rollback to {iteration}: persists settled", settled,
+                           wait=settle_s + ctx.timeout)
         ctx.group.exchange(f"rollback to {iteration}: the durable tier", fence)
 
     def _fetched(self, seconds: float, nbytes: int) -> None:

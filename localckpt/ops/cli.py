@@ -35,6 +35,7 @@ from ..storage.layout import (
     ShardRef,
     find_leftovers,
     find_quarantined,
+    iteration_dir,
     list_sessions,
     list_shards,
     session_dir,
@@ -97,6 +98,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     complete = {(session, world): set(complete_from_listings(
                     [frozenset(s) for (sess, _), s in listings.items() if sess == session], world))
                 for session, _, world in groups}
+    for (session, world), its in complete.items():  # a durable tier: once committed as a job
+        committed = _committed(roots, session, {k[1] for k in groups if k[0] == session}, world)
+        if committed is not None:
+            its &= committed
     rows: list[dict[str, Any]] = []
     for (session, it, world), owners in sorted(groups.items()):
         missing = sorted(set(range(world)) - set(owners))
@@ -123,6 +128,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"{_ranges(r['missing_owners']) or '-':<15} "
               f"{' '.join(f'{k}={v:g}' for k, v in (r['metrics'] or {}).items()) or '-'}")
     return 0
+
+
+def _committed(roots: Sequence[Path], session: str, iterations: set[int],
+               world: int) -> set[int] | None:
+    """Of ``iterations``, those some root commits as a job (a durable tier's commit file);
+    None when no root has such a file for ``world`` (node roots)."""
+    found = {it for it in iterations for r in roots
+             if commit_path(r, session, it, world).is_file()}
+    return found if found or any(
+        any(iteration_dir(r, session, it).glob("COMMITTED-*")) for r in roots
+        for it in iterations) else None
 
 
 def _ranges(values: list[int]) -> str:
@@ -255,6 +271,10 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
                     for refs in shards.values()]
         complete = complete_from_listings(listings, world)
+        seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
+        committed = _committed(roots, session, seen_its, world)
+        if committed is not None:  # a durable tier: complete only once committed as a job
+            complete = [it for it in complete if it in committed]
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
             meta = _metadata(shards, world) if policy.needs_metadata else {}

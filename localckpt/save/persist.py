@@ -17,10 +17,12 @@ iterations older than the one it commits (each rank copies in order, so none is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
 from ..control.context import Context
+from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
 
@@ -69,10 +71,12 @@ class Persister:
             return True
 
     def rolled_back(self, iteration: int) -> None:
-        """The job went back to ``iteration`` (every persist was waited for): later requests
-        may name iterations up from there again."""
+        """The job went back to ``iteration``: later requests may name iterations up from there
+        again, and this rank's progress record says so (rank 0 must not take a record of the
+        discarded future for a rank that went past). Raises OSError from the tier."""
         with self._cond:
             self._newest = min(self._newest, iteration)
+        self.tier.mark_progress(self.ctx.rank, self.run, iteration)
 
     def pinned(self) -> set[int]:
         """Iterations whose local shards a persist still needs."""
@@ -126,14 +130,22 @@ class Persister:
         with ctx.timed("persist", iteration) as box:
             tier.mark_progress(ctx.rank, self.run, iteration)
             fault_point("persist_write", ctx.rank, iteration)
-            manifest = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
-            box["nbytes"] = manifest.data_nbytes
+            manifest = ctx.store.read_manifest(ctx.store.ref(iteration, ctx.rank,
+                                                             ctx.world_size))
+            save_id = manifest.metadata.get("save_id")  # None: written before save ids
+            # This save's copy already there (persisted before): not written again in place.
+            if save_id is None or not tier.holds(iteration, ctx.rank, ctx.world_size, save_id):
+                manifest = tier.put(ctx.store, iteration, ctx.rank, ctx.world_size)
+                box["nbytes"] = manifest.data_nbytes
         if ctx.rank != 0:
             return
+        with contextlib.suppress(OSError, CorruptShardError):
+            if save_id is not None and \
+                    tier.commit_record(iteration, ctx.world_size).get("save_id") == save_id:
+                return  # committed already
         # Only shards of this very save count (rank 0's id, in every rank's manifest); a rank
         # whose newer request replaced this one never delivers it: its progress record says
         # it went past, and this one is given up at once.
-        save_id = str(manifest.metadata.get("save_id", ""))
         tier.commit(iteration, ctx.world_size, save_id, self.wait_s,
                     before=lambda: fault_point("persist_commit", ctx.rank, iteration),
                     gone_past=lambda r: tier.progress(r, self.run) > iteration)

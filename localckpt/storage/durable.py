@@ -32,6 +32,7 @@ from ..errors import CorruptShardError
 from .fsutil import fsync_dir
 from .layout import ShardRef, iteration_dir, list_iterations
 from .manifest import ShardManifest
+from .shard_reader import parse_manifest_file
 from .store import ShardStore
 
 COMMIT_FORMAT = 1
@@ -57,8 +58,21 @@ def commit_path(root: Path, session_id: str, iteration: int, world_size: int) ->
 
 def manifest_digest(store: ShardStore, ref: ShardRef) -> int:
     """CRC-32 of the bytes of a committed shard's manifest file (names its content)."""
-    with open(ref.path / "zarr.json", "rb") as f:
-        return zlib.crc32(f.read())
+    return read_with_digest(ref)[0]
+
+
+def read_with_digest(ref: ShardRef) -> tuple[int, ShardManifest]:
+    """The CRC-32 of a shard's manifest file and the manifest parsed from those same bytes
+    (one read: a shard replaced meanwhile cannot pair one's digest with the other's
+    manifest). CorruptShardError or OSError."""
+    path = ref.path / "zarr.json"
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        data = f.read()
+    manifest = parse_manifest_file(data, str(path))
+    if (manifest.iteration, manifest.owner_rank, manifest.world_size) != (
+            ref.iteration, ref.owner_rank, ref.world_size):
+        raise CorruptShardError(f"{path}: manifest of another shard")
+    return zlib.crc32(data), manifest
 
 
 class DurableStore:
@@ -94,10 +108,11 @@ class DurableStore:
         one the iteration's commit names (CorruptShardError otherwise)."""
         ref = self.store.ref(iteration, owner, world_size)
         expected = self.commit_record(iteration, world_size)["shards"].get(str(owner))
-        if expected is None or manifest_digest(self.store, ref) != expected:
+        digest, manifest = read_with_digest(ref)
+        if expected is None or digest != expected:
             raise CorruptShardError(f"{ref.path}: not the shard the commit of iteration "
                                     f"{iteration} names")
-        return self.store.read_manifest(ref)
+        return manifest
 
     def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> bool:
         """Copy the committed durable shard (``iteration``, ``owner``) into ``local``, verified,
@@ -109,9 +124,19 @@ class DurableStore:
             with contextlib.suppress(Exception):  # unreadable here: copied again
                 if local.read_manifest(mine) == manifest:
                     return False
-        manifest, payload = self.store.read(self.store.ref(iteration, owner, world_size))
-        local.write(manifest, payload)
+        read, payload = self.store.read(self.store.ref(iteration, owner, world_size))
+        if read != manifest:  # replaced since the check above
+            raise CorruptShardError(f"shard {owner} of iteration {iteration} in {self.root} "
+                                    "changed while it was read")
+        local.write(read, payload)
         return True
+
+    def holds(self, iteration: int, owner: int, world_size: int, save_id: Any) -> bool:
+        """Whether the shard (``iteration``, ``owner``) of the save ``save_id`` is here."""
+        with contextlib.suppress(OSError, CorruptShardError):
+            _, manifest = read_with_digest(self.store.ref(iteration, owner, world_size))
+            return bool(manifest.metadata.get("save_id") == save_id)
+        return False
 
     # ------------------------------------------------------------------ the job's commit
 
@@ -141,7 +166,7 @@ class DurableStore:
         ok = isinstance(doc, dict) and doc.get("run") == run and type(doc.get("iteration")) is int
         return int(doc["iteration"]) if ok else -1
 
-    def commit(self, iteration: int, world_size: int, save_id: str, wait: float,
+    def commit(self, iteration: int, world_size: int, save_id: str | None, wait: float,
                poll: float = 0.05, before: Callable[[], None] | None = None,
                gone_past: Callable[[int], bool] = lambda rank: False) -> None:
         """Rank 0: once every owner's shard of ``iteration`` from the save ``save_id`` is here
@@ -152,21 +177,24 @@ class DurableStore:
         deadline = time.monotonic() + wait
         digests: dict[int, int] = {}  # owner -> digest of its shard of this save
         while True:
+            # Progress first, then the listing: a rank records a newer iteration only after its
+            # copy of this one, so a copy made before that record is seen by the listing.
+            missing = sorted(set(range(world_size)) - set(digests))
+            past = {r for r in missing[:64] if gone_past(r)}
             for owner in self.shards_present(iteration, world_size):
                 ref = self.store.ref(iteration, owner, world_size)
                 with contextlib.suppress(OSError, CorruptShardError):  # being replaced
-                    digest = manifest_digest(self.store, ref)
-                    if digests.get(owner) != digest:
-                        digests.pop(owner, None)
-                        if self.store.read_manifest(ref).metadata.get("save_id") == save_id:
-                            digests[owner] = digest
+                    digest, manifest = read_with_digest(ref)
+                    digests.pop(owner, None)
+                    if manifest.metadata.get("save_id") == save_id:
+                        digests[owner] = digest
             if len(digests) == world_size:
                 break
             missing = sorted(set(range(world_size)) - set(digests))
-            past = [r for r in missing[:64] if gone_past(r)]
+            past = {r for r in missing if r in past}
             if past:
                 raise TimeoutError(f"durable copy of iteration {iteration} given up: ranks "
-                                   f"{past[:8]} went on to a newer one without it")
+                                   f"{sorted(past)[:8]} went on to a newer one without it")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"durable copy of iteration {iteration}: shards of ranks "
                                    f"{missing[:8]} not there after {wait:g}s")
