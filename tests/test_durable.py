@@ -309,16 +309,21 @@ def test_a_save_fault_point_never_fires_in_a_persist(root: Path, tmp_path: Path)
         assert [f.times for f in armed] == [1, 1]  # not consumed by the durable copy
 
 
-def test_the_cli_shows_checks_and_collects_a_durable_root(
-        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from localckpt.ops.cli import main
-
-    shared = tmp_path / "d"
+def _persisted_run(root: Path, shared: Path) -> Path:
+    """Iterations 1-3 of session "run", each persisted to ``shared`` and committed."""
     with LocalCheckpointManager(root, "run", keep_last=3,
                                 durable=DurableTier(shared, keep=3)) as mgr:
         for it in (1, 2, 3):
             mgr.save({"w": torch.full((4,), float(it))}, it)
             assert mgr.wait_for_persist(30)
+    return shared
+
+
+def test_the_cli_shows_checks_and_collects_a_durable_root(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from localckpt.ops.cli import main
+
+    shared = _persisted_run(root, tmp_path / "d")
     assert main(["ls", str(shared), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["iteration"], r["durable_committed"]) for r in rows] == [
@@ -343,12 +348,7 @@ def test_gc_on_a_durable_root_counts_only_committed_iterations(
         root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from localckpt.ops.cli import main
 
-    shared = tmp_path / "d"
-    with LocalCheckpointManager(root, "run", keep_last=3,
-                                durable=DurableTier(shared, keep=3)) as mgr:
-        for it in (1, 2, 3):
-            mgr.save({"w": torch.full((4,), float(it))}, it)
-            assert mgr.wait_for_persist(30)
+    shared = _persisted_run(root, tmp_path / "d")
     (shared / "run" / "iter_0000000003" / commit_name(1)).unlink()  # 3: copied, not committed
     assert main(["ls", str(shared), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -28,7 +28,6 @@ from ..gc_pause import gc_paused
 from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
 from ..storage.durable import DurableStore
-from ..storage.layout import list_iterations
 from ..storage.manifest import ShardManifest
 from .from_durable import durable_candidates, fetch_from_durable, within
 from .reshard import reshard_restore
@@ -229,18 +228,9 @@ class LoadPath:
             finally:  # alike on every rank, whatever the outcome
                 within(ctx.timeout / 2, lambda: persister.rolled_back(iteration))
 
-        def remove_newer() -> None:
-            committed = set(tier.complete(ctx.world_size))
-            for it in list_iterations(tier.root, tier.session_id):
-                if it > iteration:
-                    if it in committed:
-                        tier.delete(it, ctx.world_size)
-                    elif not tier.committed_by_any(it):
-                        tier.remove_uncommitted(it)
-
         def fence() -> None:
             if ctx.rank == 0:  # a hung mount: an error on every rank, not a hung rank 0
-                within(ctx.timeout / 2, remove_newer)
+                within(ctx.timeout / 2, lambda: tier.discard_newer(iteration, ctx.world_size))
 
         ctx.group.exchange(f"rollback to {iteration}: persists settled", settled,
                            wait=settle_s + ctx.timeout)

@@ -56,11 +56,6 @@ def commit_path(root: Path, session_id: str, iteration: int, world_size: int) ->
     return iteration_dir(root, session_id, iteration) / commit_name(world_size)
 
 
-def manifest_digest(store: ShardStore, ref: ShardRef) -> int:
-    """CRC-32 of the bytes of a committed shard's manifest file (names its content)."""
-    return read_with_digest(ref)[0]
-
-
 def read_with_digest(ref: ShardRef) -> tuple[int, ShardManifest]:
     """The CRC-32 of a shard's manifest file and the manifest parsed from those same bytes
     (one read: a shard replaced meanwhile cannot pair one's digest with the other's
@@ -182,10 +177,11 @@ class DurableStore:
             missing = sorted(set(range(world_size)) - set(digests))
             past = {r for r in missing[:64] if gone_past(r)}
             for owner in self.shards_present(iteration, world_size):
+                if owner in digests:  # confirmed: within a run no rank copies it again
+                    continue
                 ref = self.store.ref(iteration, owner, world_size)
                 with contextlib.suppress(OSError, CorruptShardError):  # being replaced
                     digest, manifest = read_with_digest(ref)
-                    digests.pop(owner, None)
                     if manifest.metadata.get("save_id") == save_id:
                         digests[owner] = digest
             if len(digests) == world_size:
@@ -246,11 +242,22 @@ class DurableStore:
         """Rank 0: remove the directory of an iteration no commit file names, with whatever
         copies (and crash leftovers of copies) it holds. Only once no rank writes there."""
         directory = iteration_dir(self.root, self.session_id, iteration)
-        if any(directory.glob("COMMITTED-*")):
+        if self.committed_by_any(iteration):
             raise ValueError(f"{directory} is committed")
         trash = directory.with_name(f".trash-durable-{uuid.uuid4().hex}")
         os.rename(directory, trash)
         shutil.rmtree(trash, ignore_errors=True)
+
+    def discard_newer(self, iteration: int, world_size: int) -> None:
+        """Rank 0, in a rollback to ``iteration``: remove every newer iteration of
+        ``world_size`` (commit file first) and every newer uncommitted one."""
+        committed = set(self.complete(world_size))
+        for it in list_iterations(self.root, self.session_id):
+            if it > iteration:
+                if it in committed:
+                    self.delete(it, world_size)
+                elif not self.committed_by_any(it):
+                    self.remove_uncommitted(it)
 
     def delete(self, iteration: int, world_size: int) -> None:
         """Rank 0: the commit file first (the iteration is no longer complete), then the
