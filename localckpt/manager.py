@@ -172,6 +172,7 @@ class LocalCheckpointManager:
         data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe in the background
         self.rank, self.world_size = group.rank, group.world_size
         locks: list[SessionLock] = []
+        tiers: list[DurableStore] = []
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:
@@ -182,6 +183,10 @@ class LocalCheckpointManager:
             doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
                                        min(self.timeout / 3, 30.0), recycle_files)
             locks.append(lock)
+            if durable is not None:  # settings a rank cannot use fail every rank here alike
+                tiers.append(DurableStore(durable.root, session_id, self.rank,
+                                          io_threads=io_threads or 4, timeout=self.timeout,
+                                          options=durable.options))
             return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex}
 
         try:
@@ -199,6 +204,8 @@ class LocalCheckpointManager:
             group.use_nodes(topology.node_of)
             data_group.use_nodes(topology.node_of)
         except BaseException:
+            for tier in tiers:
+                tier.close()
             for lock in locks:
                 lock.release()
             data_group.close()
@@ -220,11 +227,12 @@ class LocalCheckpointManager:
         self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
         self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
         self.durable = durable
-        if durable is not None:  # opens nothing yet: an unreachable store fails no rank here
-            tier = DurableStore(durable.path, session_id, self.rank)
+        if durable is not None:  # no request made yet: an unreachable store fails no rank here
+            tier = tiers[0]
             self._load.durable = tier
             persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
-                                  durable.commit_timeout or self.timeout, self._run)
+                                  durable.commit_timeout or self.timeout, self._run,
+                                  interval=durable.persist_interval)
             self._save.persister = persister
             self._save.retainer.pinned = persister.pinned
 

@@ -2,23 +2,26 @@
 on the same bytes and against DCP, in one run.
 
 Two ranks (spawned processes, gloo, one simulated node each, node_spread F=2), each with
-``--mib`` MiB of CPU tensors in 8 tensors. The durable tier is a directory on ``--durable-dir``
-(default: a directory on the disk file system under /tmp, this machine's stand-in for a shared
-file system; node roots are on /dev/shm). Measured, all ranks at once, medians of
-``--repeats`` (the slowest rank each time):
+``--mib`` MiB of CPU tensors in 8 tensors. Two durable tiers, one after the other
+(``--tiers``): a directory on ``--durable-dir`` (default: a directory on the disk file system
+under /tmp, this machine's stand-in for a shared file system; node roots are on /dev/shm), and a
+bucket on an S3-protocol server (moto's, started by this script on 127.0.0.1 in a process of
+its own). Measured, all ranks at once, medians of ``--repeats`` (the slowest rank each time):
 
 - raw copy: each rank copies the chunk files of its committed local shard to the durable
-  directory (read, write, fsync each file): the floor of a persist;
+  directory (read, write, fsync each file), or PUTs them to the bucket (obstore, as many
+  requests in flight as the tier uses): the floor of a persist;
 - persist: ``persist(it)`` on every rank until rank 0 committed the iteration;
 - whole-job restart on empty nodes: both node roots removed, fresh managers, ``find_latest`` +
-  ``load`` from the durable tier; against the raw read of the persisted files into memory and
-  against ``torch.distributed.checkpoint.load`` of the same state saved by ``dcp.save`` into
-  the same file system.
+  ``load`` from the durable tier; against the raw read of the persisted files (GET of the
+  objects) into memory and against ``torch.distributed.checkpoint.load`` of the same state
+  saved by ``dcp.save`` into the directory.
 
 Results: docs/benchmarks-durable.{md,json} (``--out``); scripts/bench.py embeds the section.
 
     python scripts/bench_durable.py --mib 256
 """
+
 
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from s3_local import S3Server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,8 +62,42 @@ def _read_raw(src: Path) -> int:
     return sum(len(p.read_bytes()) for p in src.rglob("*") if p.is_file())
 
 
-def _rank(rank: int, world: int, store_path: str, base: str, durable: str, mib: int,
-          repeats: int, out: Any) -> None:
+_S3_THREADS = 8  # requests in flight: what the object tier's pool runs
+
+
+def _s3_store(url: str) -> Any:
+    from obstore.store import S3Store
+
+    return S3Store.from_url(url, client_options={"allow_http": True})
+
+
+def _put_raw(src: Path, url: str) -> None:
+    """Every file under ``src`` PUT to ``url`` (same relative keys), 8 in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    store = _s3_store(url)
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(_S3_THREADS) as pool:
+        list(pool.map(lambda p: obstore.put(store, str(p.relative_to(src)), p.read_bytes(),
+                                            use_multipart=False), files))
+
+
+def _get_raw(url: str) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    store = _s3_store(url)
+    keys = [o["path"] for batch in obstore.list(store) for o in batch]
+    with ThreadPoolExecutor(_S3_THREADS) as pool:
+        return sum(pool.map(lambda k: len(obstore.get(store, k).bytes()), keys))
+
+
+def _rank(rank: int, world: int, store_path: str, base: str, durable: str, dcp_dir: str,
+          mib: int, repeats: int, out: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -88,9 +127,14 @@ def _rank(rank: int, world: int, store_path: str, base: str, durable: str, mib: 
     for it in range(1, repeats + 1):
         mgr.save(state, it)
         shard = mgr._ctx.store.path_of(it, rank, world)
-        raw_dst = Path(durable) / "raw" / f"{it}-{rank}"
-        timed("raw_copy", lambda s=shard, d=raw_dst: _copy_raw(s, d))
-        timed("raw_read", lambda d=raw_dst: _read_raw(d))
+        if durable.startswith("s3://"):
+            raw_url = f"{durable.rsplit('/', 1)[0]}/raw/{it}-{rank}"
+            timed("raw_copy", lambda s=shard, u=raw_url: _put_raw(s, u))
+            timed("raw_read", lambda u=raw_url: _get_raw(u))
+        else:
+            raw_dst = Path(durable) / "raw" / f"{it}-{rank}"
+            timed("raw_copy", lambda s=shard, d=raw_dst: _copy_raw(s, d))
+            timed("raw_read", lambda d=raw_dst: _read_raw(d))
 
         def persist(it: int = it) -> None:
             mgr.persist(it)
@@ -99,8 +143,7 @@ def _rank(rank: int, world: int, store_path: str, base: str, durable: str, mib: 
     persister = mgr._save.persister
     failures = list(persister.failures) if persister else []
     mgr.close()
-    dcp_dir = Path(durable) / "dcp"
-    dcp.save(state, checkpoint_id=str(dcp_dir))
+    dcp.save(state, checkpoint_id=dcp_dir)
     for _ in range(repeats):
         if rank == 0:
             shutil.rmtree(Path(base), ignore_errors=True)  # every node lost
@@ -117,28 +160,24 @@ def _rank(rank: int, world: int, store_path: str, base: str, durable: str, mib: 
         fresh.close()
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
         target = {k: torch.empty_like(v) for k, v in state.items()}
-        timed("dcp_load", lambda t=target: dcp.load(t, checkpoint_id=str(dcp_dir)))
+        timed("dcp_load", lambda t=target: dcp.load(t, checkpoint_id=dcp_dir))
     out.put({"rank": rank, "times": times, "failures": failures,
              "nbytes": sum(v.numel() * v.element_size() for v in state.values())})
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--durable-dir", default=None,
-                        help="where the durable tier goes (default: under /tmp)")
-    parser.add_argument("--out", default=str(REPO / "docs"))
-    args = parser.parse_args()
+def _run_tier(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     base = Path(tempfile.mkdtemp(prefix="bench-durable-roots-", dir=shm))
-    durable = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=args.durable_dir))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=args.durable_dir))
+    server = S3Server(("bench",)) if kind == "s3" else None
+    tier = "s3://bench/tier" if server else str(scratch / "tier")
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, str(durable / "store"), str(base / "roots"),
-                                             str(durable / "tier"), args.mib, args.repeats,
-                                             results))
+    procs = [ctx.Process(target=_rank, args=(r, 2, str(scratch / "store"), str(base / "roots"),
+                                             tier, str(scratch / "dcp"), args.mib,
+                                             args.repeats, results,
+                                             server.env if server else {}))
              for r in range(2)]
     try:
         for p in procs:
@@ -147,48 +186,78 @@ def main() -> None:
         for p in procs:
             p.join(60)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(durable, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     times = got[0]["times"]  # already the max over ranks
     med = {k: statistics.median(v) for k, v in times.items()}
-    nbytes = got[0]["nbytes"]
+    return {"tier": kind, "where": "moto's S3 server on 127.0.0.1" if server
+            else _fs(scratch.parent),
+            "median_s": med, "samples_s": times, "nbytes": got[0]["nbytes"],
+            "failures": [f for g in got for f in g["failures"]],
+            "ratios": {"persist_to_raw_copy": med["persist"] / med["raw_copy"],
+                       "restore_to_raw_read": med["restore"] / med["raw_read"],
+                       "restore_to_dcp_load": med["restore"] / med["dcp_load"]}}
+
+
+def _rows(r: dict[str, Any]) -> str:
+    med, ratios, nbytes = r["median_s"], r["ratios"], r["nbytes"]
     gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
+    s3 = r["tier"] == "s3"
+    copy = ("raw PUT of a rank's shard files, 8 in flight" if s3 else
+            "raw copy of a rank's shard files to the durable directory (read, write, fsync)")
+    read = ("raw GET of the persisted objects into memory, 8 in flight" if s3 else
+            "raw read of the persisted files into memory")
+    name = "bucket" if s3 else "directory"
+    return (
+        f"| {name} | {copy} | {med['raw_copy']:.3f} | {gbs['raw_copy']:.2f} | |\n"
+        f"| {name} | `persist` until rank 0 committed the iteration | {med['persist']:.3f} "
+        f"| {gbs['persist']:.2f} | {ratios['persist_to_raw_copy']:.2f}x raw copy |\n"
+        f"| {name} | {read} | {med['raw_read']:.3f} | {gbs['raw_read']:.2f} | |\n"
+        f"| {name} | whole job on empty nodes: `find_latest` + `load` from the durable tier "
+        f"(a fresh manager, built before the clock starts) | {med['restore']:.3f} "
+        f"| {gbs['restore']:.2f} | {ratios['restore_to_raw_read']:.2f}x raw read, "
+        f"{ratios['restore_to_dcp_load']:.2f}x DCP |\n"
+        f"| directory | DCP `load` of the same state from the directory | {med['dcp_load']:.3f} "
+        f"| {gbs['dcp_load']:.2f} | |\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiers", nargs="+", choices=("dir", "s3"), default=["dir", "s3"])
+    parser.add_argument("--durable-dir", default=None,
+                        help="where the durable directory goes (default: under /tmp)")
+    parser.add_argument("--out", default=str(REPO / "docs"))
+    args = parser.parse_args()
+    runs = [_run_tier(kind, args) for kind in args.tiers]
     result = {"mib": args.mib, "repeats": args.repeats, "cores": os.cpu_count(),
-              "durable_fs": _fs(durable.parent), "median_s": med, "samples_s": times,
-              "failures": [f for g in got for f in g["failures"]],
-              "ratios": {"persist_to_raw_copy": med["persist"] / med["raw_copy"],
-                         "restore_to_raw_read": med["restore"] / med["raw_read"],
-                         "restore_to_dcp_load": med["restore"] / med["dcp_load"]},
-              "date": time.strftime("%Y-%m-%d")}
+              "tiers": runs, "date": time.strftime("%Y-%m-%d")}
+    where = "; ".join(f"the {'bucket' if r['tier'] == 's3' else 'directory'} on {r['where']}"
+                      for r in runs)
     text = (
         "# The durable tier: persist and a whole-job restart\n\n"
         f"`python scripts/bench_durable.py --mib {args.mib} --repeats {args.repeats}` on "
         f"{result['date']}, this machine ({os.cpu_count()} cores): 2 ranks, one simulated node "
         f"each (node roots on /dev/shm), node_spread F=2, {args.mib} MiB of CPU tensors per "
-        f"rank. The durable tier is a directory on {result['durable_fs']}, standing in for a "
-        "shared file system. Medians of the slowest rank; GB/s per rank.\n\n"
-        "| operation | seconds | GB/s | ratio |\n|---|---:|---:|---:|\n"
-        f"| raw copy of a rank's shard files to the durable directory (read, write, fsync) "
-        f"| {med['raw_copy']:.3f} | {gbs['raw_copy']:.2f} | |\n"
-        f"| `persist` until rank 0 committed the iteration | {med['persist']:.3f} "
-        f"| {gbs['persist']:.2f} | {result['ratios']['persist_to_raw_copy']:.2f}x raw copy |\n"
-        f"| raw read of the persisted files into memory | {med['raw_read']:.3f} "
-        f"| {gbs['raw_read']:.2f} | |\n"
-        f"| whole job on empty nodes: `find_latest` + `load` from the durable tier (a "
-        f"fresh manager, built before the clock starts) "
-        f"| {med['restore']:.3f} | {gbs['restore']:.2f} "
-        f"| {result['ratios']['restore_to_raw_read']:.2f}x raw read |\n"
-        f"| DCP `load` of the same state from the same file system | {med['dcp_load']:.3f} "
-        f"| {gbs['dcp_load']:.2f} | restore ÷ DCP: "
-        f"{result['ratios']['restore_to_dcp_load']:.2f} |\n\n"
+        f"rank. Durable tiers: {where}, standing in for a shared file system and for object "
+        "storage. Medians of the slowest rank; GB/s per rank.\n\n"
+        "| tier | operation | seconds | GB/s | ratio |\n|---|---|---:|---:|---:|\n"
+        + "".join(_rows(r) for r in runs) + "\n"
         "A persist reads the shard from the node root and verifies it, writes it with every "
-        "chunk's CRC-32C checked, fsyncs and renames it; rank 0 then commits the iteration. "
-        "A restore copies each rank's shard into its empty node root (read and verified, "
-        "written, committed: the node holds it again), then loads it from there; DCP reads "
-        "into the caller's tensors and keeps no local copy. The files were just written, "
-        "so every read here (the raw one, the restore's, DCP's) comes from the page "
-        "cache: the raw read is a memory-speed floor, not what a shared file system "
-        "delivers; the restore against DCP is the comparison that carries over.\n")
+        "chunk's CRC-32C checked (to a directory: fsynced and renamed; to a bucket: one PUT "
+        "per chunk, its body's SHA-256 signed and checked by the server, the manifest last); "
+        "rank 0 then commits the iteration. A restore copies each rank's shard into its empty "
+        "node root (read and verified, written, committed: the node holds it again), then "
+        "loads it from there; DCP reads into the caller's tensors and keeps no local copy. "
+        "The files were just written, so every read from the directory (the raw one, the "
+        "restore's, DCP's) comes from the page cache: the raw read is a memory-speed floor, "
+        "not what a shared file system delivers; the restore against DCP is the comparison "
+        "that carries over. The S3 server is Python (moto) on the same 2 cores as the ranks: "
+        "its figures say what the client side costs against a raw PUT / GET through the "
+        "same server, not what a real object store delivers.\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmarks-durable.md").write_text(text)

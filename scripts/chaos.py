@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
@@ -45,7 +46,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from chaos_checks import Outcome, check, damage_at_rest, gc_while_running  # noqa: E402
+from chaos_checks import (  # noqa: E402
+    BUCKET,
+    Outcome,
+    check,
+    damage_at_rest,
+    gc_while_running,
+    substitute,
+)
 from chaos_job import NODES, SAVE_EVERY, SAVED, STEPS, Job  # noqa: E402
 
 from localckpt.ops.faults import POINTS  # noqa: E402
@@ -155,6 +163,18 @@ def ci_scenarios() -> list[Scenario]:
                  "at_rest", "job_lost", damage="job_lost:flip_durable", args=durable,
                  expect_resume=SAVED[1]),
     ]
+    # The durable tier in a bucket of a local S3-protocol server (scripts/s3_local.py).
+    bucket = ("--durable", "{bucket}", "--step-seconds", "0.05")
+    kills += [
+        Scenario("whole job lost, restarted on empty nodes from a bucket", "staging",
+                 "job_lost", "staging:kill_node:rank=0:iteration=29;"
+                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=bucket),
+        Scenario("kill rank while persisting to a bucket", "persist_write", k,
+                 "persist_write:kill:rank=1:iteration=19", args=bucket),
+        Scenario("job lost and the newest copy in the bucket corrupt: the older one loads",
+                 "at_rest", "job_lost", damage="job_lost:flip_bucket", args=bucket,
+                 expect_resume=SAVED[1]),
+    ]
     raises += [
         Scenario("raise while persisting on one rank", "persist_write", "raise",
                  "persist_write:raise:rank=1:iteration=19", expect_restart=False,
@@ -229,7 +249,7 @@ def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
     started = time.monotonic()
     pre = None
     error = None
-    args = tuple(a.replace("{work}", str(work)) for a in sc.args)
+    args = tuple(substitute(a, work) for a in sc.args)
     if sc.damage or sc.pre_args:  # a first run, to iteration 29 (damage) or to the end
         pre_steps = SAVED[2] + 1 if sc.damage else STEPS
         error = Job(work, pre_steps, timeout, args=args + sc.pre_args).run(
@@ -270,6 +290,12 @@ def main() -> int:
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     base = Path(a.workdir or tempfile.mkdtemp(prefix="localckpt-chaos-", dir=shm))
     t0 = time.monotonic()
+    server = None
+    if any("{bucket}" in a for sc in scenarios for a in sc.args):
+        from s3_local import S3Server
+
+        server = S3Server((BUCKET,))
+        os.environ.update(server.env)  # every job's ranks reach it
     try:
         ref_work = base / "reference"
         ref_work.mkdir(parents=True, exist_ok=True)
@@ -284,6 +310,8 @@ def main() -> int:
             outcomes = list(pool.map(lambda s: run_scenario(s, base, reference, a.timeout,
                                                             a.deadline), scenarios))
     finally:
+        if server is not None:
+            server.stop()
         if a.workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     print(f"\n{'scenario':<46} {'fault':<10} {'expected':>8} {'resumed':>7} {'bit-id':>6} "

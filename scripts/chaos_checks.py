@@ -37,6 +37,25 @@ class Outcome:
     fired: list[str] = field(default_factory=list)  # "point:action" of the faults that fired
 
 
+BUCKET = "chaos"  # the local S3 server's bucket (scripts/s3_local.py), started by chaos.py
+
+
+def substitute(arg: str, work: Path) -> str:
+    """A scenario's argument with ``{work}`` (its directory) and ``{bucket}`` (its own prefix in
+    the local S3 server's bucket) filled in."""
+    return arg.replace("{work}", str(work)).replace("{bucket}", f"s3://{BUCKET}/{work.name}")
+
+
+def _flip_in_bucket(work: Path, key: str) -> None:
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store.from_url(f"s3://{BUCKET}/{work.name}", client_options={"allow_http": True})
+    raw = bytearray(obstore.get(store, key).bytes())
+    raw[len(raw) // 2] ^= 0x10
+    obstore.put(store, key, bytes(raw))
+
+
 def fired_faults(work: Path) -> list[str]:
     """The faults that fired, from the once-per-job markers (fired-POINT-ACTION-...)."""
     return sorted({":".join(m.name.split("-")[1:3]) for m in work.glob("fired-*")})
@@ -54,12 +73,14 @@ def damage_at_rest(work: Path, what: str) -> str | None:
     if what.startswith("job_lost"):  # every node root gone; maybe the newest durable damaged
         for n in range(NODES):
             shutil.rmtree(work / f"node{n}", ignore_errors=True)
+        chunk_key = f"{SESSION}/iter_{SAVED[2]:010d}/rank_00001_of_00002/data/c/0"
         if what.endswith(":flip_durable"):
-            it_dir = work / "shared" / SESSION / f"iter_{SAVED[2]:010d}"
-            chunk = it_dir / "rank_00001_of_00002" / "data" / "c" / "0"
+            chunk = work / "shared" / chunk_key
             raw = bytearray(chunk.read_bytes())
             raw[len(raw) // 2] ^= 0x10
             chunk.write_bytes(bytes(raw))
+        elif what.endswith(":flip_bucket"):
+            _flip_in_bucket(work, chunk_key)
         return None
     if what in ("leftovers", "gc"):
         it_dir = work / "node0" / SESSION / f"iter_{SAVED[1]:010d}"
@@ -203,13 +224,14 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
                               f"expected {sorted(want)}"
                               + (" (redundancy not restored)" if replicated else ""))
     if "--durable" in sc.args and not error:
-        violations += _durable_violations(work / "shared")
+        violations += _durable_violations(substitute(
+            sc.args[sc.args.index("--durable") + 1], work))
     return Outcome(sc.name, sc.point, sc.kind, expected, resumed, identical, round(recovery, 2),
                    round(time.monotonic() - started, 1), violations,
                    fired=fired_faults(work))
 
 
-def _durable_violations(shared: Path) -> list[str]:
+def _durable_violations(shared: str) -> list[str]:
     """After the last save: the durable tier's newest complete iteration is the last saved, every
     shard of it verifies, and no uncommitted iteration older than it is left."""
     from localckpt.storage.durable import DurableStore
@@ -221,7 +243,7 @@ def _durable_violations(shared: Path) -> list[str]:
             return [f"the durable tier's complete iterations are {complete}, expected the last "
                     f"save {SAVED[-1]} among them, newest"]
         for owner in range(NODES):
-            tier.store.read(tier.store.ref(SAVED[-1], owner, NODES))  # raises if corrupt
+            tier.read_shard(SAVED[-1], owner, NODES)  # raises if corrupt or not the committed one
         old = [it for it in tier.uncommitted() if it < complete[-1]]
         return [f"uncommitted durable iterations {old} left"] if old else []
     except Exception as exc:

@@ -107,7 +107,8 @@ def main() -> None:
     parser.add_argument("--desync-at-step", type=int, default=-1)
     parser.add_argument("--desync-rank", type=int, default=1)
     parser.add_argument("--durable", default=None,
-                        help="a shared directory: LocalCheckpointManager(durable=DurableTier(...))")
+                        help="a shared directory or s3://bucket/prefix (AWS_* settings from the "
+                             "environment): LocalCheckpointManager(durable=DurableTier(...))")
     parser.add_argument("--persist-every", type=int, default=1)
     parser.add_argument("--close-order", choices=("queue-first", "manager-first"),
                         default="queue-first")

@@ -22,3 +22,23 @@ def root(tmp_path: Path) -> Iterator[Path]:
         d = tmp_path / "ckpt-root"
         d.mkdir()
         yield d
+
+
+@pytest.fixture(scope="session")
+def _local_s3() -> Iterator[object]:
+    pytest.importorskip("moto")
+    pytest.importorskip("obstore")
+    from s3_server import LocalS3
+
+    server = LocalS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(_local_s3: object, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The local S3-protocol server (one per test worker), its settings in this process's
+    environment (``s3.env`` for ranks' environments)."""
+    for key, value in _local_s3.env.items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(key, value)
+    return _local_s3

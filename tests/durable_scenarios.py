@@ -158,3 +158,15 @@ def rollback_then_save(rank: int, world: int, base: str, durable: str) -> dict[s
     out = {"failures": list(persister.failures), "complete": persister.tier.complete(world)}
     mgr.close()
     return out
+
+
+def bad_settings_on_one_rank(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]:
+    """Every rank names a bucket; ``bad_rank``'s settings hold a key the S3 client does not
+    know. Returns what the manager's construction raised, or that it worked (then closes it)."""
+    options = {"no_such_setting": "1"} if rank == bad_rank else {}
+    try:
+        mgr = _manager(rank, base, "s3://b/x", options=options)
+    except Exception as exc:
+        return {"error": describe(exc)}
+    mgr.close()
+    return {"error": None}

@@ -117,8 +117,11 @@ def test_bench_durable_small_writes_report(tmp_path: Path) -> None:
                       str(tmp_path), "--out", str(tmp_path / "out"), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "benchmarks-durable.json").read_text())
-    assert result["failures"] == []
-    assert set(result["ratios"]) == {"persist_to_raw_copy", "restore_to_raw_read",
-                                     "restore_to_dcp_load"}
-    assert all(v > 0 for v in result["ratios"].values())
-    assert "whole job on empty nodes" in (tmp_path / "out" / "benchmarks-durable.md").read_text()
+    assert [t["tier"] for t in result["tiers"]] == ["dir", "s3"]
+    for tier in result["tiers"]:
+        assert tier["failures"] == []
+        assert set(tier["ratios"]) == {"persist_to_raw_copy", "restore_to_raw_read",
+                                       "restore_to_dcp_load"}
+        assert all(v > 0 for v in tier["ratios"].values())
+    text = (tmp_path / "out" / "benchmarks-durable.md").read_text()
+    assert "whole job on empty nodes" in text and "| bucket | `persist`" in text

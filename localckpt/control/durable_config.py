@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ConfigurationError
+
+_OBJECT_SCHEMES = ("s3://", "s3a://")
 
 
 @dataclass(frozen=True)
 class DurableTier:
-    """A second tier on a shared file system every rank sees (Lustre, GPFS, NFS).
+    """A second tier every rank reaches: a shared file system (Lustre, GPFS, NFS) or object
+    storage (S3 and S3-compatible servers).
 
-    ``root``: its directory. ``persist_every``: persist every n-th finalized save (1: every one
-    the store keeps up with; a request that arrives while one runs replaces the one waiting);
-    ``None``: only on ``manager.persist()``. ``keep``: complete iterations kept there (the
-    newest). ``commit_timeout``: how long rank 0 waits for every rank's copy before it commits
-    an iteration (None: the manager's timeout); a persist that runs out of it is logged and
+    ``root``: a directory, or ``"s3://bucket[/prefix]"``. ``options``: for object storage,
+    obstore's S3 settings (``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``...;
+    what is not given comes from the ``AWS_*`` environment); an ``http://`` endpoint is allowed.
+    ``persist_every``: persist every n-th finalized save (1: every one the store keeps up with;
+    a request that arrives while one runs replaces the one waiting); ``None``: not by count.
+    ``persist_interval``: also persist a finalized save once this many seconds have passed
+    since the last persist was asked for (rank 0's clock decides, for every rank). Neither: only
+    on ``manager.persist()``. ``keep``: complete iterations kept there (the newest).
+    ``commit_timeout``: how long rank 0 waits for every rank's copy before it commits an
+    iteration (None: the manager's timeout); a persist that runs out of it is logged and
     dropped, never raised to training.
     """
 
@@ -25,10 +34,30 @@ class DurableTier:
     persist_every: int | None = 1
     keep: int = 2
     commit_timeout: float | None = None
+    persist_interval: float | None = None
+    options: Mapping[str, Any] | None = field(default=None, repr=False)  # may hold secrets
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ConfigurationError(f"DurableTier: root: expected a path, got {self.root!r}")
+        url = isinstance(self.root, str) and "://" in self.root
+        if url and not self.is_object_store:
+            raise ConfigurationError(f"DurableTier: root: expected a directory or "
+                                     f"s3://bucket[/prefix], got {self.root!r}")
+        if self.is_object_store and not str(self.root).split("://", 1)[1].strip("/"):
+            raise ConfigurationError(f"DurableTier: root: expected s3://bucket[/prefix], got "
+                                     f"{self.root!r} (no bucket)")
+        if self.options is not None and not (
+                isinstance(self.options, Mapping) and self.is_object_store
+                and all(isinstance(k, str) for k in self.options)):
+            raise ConfigurationError("DurableTier: options: expected a mapping of obstore S3 "
+                                     "settings with an s3:// root, got "
+                                     f"{type(self.options).__name__} with root {self.root!r}")
+        if self.persist_interval is not None and not (
+                isinstance(self.persist_interval, (int, float))
+                and not isinstance(self.persist_interval, bool) and self.persist_interval > 0):
+            raise ConfigurationError(f"DurableTier: persist_interval: expected None or seconds "
+                                     f"> 0, got {self.persist_interval!r}")
         if self.persist_every is not None and (type(self.persist_every) is not int
                                                or self.persist_every < 1):
             raise ConfigurationError(f"DurableTier: persist_every: expected None or an int >= "
@@ -42,5 +71,5 @@ class DurableTier:
                                      f"> 0, got {self.commit_timeout!r}")
 
     @property
-    def path(self) -> Path:
-        return Path(self.root)
+    def is_object_store(self) -> bool:
+        return isinstance(self.root, str) and self.root.startswith(_OBJECT_SCHEMES)

@@ -10,7 +10,8 @@
 ``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
 corruption found by ``verify`` is exit status 1. Run ``ls`` and ``gc`` with the roots of every
 node (or copies of them): completeness is judged across the roots given, with the library's own
-function. ``gc`` refuses a session that a live job holds.
+function. ``gc`` refuses a session that a live job holds. A durable tier in object storage is
+given as its one root, ``s3://bucket/prefix`` (settings from the ``AWS_*`` environment).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import shutil
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from ..control.coverage import complete_from_listings
 from ..control.retention import KeepPolicy
 from ..errors import CheckpointingError, ConfigurationError, UnsupportedFormatError
 from ..storage.durable import commit_path
+from ..storage.durable_object import is_object_url
 from ..storage.layout import (
     ShardRef,
     find_leftovers,
@@ -43,7 +44,8 @@ from ..storage.layout import (
 from ..storage.manifest import ShardManifest
 from ..storage.session_lock import SessionLock
 from ..storage.store import ShardStore
-from . import health
+from . import cli_object
+from .cli_doctor import cmd_doctor
 
 
 class UsageError(Exception):
@@ -78,8 +80,35 @@ def _read_manifest(shard: Path) -> ShardManifest:
                                         else None, str(shard / "zarr.json"))
 
 
+def _bucket(roots: Sequence[str]) -> str | None:
+    """The ``s3://`` URL among ``roots`` (then the only root), else None."""
+    urls = [r for r in roots if is_object_url(r)]
+    if urls and len(roots) > 1:
+        raise UsageError(f"an object-storage root is given alone: got {list(roots)}")
+    return urls[0] if urls else None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    roots = [Path(r) for r in args.roots]
+    url = _bucket(args.roots)
+    rows = cli_object.rows(url) if url else _dir_rows([Path(r) for r in args.roots])
+    if url and not rows:
+        raise UsageError(f"no localckpt checkpoints under {url}")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'session':<12} {'iteration':>10} {'world':>5} {'complete':>8} {'copies':>7} "
+          f"{'MiB':>10}  {'durable':>9}  {'missing owners':<15} metrics")
+    for r in rows:
+        print(f"{r['session'] or '(default)':<12} {r['iteration']:>10} {r['world_size']:>5} "
+              f"{'yes' if r['complete'] else 'NO':>8} "
+              f"{r['copies_min']}-{r['copies_max']:<5} {r['bytes'] / 2**20:>10.1f}  "
+              f"{'committed' if r['durable_committed'] else '-':>9}  "
+              f"{_ranges(r['missing_owners']) or '-':<15} "
+              f"{' '.join(f'{k}={v:g}' for k, v in (r['metrics'] or {}).items()) or '-'}")
+    return 0
+
+
+def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
     shards = _all_shards(roots)
     Key = tuple[str, int, int]
     groups: dict[Key, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -115,19 +144,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      # roots holding the iteration as a durable tier does: committed as a job
                      "durable_committed": [str(r) for r in roots
                                            if commit_path(r, session, it, world).is_file()]})
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"{'session':<12} {'iteration':>10} {'world':>5} {'complete':>8} {'copies':>7} "
-          f"{'MiB':>10}  {'durable':>9}  {'missing owners':<15} metrics")
-    for r in rows:
-        print(f"{r['session'] or '(default)':<12} {r['iteration']:>10} {r['world_size']:>5} "
-              f"{'yes' if r['complete'] else 'NO':>8} "
-              f"{r['copies_min']}-{r['copies_max']:<5} {r['bytes'] / 2**20:>10.1f}  "
-              f"{'committed' if r['durable_committed'] else '-':>9}  "
-              f"{_ranges(r['missing_owners']) or '-':<15} "
-              f"{' '.join(f'{k}={v:g}' for k, v in (r['metrics'] or {}).items()) or '-'}")
-    return 0
+    return rows
 
 
 def _committed(roots: Sequence[Path], session: str, iterations: set[int],
@@ -178,6 +195,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    url = _bucket(args.roots)
+    if url:
+        return cli_object.cmd_verify_bucket(url, args)
     shards = _all_shards([Path(r) for r in args.roots])
     bad = []
     for n, (root, session, ref) in enumerate(shards, 1):
@@ -226,6 +246,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     except ConfigurationError as exc:
         raise UsageError(str(exc).replace("keep_", "--keep-").replace("best_metric", "--metric")
                          .replace("best_mode", "--mode")) from None
+    url = _bucket(args.roots)
+    if url:
+        if args.world_size is not None:
+            raise UsageError("--world-size: not for an object-storage root")
+        if args.session is not None:
+            session_dir(Path("/"), args.session)  # an invalid id is a usage error
+        _report_gc(args, cli_object.collect(url, policy, args.session, args.dry_run))
+        return 0
     if args.world_size is not None and args.session is None:
         raise UsageError("--world-size removes every shard of other world sizes: name the "
                          "session it applies to with --session (another job's session may "
@@ -248,14 +276,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
                         locks.enter_context(SessionLock(session_dir(root, session),
                                                         exclusive=True))
             removed += _collect(roots, session, policy, args.world_size, args.dry_run)
+    _report_gc(args, [str(p) for p in removed])
+    return 0
+
+
+def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "removed": [str(p) for p in removed]}))
+        print(json.dumps({"dry_run": args.dry_run, "removed": removed}))
     else:
         verb = "would remove" if args.dry_run else "removed"
         for p in removed:
             print(f"{verb} {p}")
         print(f"{len(removed)} entries {verb}")
-    return 0
 
 
 def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
@@ -316,68 +348,6 @@ def _metadata(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
                 except (UsageError, CheckpointingError):
                     continue
     return out
-
-
-def _fs_type(path: Path) -> str:
-    best, kind = "", "unknown"
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) > 2 and str(path.resolve()).startswith(parts[1]) and \
-                    len(parts[1]) > len(best):
-                best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    if not root.is_dir():
-        raise UsageError(f"{root}: not a directory")
-    report: dict[str, Any] = {}
-    for name, path in (("root", root), ("dev_shm", Path("/dev/shm"))):
-        if path.is_dir():
-            st = os.statvfs(path)
-            report[name] = {"path": str(path), "fs": _fs_type(path),
-                            "free_bytes": st.f_bavail * st.f_frsize,
-                            "total_bytes": st.f_blocks * st.f_frsize}
-    warnings = []
-    if args.expected_bytes and report["root"]["free_bytes"] < args.expected_bytes:
-        warnings.append(f"root has {report['root']['free_bytes'] / 2**30:.2f} GiB free, a "
-                        f"checkpoint needs {args.expected_bytes / 2**30:.2f} GiB: enlarge it "
-                        "(Docker: --shm-size) or choose another root")
-    status, gpus = health.gpu_inventory()
-    report["nvml"] = status
-    report["gpus"] = health.as_json(gpus)
-    warnings += [f"GPU {g.index} ({g.uuid}) unhealthy: uncorrected ECC "
-                 f"{g.ecc_uncorrected_volatile}, retired pages {g.retired_pages}"
-                 for g in gpus if not g.healthy]
-    versions: dict[str, str | None] = {}
-    for dist in ("localckpt", "torch", "zarr", "numcodecs", "crc32c", "nvidia-ml-py"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    report["versions"] = versions
-    report["warnings"] = warnings
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
-    for name in ("root", "dev_shm"):
-        if name in report:
-            r = report[name]
-            print(f"{name:<8} {r['path']} ({r['fs']}): {r['free_bytes'] / 2**30:.2f} GiB free of "
-                  f"{r['total_bytes'] / 2**30:.2f} GiB")
-    print(f"GPUs     {status}" + "".join(
-        f"\n  {g['index']}: {g['name']} {g['uuid']} {g['memory_total_bytes'] / 2**30:.0f} GiB "
-        f"{'healthy' if g['healthy'] else 'UNHEALTHY'}"
-        f"{' throttled: ' + ', '.join(g['throttle_reasons']) if g['throttle_reasons'] else ''}"
-        for g in report["gpus"]))
-    print("versions " + ", ".join(f"{k} {v or 'missing'}" for k, v in versions.items()))
-    for w in warnings:
-        print(f"WARNING  {w}")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

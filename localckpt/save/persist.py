@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 
 from ..control.context import Context
 from ..errors import CorruptShardError
@@ -33,8 +34,10 @@ class Persister:
     """One rank's persists. ``request`` and ``pinned`` are called from the training thread."""
 
     def __init__(self, ctx: Context, tier: DurableStore, every: int | None, keep: int,
-                 wait: float, run: str) -> None:
+                 wait: float, run: str, interval: float | None = None) -> None:
         self.ctx, self.tier, self.every, self.keep, self.wait_s = ctx, tier, every, keep, wait
+        self.interval = interval  # seconds between persists by the clock (rank 0's decides)
+        self._asked_at = time.monotonic()  # when a persist was last asked for
         self.run = run  # this job run's id (rank 0's, agreed at start): names progress records
         self.persisted: list[int] = []  # iterations this rank copied (rank 0: committed)
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of failed persists
@@ -48,10 +51,16 @@ class Persister:
                                         name="localckpt-persist")
         self._thread.start()
 
-    def finalized(self, iteration: int) -> None:
-        """A save of ``iteration`` was finalized: persist it if it is the ``every``-th."""
+    def due_by_clock(self) -> bool:
+        """Rank 0, in a finalize: whether ``interval`` seconds have passed since a persist was
+        last asked for (its answer goes to every rank with the finalize's reports)."""
+        return self.interval is not None and time.monotonic() - self._asked_at >= self.interval
+
+    def finalized(self, iteration: int, due_by_clock: bool = False) -> None:
+        """A save of ``iteration`` was finalized (the same on every rank, as is
+        ``due_by_clock``, rank 0's verdict): persist it if it is the ``every``-th or due."""
         self._finalized += 1
-        if self.every is not None and self._finalized % self.every == 0:
+        if due_by_clock or (self.every is not None and self._finalized % self.every == 0):
             self.request(iteration)
 
     def request(self, iteration: int) -> bool:
@@ -67,6 +76,7 @@ class Persister:
                 logger.info("rank %d: persist of iteration %d skipped: %d is newer",
                             self.ctx.rank, self._pending, iteration)
             self._newest = self._pending = iteration
+            self._asked_at = time.monotonic()
             self._cond.notify_all()
             return True
 

@@ -203,7 +203,10 @@ class SavePath:
                 raise job.error
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
-            return self.retainer.report(ctx.inventory())
+            doc = self.retainer.report(ctx.inventory())
+            if ctx.rank == 0 and self.persister is not None and self.persister.due_by_clock():
+                doc["persist_due"] = True  # rank 0's clock decides for every rank
+            return doc
 
         # Raises CollectiveError when no agreement was reached: then nothing is deleted. A rank
         # whose write and transfers ended early waits for the others' as long as their work
@@ -224,7 +227,9 @@ class SavePath:
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self.retainer.retain(iteration, inventories, outcome.values)
                 if self.persister is not None:
-                    self.persister.finalized(iteration)
+                    due = outcome.values[0]
+                    self.persister.finalized(iteration, isinstance(due, dict)
+                                             and due.get("persist_due") is True)
                 return
             missing = [inv.rank for inv in inventories
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]

@@ -1,36 +1,38 @@
-"""The durable tier: a directory on a shared file system (Lustre, GPFS, NFS) that every rank sees.
+"""The durable tier: a second copy of the job's checkpoints that outlives its nodes.
 
-It holds shards in the same layout and format as a node root (a zarr v3 group per shard, each
-chunk checksummed, committed by rename), written by the same :class:`ShardStore`, plus one file
-per iteration that commits the whole job's copy::
+It lives on a shared file system every rank sees (Lustre, GPFS, NFS:
+:mod:`~localckpt.storage.durable_dir`) or in object storage (S3:
+:mod:`~localckpt.storage.durable_object`), and holds shards in the same layout and format as a
+node root (a zarr v3 group per shard, each chunk checksummed), plus one record per iteration that
+commits the whole job's copy::
 
     <durable root>/<session>/iter_<iteration>/rank_<owner>_of_<world>/   each rank's shard
     <durable root>/<session>/iter_<iteration>/COMMITTED-<world>.json     written last, by rank 0
 
-An iteration is complete in the durable tier only once its commit file exists; the file names
+An iteration is complete in the durable tier only once its commit record exists; the record names
 the digest of every shard's manifest, so a shard replaced after the commit is not taken for the
-committed one. Copies in either direction are read back and verified chunk by chunk (CRC-32C)
-before they are committed: a shard is read from its source (verified), then written to its
-destination (every chunk's CRC checked against the manifest on the way).
+committed one. Copies in either direction are verified chunk by chunk (CRC-32C): a shard is read
+from its source (verified), then written to its destination (every chunk's CRC checked against the
+manifest on the way).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import time
-import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from ..errors import CorruptShardError
-from .fsutil import fsync_dir
-from .layout import ShardRef, iteration_dir, list_iterations
+from .durable_dir import DirectoryBackend
+from .durable_object import ObjectBackend, is_object_url, shard_key
+from .layout import iteration_dir
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
 from .store import ShardStore
@@ -38,13 +40,6 @@ from .store import ShardStore
 COMMIT_FORMAT = 1
 PROGRESS_DIR = ".persisting"  # per rank: the iteration it copies (rank 0 reads it)
 _SHARD_OF = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
-
-
-def _names(directory: Path) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def commit_name(world_size: int) -> str:
@@ -56,36 +51,52 @@ def commit_path(root: Path, session_id: str, iteration: int, world_size: int) ->
     return iteration_dir(root, session_id, iteration) / commit_name(world_size)
 
 
-def read_with_digest(ref: ShardRef) -> tuple[int, ShardManifest]:
-    """The CRC-32 of a shard's manifest file and the manifest parsed from those same bytes
-    (one read: a shard replaced meanwhile cannot pair one's digest with the other's
-    manifest). CorruptShardError or OSError."""
-    path = ref.path / "zarr.json"
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-        data = f.read()
-    manifest = parse_manifest_file(data, str(path))
-    if (manifest.iteration, manifest.owner_rank, manifest.world_size) != (
-            ref.iteration, ref.owner_rank, ref.world_size):
-        raise CorruptShardError(f"{path}: manifest of another shard")
-    return zlib.crc32(data), manifest
+def _commit_key(iteration: int, world_size: int) -> str:
+    return f"{shard_key(iteration, 0, 1).split('/')[0]}/{commit_name(world_size)}"
+
+
+class Backend(Protocol):
+    """What a durable store is made of: keys are relative to the session. Every method may
+    raise OSError; a missing key reads as FileNotFoundError."""
+
+    where: str
+    poll_s: float  # how often rank 0 looks for the ranks' copies while it waits to commit
+
+    def close(self) -> None: ...
+    def iterations(self) -> list[int]: ...
+    def names(self, iteration: int) -> list[str]: ...
+    def read(self, key: str) -> bytes: ...
+    def write(self, key: str, data: bytes) -> None: ...
+    def remove(self, key: str) -> None: ...
+    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None: ...
+    def get_shard(self, manifest: ShardManifest) -> torch.Tensor: ...
+    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None: ...
+    def remove_iteration(self, iteration: int) -> None: ...
+    def remove_if_empty(self, iteration: int) -> None: ...
 
 
 class DurableStore:
-    """One rank's view of the durable tier. Thread-safe for distinct shards (as ShardStore).
+    """One rank's view of the durable tier. Thread-safe for distinct shards.
 
-    Every method does file I/O on the shared file system and may raise OSError (unreachable,
-    permission, full) or CorruptShardError; none is collective.
+    ``root``: a directory, or ``s3://bucket[/prefix]`` with obstore's S3 ``options``. Every
+    method does I/O on the shared store and may raise OSError (unreachable, permission, full) or
+    CorruptShardError; none is collective. A request to an object store gives up after
+    ``timeout`` seconds.
     """
 
     def __init__(self, root: str | os.PathLike[str], session_id: str, rank: int,
-                 io_threads: int = 2) -> None:
-        self.root = Path(root)
-        self.store = ShardStore(self.root, session_id, writer_rank=rank, io_threads=io_threads,
-                                fault_points=False)
+                 io_threads: int = 2, timeout: float = 60.0,
+                 options: Mapping[str, Any] | None = None) -> None:
         self.session_id = session_id
+        self.backend: Backend
+        if is_object_url(root):
+            self.backend = ObjectBackend(str(root), session_id, io_threads, timeout, options)
+        else:
+            self.backend = DirectoryBackend(Path(root), session_id, rank, io_threads)
+        self.root = self.backend.where  # for messages
 
     def close(self) -> None:
-        self.store.close()
+        self.backend.close()
 
     # ------------------------------------------------------------------ copies
 
@@ -94,20 +105,38 @@ class DurableStore:
         """Copy the committed local shard (``iteration``, ``owner``) here, verified; returns its
         manifest. Holds the shard in memory meanwhile."""
         manifest, payload = local.read(local.ref(iteration, owner, world_size))
-        self.store.session_path.mkdir(parents=True, exist_ok=True)
-        self.store.write(manifest, payload)
+        self.backend.put_shard(manifest, payload)
         return manifest
+
+    def read_with_digest(self, iteration: int, owner: int,
+                         world_size: int) -> tuple[int, ShardManifest]:
+        """The CRC-32 of a shard's manifest file and the manifest parsed from those same bytes
+        (one read: a shard replaced meanwhile cannot pair one's digest with the other's
+        manifest). CorruptShardError or OSError."""
+        key = f"{shard_key(iteration, owner, world_size)}/zarr.json"
+        data = self.backend.read(key)
+        manifest = parse_manifest_file(data, f"{self.root}/{key}")
+        if (manifest.iteration, manifest.owner_rank, manifest.world_size) != (
+                iteration, owner, world_size):
+            raise CorruptShardError(f"{self.root}/{key}: manifest of another shard")
+        return zlib.crc32(data), manifest
 
     def committed_manifest(self, iteration: int, owner: int, world_size: int) -> ShardManifest:
         """The manifest of the durable shard (``iteration``, ``owner``), after checking it is the
         one the iteration's commit names (CorruptShardError otherwise)."""
-        ref = self.store.ref(iteration, owner, world_size)
         expected = self.commit_record(iteration, world_size)["shards"].get(str(owner))
-        digest, manifest = read_with_digest(ref)
+        digest, manifest = self.read_with_digest(iteration, owner, world_size)
         if expected is None or digest != expected:
-            raise CorruptShardError(f"{ref.path}: not the shard the commit of iteration "
-                                    f"{iteration} names")
+            raise CorruptShardError(f"{self.root}: shard {owner} is not the shard the commit "
+                                    f"of iteration {iteration} names")
         return manifest
+
+    def read_shard(self, iteration: int, owner: int,
+                   world_size: int) -> tuple[ShardManifest, torch.Tensor]:
+        """The committed shard (``iteration``, ``owner``): its manifest and packed data, every
+        chunk verified."""
+        manifest = self.committed_manifest(iteration, owner, world_size)
+        return manifest, self.backend.get_shard(manifest)
 
     def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> bool:
         """Copy the committed durable shard (``iteration``, ``owner``) into ``local``, verified,
@@ -116,60 +145,57 @@ class DurableStore:
         manifest = self.committed_manifest(iteration, owner, world_size)
         mine = local.ref(iteration, owner, world_size)
         if mine.path.is_dir():
-            with contextlib.suppress(Exception):  # unreadable here: copied again
+            try:
                 if local.read_manifest(mine) == manifest:
                     return False
-        read, payload = self.store.read(self.store.ref(iteration, owner, world_size))
-        if read != manifest:  # replaced since the check above
-            raise CorruptShardError(f"shard {owner} of iteration {iteration} in {self.root} "
-                                    "changed while it was read")
-        local.write(read, payload)
+            except Exception:  # unreadable here: copied again
+                pass
+        # Every chunk is checked against the committed manifest's CRCs: a shard replaced since
+        # the check above does not pass.
+        local.write(manifest, self.backend.get_shard(manifest))
         return True
 
     def holds(self, iteration: int, owner: int, world_size: int, save_id: Any) -> bool:
         """Whether the shard (``iteration``, ``owner``) of the save ``save_id`` is here."""
-        with contextlib.suppress(OSError, CorruptShardError):
-            _, manifest = read_with_digest(self.store.ref(iteration, owner, world_size))
-            return bool(manifest.metadata.get("save_id") == save_id)
-        return False
+        try:
+            _, manifest = self.read_with_digest(iteration, owner, world_size)
+        except (OSError, CorruptShardError):
+            return False
+        return bool(manifest.metadata.get("save_id") == save_id)
 
     # ------------------------------------------------------------------ the job's commit
 
     def shards_present(self, iteration: int, world_size: int) -> list[int]:
-        """Owners whose shard of ``iteration`` is committed here (one directory listed)."""
-        directory = iteration_dir(self.root, self.session_id, iteration)
-        return sorted(int(m[1]) for name in _names(directory)
+        """Owners with a shard of ``iteration`` here (one listing; possibly still written)."""
+        return sorted(int(m[1]) for name in self.backend.names(iteration)
                       if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size)
 
     def mark_progress(self, rank: int, run: str, iteration: int) -> None:
         """Record that ``rank`` of the job run ``run`` now copies ``iteration`` (each rank
         copies in order): rank 0 stops waiting for a copy a rank has gone past."""
-        directory = self.store.session_path / PROGRESS_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".tmp-{rank}-{uuid.uuid4().hex}"
-        tmp.write_text(json.dumps({"run": run, "iteration": iteration}))
-        os.rename(tmp, directory / f"rank_{rank:05d}.json")
+        self.backend.write(f"{PROGRESS_DIR}/rank_{rank:05d}.json",
+                           json.dumps({"run": run, "iteration": iteration}).encode())
 
     def progress(self, rank: int, run: str) -> int:
         """The iteration ``rank`` of the job run ``run`` copies or copied last; -1 if unknown
         (no record, or another run's)."""
-        path = self.store.session_path / PROGRESS_DIR / f"rank_{rank:05d}.json"
         try:
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(self.backend.read(f"{PROGRESS_DIR}/rank_{rank:05d}.json"))
         except (OSError, ValueError):
             return -1
         ok = isinstance(doc, dict) and doc.get("run") == run and type(doc.get("iteration")) is int
         return int(doc["iteration"]) if ok else -1
 
     def commit(self, iteration: int, world_size: int, save_id: str | None, wait: float,
-               poll: float = 0.05, before: Callable[[], None] | None = None,
+               poll: float | None = None, before: Callable[[], None] | None = None,
                gone_past: Callable[[int], bool] = lambda rank: False) -> None:
         """Rank 0: once every owner's shard of ``iteration`` from the save ``save_id`` is here
         (a shard of another save of that iteration number does not count), write the
-        iteration's commit file atomically (written, fsynced, renamed, directory fsynced).
-        TimeoutError naming the missing ranks after ``wait`` seconds, or as soon as a missing
-        rank has ``gone_past(rank)`` this iteration (it will never deliver it)."""
+        iteration's commit record atomically. TimeoutError naming the missing ranks after
+        ``wait`` seconds, or as soon as a missing rank has ``gone_past(rank)`` this iteration
+        (it will never deliver it)."""
         deadline = time.monotonic() + wait
+        poll = self.backend.poll_s if poll is None else poll
         digests: dict[int, int] = {}  # owner -> digest of its shard of this save
         while True:
             # Progress first, then the listing: a rank records a newer iteration only after its
@@ -179,11 +205,12 @@ class DurableStore:
             for owner in self.shards_present(iteration, world_size):
                 if owner in digests:  # confirmed: within a run no rank copies it again
                     continue
-                ref = self.store.ref(iteration, owner, world_size)
-                with contextlib.suppress(OSError, CorruptShardError):  # being replaced
-                    digest, manifest = read_with_digest(ref)
-                    if manifest.metadata.get("save_id") == save_id:
-                        digests[owner] = digest
+                try:  # not there yet, or being replaced
+                    digest, manifest = self.read_with_digest(iteration, owner, world_size)
+                except (OSError, CorruptShardError):
+                    continue
+                if manifest.metadata.get("save_id") == save_id:
+                    digests[owner] = digest
             if len(digests) == world_size:
                 break
             missing = sorted(set(range(world_size)) - set(digests))
@@ -198,61 +225,50 @@ class DurableStore:
         doc = {"format": COMMIT_FORMAT, "session": self.session_id, "iteration": iteration,
                "world_size": world_size, "save_id": save_id,
                "shards": {str(o): d for o, d in sorted(digests.items())}}
-        directory = iteration_dir(self.root, self.session_id, iteration)
         if before is not None:
             before()  # a fault point
-        tmp = directory / f".tmp-commit-{uuid.uuid4().hex}"
-        with open(tmp, "x") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, directory / commit_name(world_size))
-        fsync_dir(directory)
+        self.backend.write(_commit_key(iteration, world_size), json.dumps(doc).encode())
 
     def commit_record(self, iteration: int, world_size: int) -> dict[str, Any]:
-        """The commit file of ``iteration``; CorruptShardError if it is not a valid one."""
-        path = iteration_dir(self.root, self.session_id, iteration) / commit_name(world_size)
+        """The commit record of ``iteration``; CorruptShardError if it is not a valid one."""
+        key = _commit_key(iteration, world_size)
         try:
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(self.backend.read(key))
         except (OSError, ValueError) as exc:
-            raise CorruptShardError(f"{path}: unreadable commit file: {exc}") from exc
+            raise CorruptShardError(f"{self.root}/{key}: unreadable commit record: "
+                                    f"{exc}") from exc
         if not (isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT
                 and doc.get("iteration") == iteration and doc.get("world_size") == world_size
                 and isinstance(doc.get("shards"), dict)):
-            raise CorruptShardError(f"{path}: not a commit file of iteration {iteration} at "
-                                    f"world size {world_size}")
+            raise CorruptShardError(f"{self.root}/{key}: not a commit record of iteration "
+                                    f"{iteration} at world size {world_size}")
         return doc
 
     def complete(self, world_size: int) -> list[int]:
-        """Iterations whose commit file for ``world_size`` exists, oldest first."""
+        """Iterations with a commit record for ``world_size``, oldest first."""
         name = commit_name(world_size)
-        return [it for it in list_iterations(self.root, self.session_id)
-                if (iteration_dir(self.root, self.session_id, it) / name).is_file()]
+        return [it for it in self.backend.iterations() if name in self.backend.names(it)]
 
     def uncommitted(self) -> list[int]:
-        """Iterations with a directory here but no commit file of any world size."""
-        return [it for it in list_iterations(self.root, self.session_id)
-                if not self.committed_by_any(it)]
+        """Iterations with something here but no commit record of any world size."""
+        return [it for it in self.backend.iterations() if not self.committed_by_any(it)]
 
     def committed_by_any(self, iteration: int) -> bool:
-        """Whether ``iteration`` has a commit file of some world size."""
-        return any(iteration_dir(self.root, self.session_id, iteration).glob("COMMITTED-*"))
+        """Whether ``iteration`` has a commit record of some world size."""
+        return any(name.startswith("COMMITTED-") for name in self.backend.names(iteration))
 
     def remove_uncommitted(self, iteration: int) -> None:
-        """Rank 0: remove the directory of an iteration no commit file names, with whatever
-        copies (and crash leftovers of copies) it holds. Only once no rank writes there."""
-        directory = iteration_dir(self.root, self.session_id, iteration)
+        """Rank 0: remove an iteration no commit record names, with whatever copies (and crash
+        leftovers of copies) it holds. Only once no rank writes there."""
         if self.committed_by_any(iteration):
-            raise ValueError(f"{directory} is committed")
-        trash = directory.with_name(f".trash-durable-{uuid.uuid4().hex}")
-        os.rename(directory, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+            raise ValueError(f"iteration {iteration} in {self.root} is committed")
+        self.backend.remove_iteration(iteration)
 
     def discard_newer(self, iteration: int, world_size: int) -> None:
         """Rank 0, in a rollback to ``iteration``: remove every newer iteration of
-        ``world_size`` (commit file first) and every newer uncommitted one."""
+        ``world_size`` (commit record first) and every newer uncommitted one."""
         committed = set(self.complete(world_size))
-        for it in list_iterations(self.root, self.session_id):
+        for it in self.backend.iterations():
             if it > iteration:
                 if it in committed:
                     self.delete(it, world_size)
@@ -260,13 +276,9 @@ class DurableStore:
                     self.remove_uncommitted(it)
 
     def delete(self, iteration: int, world_size: int) -> None:
-        """Rank 0: the commit file first (the iteration is no longer complete), then the
-        shards of ``world_size``, each hidden by a rename, then the directory if empty."""
-        directory = iteration_dir(self.root, self.session_id, iteration)
-        (directory / commit_name(world_size)).unlink(missing_ok=True)
-        fsync_dir(directory)
-        for ref in self.store.committed():
-            if ref.iteration == iteration and ref.world_size == world_size:
-                self.store.delete(ref)
-        with contextlib.suppress(OSError):
-            directory.rmdir()
+        """Rank 0: the commit record first (the iteration is no longer complete), then the
+        shards of ``world_size``, each made invisible first, then the iteration if empty."""
+        self.backend.remove(_commit_key(iteration, world_size))
+        for owner in self.shards_present(iteration, world_size):
+            self.backend.delete_shard(iteration, owner, world_size)
+        self.backend.remove_if_empty(iteration)

@@ -1,0 +1,120 @@
+"""The durable tier on a shared file system (Lustre, GPFS, NFS): a directory every rank sees.
+
+Shards are written by the same :class:`ShardStore` as a node root (committed by a directory
+rename, fsynced); the job's records (commit files, progress records) by write, fsync, rename and
+directory fsync. Keys are paths relative to the session directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from .fsutil import fsync_dir
+from .layout import iteration_dir, list_iterations
+from .manifest import ShardManifest
+from .store import ShardStore, byte_view
+
+
+def _names(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+_SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
+
+
+class DirectoryBackend:
+    """Byte moves for :class:`localckpt.storage.durable.DurableStore` on a directory. Every
+    method may raise OSError; a missing key reads as FileNotFoundError."""
+
+    poll_s = 0.05  # a listing is a system call
+
+    def __init__(self, root: Path, session_id: str, rank: int, io_threads: int) -> None:
+        self.root = root
+        self.where = str(root)
+        self.session_id = session_id
+        self.store = ShardStore(root, session_id, writer_rank=rank, io_threads=io_threads,
+                                fault_points=False)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _path(self, key: str) -> Path:
+        if not _SAFE_KEY.fullmatch(key) or ".." in key.split("/"):
+            raise ValueError(f"durable key: expected a relative name, got {key!r}")
+        return self.store.session_path / key
+
+    # ------------------------------------------------------------------ listing and records
+
+    def iterations(self) -> list[int]:
+        return list_iterations(self.root, self.session_id)
+
+    def names(self, iteration: int) -> list[str]:
+        return _names(iteration_dir(self.root, self.session_id, iteration))
+
+    def read(self, key: str) -> bytes:
+        with open(os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            return f.read()
+
+    def write(self, key: str, data: bytes) -> None:
+        """Replace ``key`` atomically and durably (written, fsynced, renamed, directory
+        fsynced)."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-record-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+    def remove(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            fsync_dir(path.parent)
+
+    # ------------------------------------------------------------------ shards
+
+    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None:
+        self.store.session_path.mkdir(parents=True, exist_ok=True)
+        self.store.write(manifest, payload)
+
+    def get_shard(self, manifest: ShardManifest) -> torch.Tensor:
+        ref = self.store.ref(manifest.iteration, manifest.owner_rank, manifest.world_size)
+        total = manifest.chunk_count * manifest.chunk_nbytes
+        buf = torch.empty(total, dtype=torch.uint8)
+        # Checked against ``manifest``'s CRCs: a shard replaced meanwhile does not pass.
+        self.store.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
+        return buf
+
+    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
+        self.store.delete(self.store.ref(iteration, owner, world_size))
+
+    def remove_iteration(self, iteration: int) -> None:
+        """Everything under ``iteration``: hidden by one rename, then deleted."""
+        directory = iteration_dir(self.root, self.session_id, iteration)
+        trash = directory.with_name(f".trash-durable-{uuid.uuid4().hex}")
+        try:
+            os.rename(directory, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def remove_if_empty(self, iteration: int) -> None:
+        with contextlib.suppress(OSError):
+            iteration_dir(self.root, self.session_id, iteration).rmdir()

@@ -1,0 +1,279 @@
+"""The durable tier on object storage (S3 and S3-compatible servers), through obstore.
+
+obstore (Rust's ``object_store`` crate) was measured against s3fs on this machine, against a local
+S3-protocol server, 16 MiB objects: single-part PUT 0.32 / 0.45 / 0.54 GB/s on 1 / 4 / 8 threads
+against s3fs's 0.21 / 0.41 / 0.35, GET 1.1 / 1.7 / 1.7 GB/s against 0.67 / 0.77 / 0.71. It
+releases the GIL for the whole request, has a blocking API that fits the tier's I/O threads, is one
+wheel with no dependencies (s3fs brings aiobotocore, botocore and aiohttp), and zarr reads what it
+writes through ``zarr.storage.ObjectStore``.
+
+The objects are the files of a node root, under the same keys::
+
+    <prefix>/<session>/iter_<iteration>/rank_<owner>_of_<world>/zarr.json      the manifest
+    <prefix>/<session>/iter_<iteration>/rank_<owner>_of_<world>/data/zarr.json
+    <prefix>/<session>/iter_<iteration>/rank_<owner>_of_<world>/data/c/<i>     chunk + CRC-32C
+
+so ``zarr.open_group`` reads a persisted shard from the bucket as it reads one from a directory.
+A PUT replaces an object atomically, which is all the tier's commit needs: a shard's chunks go
+first and its ``zarr.json`` last (a shard without one is not there), the job's commit file after
+every shard. Each chunk's CRC-32C is checked against the manifest before it is sent, and SigV4
+signs every body's SHA-256, which the server checks before it stores the object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import crc32c
+import torch
+
+from ..errors import ConfigurationError, CorruptShardError
+from .layout import session_dir, shard_path
+from .manifest import ShardManifest
+from .shard_writer import array_metadata, group_metadata
+from .store import byte_view
+
+_ITER = re.compile(r"iter_([0-9]{10})")
+_SCHEMES = ("s3://", "s3a://")
+T = TypeVar("T")
+_ROOT = Path("/")  # any root: a key is only the last names of a path
+
+
+def is_object_url(root: object) -> bool:
+    """Whether ``root`` names object storage (``s3://bucket/prefix``) rather than a directory."""
+    return isinstance(root, str) and root.startswith(_SCHEMES)
+
+
+def shard_key(iteration: int, owner: int, world_size: int) -> str:
+    """``iter_<iteration>/rank_<owner>_of_<world>``: a shard's key under its session (the same
+    names, and the same checks, as a node root's directories)."""
+    path = shard_path(_ROOT, "", iteration, owner, world_size)
+    return f"{path.parent.name}/{path.name}"
+
+
+def _last(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _translate(exc: Exception, what: str) -> OSError:
+    import obstore.exceptions as obs_errors
+
+    if isinstance(exc, obs_errors.NotFoundError):
+        return FileNotFoundError(f"{what}: not found")
+    return OSError(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+class ObjectBackend:
+    """Byte moves for :class:`localckpt.storage.durable.DurableStore` on a bucket. Every method
+    may raise OSError (the store's errors become OSError; a missing key FileNotFoundError) or
+    CorruptShardError. ``options`` are obstore's S3 settings (``endpoint``, ``region``,
+    ``access_key_id``...; the ``AWS_*`` environment fills in the rest); each request gives up
+    after ``timeout`` seconds, retries included."""
+
+    poll_s = 0.25  # a listing is a billed request
+
+    def __init__(self, url: str, session_id: str, io_threads: int, timeout: float,
+                 options: Mapping[str, Any] | None = None) -> None:
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError as exc:  # pragma: no cover - the extra is not installed
+            raise ConfigurationError(f"durable tier {url}: object storage needs obstore "
+                                     f"(pip install 'localckpt[s3]'): {exc}") from exc
+        config = dict(options or {})
+        endpoint = next((str(v) for v in (
+            config.get("endpoint"), config.get("aws_endpoint"), os.environ.get(
+                "AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"),
+            os.environ.get("AWS_ENDPOINT")) if v), "")
+        client = {"timeout": timedelta(seconds=timeout),
+                  "connect_timeout": timedelta(seconds=min(timeout, 10.0)),
+                  "allow_http": endpoint.startswith("http://")}  # asked for by the endpoint
+        retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=timeout)}
+        try:
+            self._store = S3Store.from_url(
+                url, config=config, client_options=client,  # type: ignore[arg-type]
+                retry_config=retry)  # type: ignore[arg-type]
+        except Exception as exc:
+            raise ConfigurationError(f"durable tier: expected s3://bucket[/prefix] and obstore "
+                                     f"S3 settings, got {url!r} with settings "
+                                     f"{sorted(config)}: {exc}") from exc
+        self._obstore = obstore
+        self.where = url
+        self._session = session_dir(_ROOT, session_id).name
+        self._pool = ThreadPoolExecutor(max_workers=max(io_threads, 8),
+                                        thread_name_prefix="localckpt-s3")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _key(self, key: str) -> str:
+        return f"{self._session}/{key}"
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except OSError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, f"{self.where}/{what}") from exc
+
+    # ------------------------------------------------------------------ listing and records
+
+    def _listing(self, prefix: str) -> tuple[list[str], list[str]]:
+        """(sub-prefix names, object names) directly under ``prefix`` (a session-relative
+        key ending in '/'), last path component only."""
+        got = self._call(prefix, lambda: self._obstore.list_with_delimiter(
+            self._store, self._key(prefix)))
+        return ([_last(p) for p in got["common_prefixes"]],
+                [_last(o["path"]) for o in got["objects"]])
+
+    def sessions(self) -> list[str]:
+        """Session ids with objects under the store's prefix ("" for the default session)."""
+        got = self._call("", lambda: self._obstore.list_with_delimiter(self._store, None))
+        names = [_last(p) for p in got["common_prefixes"]]
+        default = session_dir(_ROOT, "").name
+        out = []
+        for name in names:
+            try:
+                sid = "" if name == default else name
+                if session_dir(_ROOT, sid).name == name:
+                    out.append(sid)
+            except ConfigurationError:
+                continue
+        return sorted(out)
+
+    def sizes(self, iteration: int) -> dict[str, int]:
+        """Bytes under each entry of ``iteration`` (shard names, record names)."""
+        out: dict[str, int] = {}
+        prefix = shard_key(iteration, 0, 1).split("/")[0] + "/"
+
+        def batches() -> list[list[tuple[str, int]]]:
+            stream = self._obstore.list(self._store, self._key(prefix), chunk_size=1000)
+            return [[(o["path"], o["size"]) for o in batch] for batch in stream]
+        for batch in self._call(prefix, batches):
+            for path, size in batch:
+                entry = path[len(self._key(prefix)):].split("/", 1)[0]
+                out[entry] = out.get(entry, 0) + int(size)
+        return out
+
+    def iterations(self) -> list[int]:
+        prefixes, _ = self._listing("")
+        return sorted(int(m[1]) for p in prefixes if (m := _ITER.fullmatch(p)))
+
+    def names(self, iteration: int) -> list[str]:
+        prefixes, objects = self._listing(shard_key(iteration, 0, 1).split("/")[0] + "/")
+        return prefixes + objects
+
+    def read(self, key: str) -> bytes:
+        return bytes(self._fetch(key))
+
+    def _fetch(self, key: str, expect_size: int | None = None) -> memoryview:
+        """The object's bytes, not copied; CorruptShardError before the body is read when
+        its size is not ``expect_size``."""
+        def get() -> memoryview:
+            result = self._obstore.get(self._store, self._key(key))
+            size = result.meta["size"]
+            if expect_size is not None and size != expect_size:
+                raise CorruptShardError(f"{self.where}/{self._key(key)}: expected "
+                                        f"{expect_size} bytes, the object has {size}")
+            return memoryview(result.bytes())
+        return self._call(key, get)
+
+    def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        self._call(key, lambda: self._obstore.put(self._store, self._key(key), data,
+                                                  use_multipart=False))
+
+    def remove(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._call(key, lambda: self._obstore.delete(self._store, self._key(key)))
+
+    def _all_under(self, prefix: str) -> Iterator[str]:
+        def batches() -> list[list[str]]:
+            stream = self._obstore.list(self._store, self._key(prefix), chunk_size=1000)
+            return [[o["path"] for o in batch] for batch in stream]
+        for batch in self._call(prefix, batches):
+            yield from batch
+
+    def _remove_all(self, prefix: str) -> None:
+        paths = list(self._all_under(prefix))
+        for start in range(0, len(paths), 1000):  # one request per thousand (S3's limit)
+            self._call(prefix, partial(self._obstore.delete, self._store,
+                                       paths[start: start + 1000]))
+
+    # ------------------------------------------------------------------ shards
+
+    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None:
+        """Chunks in parallel, then the array's metadata, the manifest last. A shard already
+        under this key (another save's) loses its manifest first: no reader pairs it with
+        these chunks."""
+        key = shard_key(manifest.iteration, manifest.owner_rank, manifest.world_size)
+        self.remove(f"{key}/zarr.json")
+        size, view = manifest.chunk_nbytes, byte_view(payload) if payload.numel() else None
+
+        def put_chunk(i: int) -> None:
+            assert view is not None
+            chunk = view[i * size: (i + 1) * size]
+            crc = crc32c.crc32c(chunk)
+            if manifest.chunk_crc32c and crc != manifest.chunk_crc32c[i]:
+                raise CorruptShardError(f"shard {key}: chunk {i} changed since it was "
+                                        f"verified (crc32c {crc:#010x}, manifest says "
+                                        f"{manifest.chunk_crc32c[i]:#010x})")
+            body = bytearray(size + 4)
+            body[:size] = chunk
+            body[size:] = crc.to_bytes(4, "little")
+            self.write(f"{key}/data/c/{i}", body)
+
+        for future in [self._pool.submit(put_chunk, i) for i in range(manifest.chunk_count)]:
+            future.result()
+        self.write(f"{key}/data/zarr.json",
+                   json.dumps(array_metadata(size, manifest.chunk_count)).encode())
+        self.write(f"{key}/zarr.json", group_metadata(manifest))
+
+    def get_shard(self, manifest: ShardManifest) -> torch.Tensor:
+        """The packed data of the shard ``manifest`` describes, every chunk checked against the
+        object's trailer and the manifest (a shard replaced meanwhile does not pass)."""
+        key = shard_key(manifest.iteration, manifest.owner_rank, manifest.world_size)
+        size = manifest.chunk_nbytes
+        buf = torch.empty(manifest.chunk_count * size, dtype=torch.uint8)
+        view = byte_view(buf) if buf.numel() else None
+
+        def get_chunk(i: int) -> None:
+            assert view is not None
+            name = f"{key}/data/c/{i}"
+            data = self._fetch(name, expect_size=size + 4)
+            crc = crc32c.crc32c(data[:size])
+            stored = int.from_bytes(data[size:], "little")
+            if crc != stored or crc != manifest.chunk_crc32c[i]:
+                raise CorruptShardError(
+                    f"{self.where}/{self._key(name)}: checksum mismatch (computed crc32c "
+                    f"{crc:#010x}, object says {stored:#010x}, manifest says "
+                    f"{manifest.chunk_crc32c[i]:#010x})")
+            view[i * size: (i + 1) * size] = data[:size]
+
+        futures = [self._pool.submit(get_chunk, i) for i in range(manifest.chunk_count)]
+        for future in futures:  # every read over before the buffer is handed on or dropped
+            future.exception()
+        for future in futures:
+            future.result()
+        return buf
+
+    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
+        """The manifest first (the shard is no longer there), then the rest."""
+        key = shard_key(iteration, owner, world_size)
+        self.remove(f"{key}/zarr.json")
+        self._remove_all(f"{key}/")
+
+    def remove_iteration(self, iteration: int) -> None:
+        self._remove_all(shard_key(iteration, 0, 1).split("/")[0] + "/")
+
+    def remove_if_empty(self, iteration: int) -> None:
+        """Nothing to do: a prefix is gone with its last object."""

@@ -1,0 +1,272 @@
+"""The durable tier in object storage: an S3-protocol server the tests start on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import durable_scenarios as sc
+import pytest
+import torch
+from dist_harness import run_ranks
+
+from localckpt import DurableTier, LocalCheckpointManager
+from localckpt.errors import ConfigurationError
+from localckpt.storage.durable import DurableStore, commit_name
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _objects(s3: Any, bucket: str, prefix: str = "") -> dict[str, int]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def _persist_run(s3: Any, tmp_path: Path, roots: Path, url: str) -> list[Any]:
+    results = run_ranks(sc.save_and_persist, 2, tmp_path, str(roots), url, [1, 2, 3, 4, 5], 2,
+                        env=s3.env)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["idle"] and r.value["failures"] == [], r.value
+    return [r.value for r in results]
+
+
+def _iter_key(iteration: int) -> str:
+    return f"ckpt/job/iter_{iteration:010d}"
+
+
+def test_a_whole_job_lost_restarts_on_empty_nodes_from_a_bucket(
+        s3: Any, tmp_path: Path, root: Path) -> None:
+    import shutil
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ckpt"
+    values = _persist_run(s3, tmp_path, root, url)
+    assert all(v["persisted"] == [2, 4] for v in values), values
+    keys = _objects(s3, bucket)
+    assert {k.split("/")[2] for k in keys if "/iter_" in k} == {"iter_0000000002",
+                                                                "iter_0000000004"}
+    assert f"{_iter_key(4)}/{commit_name(2)}" in keys
+    shutil.rmtree(root)  # every node lost, replaced by empty ones
+    for r in run_ranks(sc.restore, 2, tmp_path, str(root), url, env=s3.env):
+        assert r.ok, r.message
+        v = r.value
+        assert v["error"] is None, v
+        assert v["latest"] == 4 and v["loaded"] == 4 and v["digest"] == v["expected"]
+        assert 4 in v["local"]  # fetched into the node root
+        assert v["after"] == 100
+
+
+def test_plain_zarr_reads_a_persisted_shard_from_the_bucket(s3: Any, root: Path) -> None:
+    import zarr
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    bucket = s3.bucket()
+    state = {"w": torch.arange(5000, dtype=torch.float32)}
+    with LocalCheckpointManager(root, "job", chunk_nbytes=4096, durable=DurableTier(
+            f"s3://{bucket}/ckpt", options={"endpoint": s3.endpoint})) as mgr:
+        mgr.save(state, 3)
+        assert mgr.wait_for_persist(30)
+        assert mgr._save.persister is not None and mgr._save.persister.persisted == [3]
+        local = mgr._ctx.store.read(mgr._ctx.store.ref(3, 0, 1))[1]
+    store = ObjectStore(S3Store(bucket, endpoint=s3.endpoint, region="us-east-1",
+                                access_key_id="test", secret_access_key="test",
+                                client_options={"allow_http": True}), read_only=True)
+    group = zarr.open_group(store, path="ckpt/job/iter_0000000003/rank_00000_of_00001", mode="r")
+    data = group["data"][:]  # every chunk's CRC-32C checked by zarr's codec
+    assert torch.equal(torch.from_numpy(data), local)
+    assert "localckpt" in group.attrs
+
+
+@pytest.mark.parametrize("damage", ["uncommitted", "corrupt_chunk", "truncated_chunk"])
+def test_a_damaged_newest_iteration_in_the_bucket_falls_back_to_the_older_one(
+        s3: Any, tmp_path: Path, root: Path, damage: str) -> None:
+    import shutil
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ckpt"
+    _persist_run(s3, tmp_path, root, url)
+    client = s3.client()
+    if damage == "uncommitted":  # killed before rank 0 committed it
+        client.delete_object(Bucket=bucket, Key=f"{_iter_key(4)}/{commit_name(2)}")
+    else:
+        key = max(k for k in _objects(s3, bucket, f"{_iter_key(4)}/rank_00001_of_00002/data/c/"))
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        if damage == "corrupt_chunk":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            del data[-10:]
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    shutil.rmtree(root)
+    for r in run_ranks(sc.restore, 2, tmp_path, str(root), url, env=s3.env):
+        assert r.ok, r.message
+        v = r.value
+        assert v["loaded"] == 2 and v["digest"] == v["expected"], v
+        assert 4 not in v["local"], v
+
+
+def test_an_unreachable_object_store_never_stops_training(
+        tmp_path: Path, root: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
+    started = time.monotonic()
+    results = run_ranks(sc.save_and_persist, 2, tmp_path, str(root), "s3://nowhere/ckpt",
+                        [1, 2, 3], 1, env=env)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["latest"] == 3 and r.value["persisted"] == [], r.value
+        assert r.value["failures"], r.value  # logged and counted, not raised
+    assert time.monotonic() - started < 100
+    for r in run_ranks(sc.restore, 2, tmp_path, str(root), "s3://nowhere/ckpt", env=env):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 3 and r.value["digest"] == r.value["expected"]
+
+
+def test_the_commit_protocol_on_a_bucket(s3: Any, root: Path) -> None:
+    """Shards first, the commit record last; retention and rollback remove through the same
+    protocol (the record first), and uncommitted leftovers go whole."""
+    bucket = s3.bucket()
+    with LocalCheckpointManager(root, "job", keep_last=5, chunk_nbytes=4096, durable=DurableTier(
+            f"s3://{bucket}/p", keep=2)) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((3000,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    tier = DurableStore(f"s3://{bucket}/p", "job", 0)
+    try:
+        assert tier.complete(1) == [2, 3] and tier.uncommitted() == []
+        assert not any(k.startswith("p/job/iter_0000000001") for k in _objects(s3, bucket))
+        manifest, payload = tier.read_shard(3, 0, 1)
+        assert manifest.iteration == 3 and manifest.chunk_count > 1
+        assert payload.numel() == manifest.chunk_count * manifest.chunk_nbytes
+        tier.backend.write("iter_0000000009/rank_00000_of_00001/data/c/0", b"half a copy")
+        assert tier.uncommitted() == [9]
+        tier.remove_uncommitted(9)
+        with pytest.raises(ValueError, match="committed"):
+            tier.remove_uncommitted(3)
+        tier.discard_newer(2, 1)
+        assert tier.complete(1) == [2]
+        assert not any(k.startswith("p/job/iter_0000000003") for k in _objects(s3, bucket))
+    finally:
+        tier.close()
+
+
+def test_a_bucket_timeline_survives_a_rollback_and_a_new_save(s3: Any, tmp_path: Path,
+                                                              root: Path) -> None:
+    url = f"s3://{s3.bucket()}/ckpt"
+    results = run_ranks(sc.rollback_then_save, 2, tmp_path, str(root), url, env=s3.env)
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["failures"] == [], r.value
+    assert results[0].value["complete"] == [1, 2, 3], results[0].value  # rank 0 committed it
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"root": "gs://bucket/x"}, "s3://"), ({"root": "s3://"}, "no bucket"),
+    ({"root": "/shared", "options": {"endpoint": "x"}}, "options"),
+    ({"root": "s3://b", "options": ["endpoint"]}, "options"),
+    ({"root": "x", "persist_interval": 0}, "persist_interval"),
+    ({"root": "x", "persist_interval": True}, "persist_interval"),
+])
+def test_bad_object_store_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigurationError, match=says):
+        DurableTier(**kwargs)
+
+
+def test_persist_by_the_clock(root: Path, tmp_path: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=1, durable=DurableTier(
+            tmp_path / "d", persist_every=None, persist_interval=0.5, keep=5)) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)  # not due: the interval runs from the start
+        time.sleep(0.6)
+        mgr.save({"w": torch.ones(3)}, 2)  # due
+        mgr.save({"w": torch.ones(3)}, 3)  # not due again yet
+        assert mgr.wait_for_persist(30)
+        persister = mgr._save.persister
+        assert persister is not None and persister.persisted == [2], persister.failures
+
+
+def test_a_store_that_never_answers_costs_a_persist_its_timeout_not_training(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    listener = socket.socket()  # accepts connections (the kernel does), never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    tier = DurableTier("s3://hung/x", options={
+        "endpoint": f"http://127.0.0.1:{listener.getsockname()[1]}"})
+    try:
+        with LocalCheckpointManager(root, timeout=2, durable=tier) as mgr:
+            started = time.monotonic()
+            mgr.save({"w": torch.ones(3)}, 1)
+            mgr.save({"w": torch.ones(3)}, 2)
+            assert time.monotonic() - started < 2  # training never waits for the store
+            assert mgr.wait_for_persist(30)
+            persister = mgr._save.persister
+            assert persister is not None and persister.persisted == []
+            assert [f[0] for f in persister.failures] == [1, 2], persister.failures
+            assert mgr.find_latest() == 2  # the listing gives up; the local tier serves
+    finally:
+        listener.close()
+
+
+def test_the_cli_lists_verifies_and_collects_a_bucket(
+        s3: Any, root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from localckpt.ops.cli import main
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/p"
+    with LocalCheckpointManager(root, "job", keep_last=5, chunk_nbytes=4096,
+                                durable=DurableTier(url, keep=5)) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((3000,), float(it))}, it, metrics={"loss": 1.0 / it})
+            assert mgr.wait_for_persist(30)
+    tier = DurableStore(url, "job", 0)
+    tier.backend.write("iter_0000000000/rank_00000_of_00001/data/c/0", b"an abandoned copy")
+    tier.close()
+    capsys.readouterr()
+    assert main(["ls", url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(0, False), (1, True), (2, True),
+                                                               (3, True)]
+    assert rows[3]["metrics"] == {"loss": pytest.approx(1 / 3)} and rows[3]["bytes"] > 12000
+    assert main(["verify", url]) == 1  # the abandoned copy has no manifest
+    assert "1 corrupt" in capsys.readouterr().out
+    assert main(["gc", url, "--keep-last", "2", "--dry-run", "--json"]) == 0
+    doomed = json.loads(capsys.readouterr().out)["removed"]
+    assert len(doomed) == 2 and any("iter_0000000001" in d for d in doomed)
+    assert len(_objects(s3, bucket, "p/job/iter_0000000001/")) > 0  # a dry run
+    assert main(["gc", url, "--keep-last", "2"]) == 0
+    assert not _objects(s3, bucket, "p/job/iter_0000000001/")
+    assert not _objects(s3, bucket, "p/job/iter_0000000000/")
+    assert main(["verify", url]) == 0
+    key = max(_objects(s3, bucket, "p/job/iter_0000000003/rank_00000_of_00001/data/c/"))
+    client = s3.client()
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[7] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    capsys.readouterr()
+    assert main(["verify", url]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+    assert main(["ls", url, str(tmp_path)]) == 2  # a bucket is listed alone
+    assert "alone" in capsys.readouterr().err
+
+
+def test_settings_one_rank_cannot_use_fail_every_rank_at_start(tmp_path: Path,
+                                                                root: Path) -> None:
+    results = run_ranks(sc.bad_settings_on_one_rank, 2, tmp_path, str(root), 1)
+    for r in results:
+        assert r.ok, r.message
+        error = r.value["error"]
+        assert error is not None and "ConfigurationError" in error["bases"], r.value
+        assert "no_such_setting" in error["message"], r.value
