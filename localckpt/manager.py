@@ -232,7 +232,8 @@ class LocalCheckpointManager:
             self._load.durable = tier
             persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
                                   durable.commit_timeout or self.timeout, self._run,
-                                  interval=durable.persist_interval)
+                                  interval=durable.persist_interval,
+                                  keep_every=durable.keep_every)
             self._save.persister = persister
             self._save.retainer.pinned = persister.pinned
 

@@ -219,7 +219,8 @@ def _rows(r: dict[str, Any]) -> str:
         f"(a fresh manager, built before the clock starts) | {med['restore']:.3f} "
         f"| {gbs['restore']:.2f} | {ratios['restore_to_raw_read']:.2f}x raw read, "
         f"{ratios['restore_to_dcp_load']:.2f}x DCP |\n"
-        f"| directory | DCP `load` of the same state from the directory | {med['dcp_load']:.3f} "
+        f"| {name} | DCP `load` of the same state from the directory, in this tier's run "
+        f"| {med['dcp_load']:.3f} "
         f"| {gbs['dcp_load']:.2f} | |\n")
 
 

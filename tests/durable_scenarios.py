@@ -170,3 +170,15 @@ def bad_settings_on_one_rank(rank: int, world: int, base: str, bad_rank: int) ->
         return {"error": describe(exc)}
     mgr.close()
     return {"error": None}
+
+
+def restore_and_wait(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    """A fresh job on empty nodes: load from the durable tier, then wait for the write-back.
+    Returns the shards this node root then holds."""
+    mgr = _manager(rank, base, durable, persist_every=None)
+    mgr.find_latest()
+    _, ckpt_id = mgr.load()
+    mgr.wait_for_write_back()
+    held = sorted((r.iteration, r.owner_rank) for r in mgr._ctx.store.committed())
+    mgr.close()
+    return {"loaded": ckpt_id[0], "held": held}

@@ -50,6 +50,17 @@ def test_a_whole_job_lost_restarts_on_empty_nodes_from_the_durable_tier(
         assert v["after"] == 100
 
 
+def test_a_restore_from_the_durable_tier_brings_the_replicas_back_too(
+        tmp_path: Path, root: Path) -> None:
+    durable = tmp_path / "shared"
+    _persist_run(tmp_path, root, durable)
+    shutil.rmtree(root)
+    for r in run_ranks(sc.restore_and_wait, 2, tmp_path, str(root), str(durable)):
+        assert r.ok, r.message
+        # node_spread F=2 on two nodes: each node holds both shards again, not only its own
+        assert r.value == {"loaded": 4, "held": [(4, 0), (4, 1)]}, r.value
+
+
 def test_the_persisted_form_is_a_zarr_group_plain_zarr_reads(tmp_path: Path, root: Path) -> None:
     import zarr
 
@@ -145,6 +156,15 @@ def test_a_request_while_one_runs_replaces_the_one_waiting(
         assert {r.iteration for r in mgr._ctx.store.committed()} == {5}
 
 
+def test_durable_retention_keeps_every_nth_as_well(root: Path, tmp_path: Path) -> None:
+    with LocalCheckpointManager(root, keep_last=1, durable=DurableTier(
+            tmp_path / "d", keep=1, keep_every=2)) as mgr:
+        for it in (1, 2, 3, 4, 5):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+        assert DurableStore(tmp_path / "d", "", 0).complete(1) == [2, 4, 5]
+
+
 def test_persist_on_demand(root: Path, tmp_path: Path) -> None:
     with LocalCheckpointManager(root, keep_last=2, durable=DurableTier(
             tmp_path / "d", persist_every=None)) as mgr:
@@ -172,7 +192,7 @@ def test_persist_on_demand(root: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("kwargs", "says"), [
     ({"root": ""}, "root"), ({"root": 3}, "root"), ({"root": "x", "persist_every": 0},
                                                     "persist_every"),
-    ({"root": "x", "keep": 0}, "keep"), ({"root": "x", "commit_timeout": -1}, "commit_timeout"),
+    ({"root": "x", "keep": 0}, "keep"), ({"root": "x", "keep_every": 0}, "keep_every"), ({"root": "x", "commit_timeout": -1}, "commit_timeout"),
 ])
 def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigurationError, match=says):

@@ -270,3 +270,15 @@ def test_settings_one_rank_cannot_use_fail_every_rank_at_start(tmp_path: Path,
         error = r.value["error"]
         assert error is not None and "ConfigurationError" in error["bases"], r.value
         assert "no_such_setting" in error["message"], r.value
+
+
+def test_a_restore_from_a_bucket_brings_the_replicas_back_too(s3: Any, tmp_path: Path,
+                                                             root: Path) -> None:
+    import shutil
+
+    url = f"s3://{s3.bucket()}/ckpt"
+    _persist_run(s3, tmp_path, root, url)
+    shutil.rmtree(root)
+    for r in run_ranks(sc.restore_and_wait, 2, tmp_path, str(root), url, env=s3.env):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 4, "held": [(4, 0), (4, 1)]}, r.value

@@ -24,7 +24,8 @@ class DurableTier:
     a request that arrives while one runs replaces the one waiting); ``None``: not by count.
     ``persist_interval``: also persist a finalized save once this many seconds have passed
     since the last persist was asked for (rank 0's clock decides, for every rank). Neither: only
-    on ``manager.persist()``. ``keep``: complete iterations kept there (the newest).
+    on ``manager.persist()``. ``keep``: complete iterations kept there (the newest);
+    ``keep_every``: also keep each complete iteration that is a multiple of it (post-mortems).
     ``commit_timeout``: how long rank 0 waits for every rank's copy before it commits an
     iteration (None: the manager's timeout); a persist that runs out of it is logged and
     dropped, never raised to training.
@@ -36,6 +37,7 @@ class DurableTier:
     commit_timeout: float | None = None
     persist_interval: float | None = None
     options: Mapping[str, Any] | None = field(default=None, repr=False)  # may hold secrets
+    keep_every: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
@@ -65,6 +67,10 @@ class DurableTier:
         if type(self.keep) is not int or self.keep < 1:
             raise ConfigurationError(f"DurableTier: keep: expected an int >= 1, got "
                                      f"{self.keep!r}")
+        if self.keep_every is not None and (type(self.keep_every) is not int
+                                            or self.keep_every < 1):
+            raise ConfigurationError(f"DurableTier: keep_every: expected None or an int >= 1, "
+                                     f"got {self.keep_every!r}")
         if self.commit_timeout is not None and not (
                 isinstance(self.commit_timeout, (int, float)) and self.commit_timeout > 0):
             raise ConfigurationError(f"DurableTier: commit_timeout: expected None or seconds "

@@ -23,6 +23,7 @@ import threading
 import time
 
 from ..control.context import Context
+from ..control.retention import KeepPolicy
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
@@ -34,8 +35,10 @@ class Persister:
     """One rank's persists. ``request`` and ``pinned`` are called from the training thread."""
 
     def __init__(self, ctx: Context, tier: DurableStore, every: int | None, keep: int,
-                 wait: float, run: str, interval: float | None = None) -> None:
-        self.ctx, self.tier, self.every, self.keep, self.wait_s = ctx, tier, every, keep, wait
+                 wait: float, run: str, interval: float | None = None,
+                 keep_every: int | None = None) -> None:
+        self.ctx, self.tier, self.every, self.wait_s = ctx, tier, every, wait
+        self.keep = KeepPolicy(last=keep, every=keep_every)  # the durable tier's retention
         self.interval = interval  # seconds between persists by the clock (rank 0's decides)
         self._asked_at = time.monotonic()  # when a persist was last asked for
         self.run = run  # this job run's id (rank 0's, agreed at start): names progress records
@@ -162,13 +165,16 @@ class Persister:
         self._retain(iteration)
 
     def _retain(self, committed: int) -> None:
-        """Rank 0, after committing ``committed``: keep the newest ``keep`` complete iterations;
-        remove older ones, and uncommitted leftovers older than ``committed``."""
+        """Rank 0, after committing ``committed``: keep what the keep policy keeps of the
+        complete iterations; remove the others, and uncommitted leftovers older than
+        ``committed``."""
         tier, world = self.tier, self.ctx.world_size
         complete = tier.complete(world)
+        kept = self.keep.keep(complete)
         try:
-            for it in complete[:-self.keep]:
-                tier.delete(it, world)
+            for it in complete:
+                if it not in kept:
+                    tier.delete(it, world)
             for it in tier.uncommitted():
                 if it < committed:  # every rank copies in order: none still writes there
                     tier.remove_uncommitted(it)
