@@ -212,6 +212,9 @@ def write_report(result: dict[str, Any], out: Path, cmd: str, no_plot: bool) -> 
     durable = out / "benchmarks-durable.md"  # written by bench_durable.py
     if durable.exists():
         text += "\n" + durable.read_text().replace("# The durable tier", "## The durable tier", 1)
+    erasure = out / "benchmarks-erasure.md"  # written by bench_erasure.py
+    if erasure.exists():
+        text += "\n" + erasure.read_text().replace("# Erasure", "## Erasure", 1)
     (out / "benchmarks.json").write_text(json.dumps(result, indent=1))
     (out / "benchmarks.md").write_text(text)
     print(text)

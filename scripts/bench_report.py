@@ -159,7 +159,8 @@ Planning at 1k-16k ranks: [benchmarks-planning.md](benchmarks-planning.md); the 
 with 8-64 real processes: [benchmarks-control.md](benchmarks-control.md); saves with
 `recycle_files=True`: [benchmarks-recycle/benchmarks.md](benchmarks-recycle/benchmarks.md); from a
 preemption signal to a finalized checkpoint: [benchmarks-preemption.md](benchmarks-preemption.md);
-the durable tier: [benchmarks-durable.md](benchmarks-durable.md).
+the durable tier: [benchmarks-durable.md](benchmarks-durable.md); erasure codes and their memory:
+[benchmarks-erasure.md](benchmarks-erasure.md).
 """]
     if plot is not None:
         out.append(f"![throughput per rank against size]({plot.name})\n")

@@ -125,3 +125,16 @@ def test_bench_durable_small_writes_report(tmp_path: Path) -> None:
         assert all(v > 0 for v in tier["ratios"].values())
     text = (tmp_path / "out" / "benchmarks-durable.md").read_text()
     assert "whole job on empty nodes" in text and "| bucket | `persist`" in text
+
+
+def test_bench_erasure_small_writes_report(tmp_path: Path) -> None:
+    proc = run_script("bench_erasure.py", "--mib", "1", "--repeats", "1", "--out",
+                      str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "benchmarks-erasure.json").read_text())
+    assert [r["layout"] for r in result["rates"]] == ["3+1", "4+2"]
+    assert all(r["encode_gbs"] > 0 and r["rebuild_gbs"] > 0 for r in result["rates"])
+    memory = {r["layout"]: r["shards_per_node"] for r in result["memory"]}
+    # 8 nodes of 4 ranks: full replicas keep F shards per own shard; 3+1 and 4+2 keep 1.5
+    assert memory == {"node_spread F=2": 8, "node_spread F=3": 12, "erasure 3+1": 6,
+                      "erasure 4+2": 6}

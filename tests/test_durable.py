@@ -192,7 +192,8 @@ def test_persist_on_demand(root: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("kwargs", "says"), [
     ({"root": ""}, "root"), ({"root": 3}, "root"), ({"root": "x", "persist_every": 0},
                                                     "persist_every"),
-    ({"root": "x", "keep": 0}, "keep"), ({"root": "x", "keep_every": 0}, "keep_every"), ({"root": "x", "commit_timeout": -1}, "commit_timeout"),
+    ({"root": "x", "keep": 0}, "keep"), ({"root": "x", "keep_every": 0}, "keep_every"),
+    ({"root": "x", "commit_timeout": -1}, "commit_timeout"),
 ])
 def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigurationError, match=says):
