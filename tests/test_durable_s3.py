@@ -282,3 +282,27 @@ def test_a_restore_from_a_bucket_brings_the_replicas_back_too(s3: Any, tmp_path:
     for r in run_ranks(sc.restore_and_wait, 2, tmp_path, str(root), url, env=s3.env):
         assert r.ok, r.message
         assert r.value == {"loaded": 4, "held": [(4, 0), (4, 1)]}, r.value
+
+
+@pytest.mark.parametrize("kind", ["directory", "bucket"])
+def test_a_local_chunk_corrupt_at_persist_time_is_never_committed(
+        s3: Any, root: Path, tmp_path: Path, kind: str) -> None:
+    url = f"s3://{s3.bucket()}/p" if kind == "bucket" else str(tmp_path / "d")
+    with LocalCheckpointManager(root, "job", keep_last=2, chunk_nbytes=4096, durable=DurableTier(
+            url, persist_every=None)) as mgr:
+        mgr.save({"w": torch.arange(40_000, dtype=torch.float32)}, 1)
+        chunk = mgr._ctx.store.path_of(1, 0, 1) / "data" / "c" / "17"
+        data = bytearray(chunk.read_bytes())
+        data[100] ^= 1
+        chunk.write_bytes(bytes(data))
+        mgr.persist(1)
+        assert mgr.wait_for_persist(30)
+        persister = mgr._save.persister
+        assert persister is not None and persister.persisted == []
+        assert "checksum mismatch" in persister.failures[0][1], persister.failures
+        tier = DurableStore(url, "job", 0)
+        try:
+            assert tier.complete(1) == []
+            assert not tier.holds(1, 0, 1, None)  # no manifest: the copy is not there
+        finally:
+            tier.close()

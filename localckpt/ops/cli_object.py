@@ -90,7 +90,7 @@ def verify(url: str) -> tuple[int, list[dict[str, Any]]]:
                             if committed:
                                 tier.read_shard(it, owner, world)
                             else:
-                                backend.get_shard(tier.read_with_digest(it, owner, world)[1])
+                                tier.read_data(tier.read_with_digest(it, owner, world)[1])
                         except UnsupportedFormatError as exc:
                             bad.append({"shard": where, "error": str(exc), "unsupported": True})
                         except (CheckpointingError, OSError) as exc:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +37,7 @@ from .durable_object import ObjectBackend, is_object_url, shard_key
 from .layout import iteration_dir
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
-from .store import ShardStore
+from .store import ShardStore, byte_view
 
 COMMIT_FORMAT = 1
 PROGRESS_DIR = ".persisting"  # per rank: the iteration it copies (rank 0 reads it)
@@ -55,6 +57,13 @@ def _commit_key(iteration: int, world_size: int) -> str:
     return f"{shard_key(iteration, 0, 1).split('/')[0]}/{commit_name(world_size)}"
 
 
+#: ``fill(i, out)``: chunk i of a shard into the uint8 tensor ``out``, verified (CRC-32C).
+ChunkFill = Callable[[int, torch.Tensor], None]
+#: ``each_chunk(manifest, work, extra)``: ``work(i, buf)`` for every chunk of ``manifest`` on the
+#: tier's threads, each thread with a buffer of its own (``chunk_nbytes + extra`` bytes).
+EachChunk = Callable[[ShardManifest, ChunkFill, int], None]
+
+
 class Backend(Protocol):
     """What a durable store is made of: keys are relative to the session. Every method may
     raise OSError; a missing key reads as FileNotFoundError."""
@@ -68,8 +77,10 @@ class Backend(Protocol):
     def read(self, key: str) -> bytes: ...
     def write(self, key: str, data: bytes) -> None: ...
     def remove(self, key: str) -> None: ...
-    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None: ...
-    def get_shard(self, manifest: ShardManifest) -> torch.Tensor: ...
+    threads: int  # chunks copied at once
+    def put_shard(self, manifest: ShardManifest, fill: ChunkFill,
+                  each_chunk: EachChunk) -> None: ...
+    def fill_chunk(self, manifest: ShardManifest, index: int, out: torch.Tensor) -> None: ...
     def delete_shard(self, iteration: int, owner: int, world_size: int) -> None: ...
     def remove_iteration(self, iteration: int) -> None: ...
     def remove_if_empty(self, iteration: int) -> None: ...
@@ -94,18 +105,53 @@ class DurableStore:
         else:
             self.backend = DirectoryBackend(Path(root), session_id, rank, io_threads)
         self.root = self.backend.where  # for messages
+        self._pool = ThreadPoolExecutor(self.backend.threads,
+                                        thread_name_prefix="localckpt-durable")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self.backend.close()
+
+    def _each_chunk(self, manifest: ShardManifest, work: ChunkFill, extra: int = 0) -> None:
+        """``work(i, buf)`` for every chunk of ``manifest``, on this tier's threads, each with a
+        buffer of its own: a copy holds threads x chunks in memory, not the shard. Every call
+        is over before this returns; the first error is raised and the other threads stop
+        taking chunks."""
+        chunks = iter(range(manifest.chunk_count))
+        lock, failed = threading.Lock(), threading.Event()
+
+        def worker() -> None:
+            buf = torch.empty(manifest.chunk_nbytes + extra, dtype=torch.uint8)
+            while not failed.is_set():
+                with lock:
+                    index = next(chunks, None)
+                if index is None:
+                    return
+                try:
+                    work(index, buf)
+                except BaseException:
+                    failed.set()
+                    raise
+
+        futures = [self._pool.submit(worker)
+                   for _ in range(min(self.backend.threads, manifest.chunk_count))]
+        wait(futures)
+        for future in futures:
+            future.result()
 
     # ------------------------------------------------------------------ copies
 
     def put(self, local: ShardStore, iteration: int, owner: int,
             world_size: int) -> ShardManifest:
-        """Copy the committed local shard (``iteration``, ``owner``) here, verified; returns its
-        manifest. Holds the shard in memory meanwhile."""
-        manifest, payload = local.read(local.ref(iteration, owner, world_size))
-        self.backend.put_shard(manifest, payload)
+        """Copy the committed local shard (``iteration``, ``owner``) here, chunk by chunk, each
+        read and verified, then written; returns its manifest."""
+        ref = local.ref(iteration, owner, world_size)
+        manifest = local.read_manifest(ref)
+        size = manifest.chunk_nbytes
+
+        def fill(index: int, out: torch.Tensor) -> None:
+            local.read_range(ref, manifest, index * size, out)
+        self.backend.put_shard(manifest, fill, self._each_chunk)
         return manifest
 
     def read_with_digest(self, iteration: int, owner: int,
@@ -136,7 +182,20 @@ class DurableStore:
         """The committed shard (``iteration``, ``owner``): its manifest and packed data, every
         chunk verified."""
         manifest = self.committed_manifest(iteration, owner, world_size)
-        return manifest, self.backend.get_shard(manifest)
+        return manifest, self.read_data(manifest)
+
+    def read_data(self, manifest: ShardManifest) -> torch.Tensor:
+        """The packed data of the shard ``manifest`` describes, every chunk checked against
+        it."""
+        size = manifest.chunk_nbytes
+        data = torch.empty(manifest.chunk_count * size, dtype=torch.uint8)
+        futures = [self._pool.submit(self.backend.fill_chunk, manifest, i,
+                                     data[i * size: (i + 1) * size])
+                   for i in range(manifest.chunk_count)]
+        wait(futures)
+        for future in futures:
+            future.result()
+        return data
 
     def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> bool:
         """Copy the committed durable shard (``iteration``, ``owner``) into ``local``, verified,
@@ -151,8 +210,18 @@ class DurableStore:
             except Exception:  # unreadable here: copied again
                 pass
         # Every chunk is checked against the committed manifest's CRCs: a shard replaced since
-        # the check above does not pass.
-        local.write(manifest, self.backend.get_shard(manifest))
+        # the check above does not pass. Chunk by chunk: read here, then written there.
+        writer = local.begin_write(manifest)
+        try:
+            def copy(index: int, buf: torch.Tensor) -> None:
+                self.backend.fill_chunk(manifest, index, buf)
+                writer.submit_chunk(index, byte_view(buf))
+                writer.wait_chunk(index)  # the buffer is then free for the next chunk
+            self._each_chunk(manifest, copy)
+            local.commit(writer)
+        except BaseException:
+            writer.abort()
+            raise
         return True
 
     def holds(self, iteration: int, owner: int, world_size: int, save_id: Any) -> bool:

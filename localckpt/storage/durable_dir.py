@@ -13,6 +13,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from .fsutil import fsync_dir
 from .layout import iteration_dir, list_iterations
 from .manifest import ShardManifest
 from .store import ShardStore, byte_view
+
+if TYPE_CHECKING:
+    from .durable import ChunkFill, EachChunk
 
 
 def _names(directory: Path) -> list[str]:
@@ -39,6 +43,7 @@ class DirectoryBackend:
     poll_s = 0.05  # a listing is a system call
 
     def __init__(self, root: Path, session_id: str, rank: int, io_threads: int) -> None:
+        self.threads = io_threads
         self.root = root
         self.where = str(root)
         self.session_id = session_id
@@ -90,17 +95,28 @@ class DirectoryBackend:
 
     # ------------------------------------------------------------------ shards
 
-    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None:
+    def put_shard(self, manifest: ShardManifest, fill: ChunkFill,
+                  each_chunk: EachChunk) -> None:
+        """Chunk by chunk through a writer (each chunk's CRC checked against ``manifest`` as it
+        is written), committed by rename."""
         self.store.session_path.mkdir(parents=True, exist_ok=True)
-        self.store.write(manifest, payload)
+        writer = self.store.begin_write(manifest)
+        try:
+            def copy(index: int, buf: torch.Tensor) -> None:
+                fill(index, buf)
+                writer.submit_chunk(index, byte_view(buf))
+                writer.wait_chunk(index)  # the buffer is then free for the next chunk
+            each_chunk(manifest, copy, 0)
+            self.store.commit(writer)
+        except BaseException:
+            writer.abort()
+            raise
 
-    def get_shard(self, manifest: ShardManifest) -> torch.Tensor:
+    def fill_chunk(self, manifest: ShardManifest, index: int, out: torch.Tensor) -> None:
+        """Chunk ``index`` into ``out``, checked against ``manifest``'s CRCs: a shard replaced
+        meanwhile does not pass."""
         ref = self.store.ref(manifest.iteration, manifest.owner_rank, manifest.world_size)
-        total = manifest.chunk_count * manifest.chunk_nbytes
-        buf = torch.empty(total, dtype=torch.uint8)
-        # Checked against ``manifest``'s CRCs: a shard replaced meanwhile does not pass.
-        self.store.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
-        return buf
+        self.store.read_range(ref, manifest, index * manifest.chunk_nbytes, out)
 
     def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
         self.store.delete(self.store.ref(iteration, owner, world_size))

@@ -27,11 +27,10 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import crc32c
 import torch
@@ -41,6 +40,9 @@ from .layout import session_dir, shard_path
 from .manifest import ShardManifest
 from .shard_writer import array_metadata, group_metadata
 from .store import byte_view
+
+if TYPE_CHECKING:
+    from .durable import ChunkFill, EachChunk
 
 _ITER = re.compile(r"iter_([0-9]{10})")
 _SCHEMES = ("s3://", "s3a://")
@@ -109,11 +111,10 @@ class ObjectBackend:
         self._obstore = obstore
         self.where = url
         self._session = session_dir(_ROOT, session_id).name
-        self._pool = ThreadPoolExecutor(max_workers=max(io_threads, 8),
-                                        thread_name_prefix="localckpt-s3")
+        self.threads = max(io_threads, 8)  # requests in flight: latency, not cores, bounds them
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Nothing to release: obstore's client has no open state to close."""
 
     def _key(self, key: str) -> str:
         return f"{self._session}/{key}"
@@ -211,60 +212,46 @@ class ObjectBackend:
 
     # ------------------------------------------------------------------ shards
 
-    def put_shard(self, manifest: ShardManifest, payload: torch.Tensor) -> None:
+    def put_shard(self, manifest: ShardManifest, fill: ChunkFill,
+                  each_chunk: EachChunk) -> None:
         """Chunks in parallel, then the array's metadata, the manifest last. A shard already
         under this key (another save's) loses its manifest first: no reader pairs it with
         these chunks."""
         key = shard_key(manifest.iteration, manifest.owner_rank, manifest.world_size)
         self.remove(f"{key}/zarr.json")
-        size, view = manifest.chunk_nbytes, byte_view(payload) if payload.numel() else None
+        size = manifest.chunk_nbytes
 
-        def put_chunk(i: int) -> None:
-            assert view is not None
-            chunk = view[i * size: (i + 1) * size]
-            crc = crc32c.crc32c(chunk)
-            if manifest.chunk_crc32c and crc != manifest.chunk_crc32c[i]:
-                raise CorruptShardError(f"shard {key}: chunk {i} changed since it was "
+        def put_chunk(index: int, buf: torch.Tensor) -> None:  # buf: chunk_nbytes + 4 bytes
+            fill(index, buf[:size])
+            body = byte_view(buf)
+            crc = crc32c.crc32c(body[:size])
+            if manifest.chunk_crc32c and crc != manifest.chunk_crc32c[index]:
+                raise CorruptShardError(f"shard {key}: chunk {index} changed since it was "
                                         f"verified (crc32c {crc:#010x}, manifest says "
-                                        f"{manifest.chunk_crc32c[i]:#010x})")
-            body = bytearray(size + 4)
-            body[:size] = chunk
+                                        f"{manifest.chunk_crc32c[index]:#010x})")
             body[size:] = crc.to_bytes(4, "little")
-            self.write(f"{key}/data/c/{i}", body)
+            self.write(f"{key}/data/c/{index}", body)
 
-        for future in [self._pool.submit(put_chunk, i) for i in range(manifest.chunk_count)]:
-            future.result()
+        each_chunk(manifest, put_chunk, 4)
         self.write(f"{key}/data/zarr.json",
                    json.dumps(array_metadata(size, manifest.chunk_count)).encode())
         self.write(f"{key}/zarr.json", group_metadata(manifest))
 
-    def get_shard(self, manifest: ShardManifest) -> torch.Tensor:
-        """The packed data of the shard ``manifest`` describes, every chunk checked against the
-        object's trailer and the manifest (a shard replaced meanwhile does not pass)."""
+    def fill_chunk(self, manifest: ShardManifest, index: int, out: torch.Tensor) -> None:
+        """Chunk ``index`` into ``out``, checked against the object's trailer and the manifest
+        (a shard replaced meanwhile does not pass)."""
         key = shard_key(manifest.iteration, manifest.owner_rank, manifest.world_size)
         size = manifest.chunk_nbytes
-        buf = torch.empty(manifest.chunk_count * size, dtype=torch.uint8)
-        view = byte_view(buf) if buf.numel() else None
-
-        def get_chunk(i: int) -> None:
-            assert view is not None
-            name = f"{key}/data/c/{i}"
-            data = self._fetch(name, expect_size=size + 4)
-            crc = crc32c.crc32c(data[:size])
-            stored = int.from_bytes(data[size:], "little")
-            if crc != stored or crc != manifest.chunk_crc32c[i]:
-                raise CorruptShardError(
-                    f"{self.where}/{self._key(name)}: checksum mismatch (computed crc32c "
-                    f"{crc:#010x}, object says {stored:#010x}, manifest says "
-                    f"{manifest.chunk_crc32c[i]:#010x})")
-            view[i * size: (i + 1) * size] = data[:size]
-
-        futures = [self._pool.submit(get_chunk, i) for i in range(manifest.chunk_count)]
-        for future in futures:  # every read over before the buffer is handed on or dropped
-            future.exception()
-        for future in futures:
-            future.result()
-        return buf
+        name = f"{key}/data/c/{index}"
+        data = self._fetch(name, expect_size=size + 4)
+        crc = crc32c.crc32c(data[:size])
+        stored = int.from_bytes(data[size:], "little")
+        if crc != stored or crc != manifest.chunk_crc32c[index]:
+            raise CorruptShardError(
+                f"{self.where}/{self._key(name)}: checksum mismatch (computed crc32c "
+                f"{crc:#010x}, object says {stored:#010x}, manifest says "
+                f"{manifest.chunk_crc32c[index]:#010x})")
+        byte_view(out)[:] = data[:size]
 
     def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
         """The manifest first (the shard is no longer there), then the rest."""
