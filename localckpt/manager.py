@@ -233,7 +233,7 @@ class LocalCheckpointManager:
             persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
                                   durable.commit_timeout or self.timeout, self._run,
                                   interval=durable.persist_interval,
-                                  keep_every=durable.keep_every)
+                                  keep_every=durable.keep_every, any_world=reshard)
             self._save.persister = persister
             self._save.retainer.pinned = persister.pinned
 

@@ -182,3 +182,28 @@ def restore_and_wait(rank: int, world: int, base: str, durable: str) -> dict[str
     held = sorted((r.iteration, r.owner_rank) for r in mgr._ctx.store.committed())
     mgr.close()
     return {"loaded": ckpt_id[0], "held": held}
+
+
+def restore_at_another_world(rank: int, world: int, base: str, durable: str,
+                             old_world: int) -> dict[str, Any]:
+    """A job of ``world`` ranks on empty nodes, ``reshard=True``: load the newest durable
+    iteration saved by ``old_world`` ranks, then save and persist two iterations of its own."""
+    from replication import make_strategy
+
+    mgr = LocalCheckpointManager(Path(base) / f"node{rank}", "job",
+                                 make_strategy("node_spread") if world > 1 else None,
+                                 timeout=20, chunk_nbytes=8192, node_id=f"node{rank}",
+                                 reshard=True, durable=DurableTier(durable, keep=1))
+    latest = mgr.find_latest()
+    state, ckpt_id = mgr.load()
+    out = {"latest": latest, "loaded": ckpt_id[0], "digest": digest(state),
+           "expected": digest(make_state(rank % old_world, ckpt_id[0]))}
+    for it in (10, 11):
+        mgr.save(make_state(rank, it), it)
+        assert mgr.wait_for_persist(30)
+    persister = mgr._save.persister
+    assert persister is not None
+    out["failures"] = list(persister.failures)
+    out["complete"] = persister.tier.complete_any()
+    mgr.close()
+    return out

@@ -61,6 +61,24 @@ def test_a_restore_from_the_durable_tier_brings_the_replicas_back_too(
         assert r.value == {"loaded": 4, "held": [(4, 0), (4, 1)]}, r.value
 
 
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_whole_job_restarts_from_the_durable_tier_at_another_world_size(
+        tmp_path: Path, root: Path, new_world: int) -> None:
+    durable = tmp_path / "shared"
+    _persist_run(tmp_path, root, durable)  # world 2: iterations 2 and 4 committed
+    shutil.rmtree(root)
+    results = run_ranks(sc.restore_at_another_world, new_world, tmp_path, str(root),
+                        str(durable), 2)
+    for r in results:
+        assert r.ok, r.message
+        v = r.value
+        assert v["latest"] == 4 and v["loaded"] == 4, v
+        assert v["digest"] == v["expected"], v  # plain state of old rank (rank % 2)
+        assert v["failures"] == [], v
+    # keep=1: the new job's newest; the old world's iterations, older than it, went too
+    assert results[0].value["complete"] == [(11, new_world)], results[0].value
+
+
 def test_the_persisted_form_is_a_zarr_group_plain_zarr_reads(tmp_path: Path, root: Path) -> None:
     import zarr
 
@@ -305,7 +323,7 @@ def test_a_hung_durable_listing_does_not_hold_find_latest(
     with LocalCheckpointManager(root, timeout=2, durable=DurableTier(tmp_path / "d")) as mgr:
         mgr.save({"w": torch.ones(2)}, 1)
         assert mgr.wait_for_persist(30)
-        monkeypatch.setattr(DurableStore, "complete", lambda self, w: time.sleep(60))
+        monkeypatch.setattr(DurableStore, "complete_any", lambda self: time.sleep(60))
         started = time.monotonic()
         assert mgr.find_latest() == 1  # the local tier's, after half a timeout
         assert time.monotonic() - started < 5
@@ -408,7 +426,7 @@ def test_a_hung_mount_fails_a_rollback_alike_instead_of_hanging_rank_0(
         for it in (1, 2, 3):
             mgr.save({"w": torch.full((3,), float(it))}, it)
             assert mgr.wait_for_persist(30)
-        monkeypatch.setattr(DurableStore, "complete", lambda self, w: time.sleep(60))
+        monkeypatch.setattr(DurableStore, "complete_any", lambda self: time.sleep(60))
         started = time.monotonic()
         with pytest.raises(CheckpointingError, match="durable tier"):
             mgr.load(iteration=1, discard_newer=True)
@@ -421,9 +439,9 @@ def test_an_unlistable_durable_tier_with_nothing_local_is_an_error_not_a_fresh_s
         root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from localckpt.errors import DurableTierUnavailableError
 
-    def unreachable(self: DurableStore, world: int) -> list[int]:
+    def unreachable(self: DurableStore) -> list[tuple[int, int]]:
         raise OSError(116, "Stale file handle")
-    monkeypatch.setattr(DurableStore, "complete", unreachable)
+    monkeypatch.setattr(DurableStore, "complete_any", unreachable)
     with LocalCheckpointManager(root, durable=DurableTier(tmp_path / "d")) as mgr, \
             pytest.raises(DurableTierUnavailableError, match="not starting over"):
         mgr.find_latest()
@@ -473,3 +491,16 @@ def test_stale_replicas_of_a_restored_iteration_are_dropped(tmp_path: Path, root
     shutil.rmtree(root / "node1")  # node 1 lost again: its shard must not come from A's copy
     loaded = [r.value for r in run_ranks(sc.restore_timeline, 2, tmp_path, str(root), durable)]
     assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
+
+
+def test_a_job_that_does_not_reshard_leaves_other_world_sizes_in_the_durable_tier(
+        tmp_path: Path, root: Path) -> None:
+    durable = tmp_path / "shared"
+    _persist_run(tmp_path, root, durable)  # world 2: iterations 2 and 4 committed
+    with LocalCheckpointManager(tmp_path / "solo", keep_last=1, durable=DurableTier(
+            durable, keep=1), session_id="job") as mgr:
+        for it in (7, 8):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    # not this job's to judge: a job of 2 ranks may come back to them
+    assert DurableStore(durable, "job", 0).complete_any() == [(2, 2), (4, 2), (8, 1)]

@@ -111,3 +111,41 @@ def test_too_few_blocks_or_wrong_sizes_are_refused() -> None:
         decode({0: members[0], 3: parity[0]}, [10, 6, 8], 2)
     with pytest.raises(ValueError, match="block 1 has 5 bytes, expected 6"):
         decode({0: members[0], 1: members[1][:5], 3: parity[0]}, [10, 6, 8], 2)
+
+
+# ---------------------------------------------------------------- parity built piecewise
+
+
+@pytest.mark.parametrize("k,m", [(3, 1), (4, 2), (2, 3)])
+def test_parity_folded_in_piece_by_piece_in_any_order_is_what_encode_makes(k: int,
+                                                                          m: int) -> None:
+    from replication.parity import ParityAccumulator
+
+    rng = np.random.default_rng(7)
+    sizes = [70_001, 12_345, 0, 40_000][:k]
+    members = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+    expected = encode(members, m)
+    pieces = [(i, lo, members[i][lo: lo + 4096]) for i in range(k)
+              for lo in range(0, sizes[i], 4096)]
+    rng.shuffle(pieces)  # arrival order is any order
+    blocks = []
+    for j in range(m):
+        acc = ParityAccumulator(k, m, j, parity_nbytes(sizes))
+        for i, lo, data in pieces:
+            acc.add(i, lo, data)
+        assert np.array_equal(acc.block, expected[j]), j
+        blocks.append(acc.block)
+    # and the code rebuilds from them
+    have = {i: members[i] for i in range(m, k)} | {k + j: b for j, b in enumerate(blocks)}
+    rebuilt = decode(have, sizes, m)
+    assert all(np.array_equal(rebuilt[i], members[i]) for i in range(min(m, k)))
+
+
+def test_a_piece_outside_the_parity_block_is_refused() -> None:
+    from replication.parity import ParityAccumulator
+
+    acc = ParityAccumulator(3, 1, 0, 10)
+    with pytest.raises(ValueError, match="outside the 10-byte parity block"):
+        acc.add(0, 8, np.ones(4, np.uint8))
+    with pytest.raises(ValueError, match="parity block 1"):
+        ParityAccumulator(3, 1, 1, 10)

@@ -23,7 +23,8 @@ class DurableTier:
     ``persist_every``: persist every n-th finalized save (1: every one the store keeps up with;
     a request that arrives while one runs replaces the one waiting); ``None``: not by count.
     ``persist_interval``: also persist a finalized save once this many seconds have passed
-    since the last persist was asked for (rank 0's clock decides, for every rank). Neither: only
+    since the last persist was asked for, and the first of each run (rank 0's clock decides, for
+    every rank). Neither: only
     on ``manager.persist()``. ``keep``: complete iterations kept there (the newest);
     ``keep_every``: also keep each complete iteration that is a multiple of it (post-mortems).
     ``commit_timeout``: how long rank 0 waits for every rank's copy before it commits an
@@ -42,6 +43,9 @@ class DurableTier:
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ConfigurationError(f"DurableTier: root: expected a path, got {self.root!r}")
+        if not isinstance(self.root, str) and os.fspath(self.root).startswith(("s3:/", "s3a:/")):
+            raise ConfigurationError(f"DurableTier: root: a bucket is named by a string "
+                                     f"('s3://bucket/prefix'), got the path {self.root!r}")
         url = isinstance(self.root, str) and "://" in self.root
         if url and not self.is_object_store:
             raise ConfigurationError(f"DurableTier: root: expected a directory or "

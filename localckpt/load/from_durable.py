@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from ..control.context import Context
@@ -24,16 +25,18 @@ from ..storage.durable import DurableStore
 logger = logging.getLogger(__name__)
 
 
-def durable_candidates(ctx: Context, tier: DurableStore, newer_than: int) -> list[int]:
-    """Complete durable iterations of this world size newer than ``newer_than``, newest first:
-    rank 0's listing, the same on every rank. Collective (control group). A store rank 0 cannot
+def durable_candidates(ctx: Context, tier: DurableStore, newer_than: int,
+                       any_world: bool = False) -> list[tuple[int, int]]:
+    """(iteration, world size) of the complete durable iterations newer than ``newer_than``,
+    newest first: rank 0's listing, the same on every rank. Of this world size only, unless
+    ``any_world`` (a job that reshards). Collective (control group). A store rank 0 cannot
     list within half a timeout counts as empty (logged) when the local tiers hold an iteration;
     when they hold none, DurableTierUnavailableError on every rank."""
     def listing() -> dict[str, Any] | None:
         if ctx.rank != 0:
             return None
         try:
-            return {"complete": within(ctx.timeout / 2, lambda: tier.complete(ctx.world_size))}
+            return {"complete": within(ctx.timeout / 2, tier.complete_any)}
         except OSError as exc:  # TimeoutError included
             return {"failed": f"{type(exc).__name__}: {exc}"}
 
@@ -47,22 +50,35 @@ def durable_candidates(ctx: Context, tier: DurableStore, newer_than: int) -> lis
         logger.error("rank %d: the durable tier %s could not be listed (%s): the local "
                      "tiers' iteration %d is used", ctx.rank, tier.root, answer["failed"],
                      newer_than)
-    listed = answer.get("complete") or []
-    return sorted((int(it) for it in listed if int(it) > newer_than), reverse=True)
+    listed = [(int(it), int(world)) for it, world in answer.get("complete") or []]
+    # Of two world sizes with the same iteration number, this job's first.
+    return sorted(((it, world) for it, world in listed if it > newer_than and (
+        any_world or world == ctx.world_size)),
+        key=lambda c: (c[0], c[1] == ctx.world_size), reverse=True)
+
+
+def fetched_by(ctx: Context, world: int) -> list[int]:
+    """The owners of a ``world``-rank checkpoint whose shards this rank copies from the durable
+    tier: its own at this world size; else owner o goes to rank o mod this world size (every
+    shard to one rank; the resharding load then reads them where they are)."""
+    if world == ctx.world_size:
+        return [ctx.rank]
+    return list(range(ctx.rank, world, ctx.world_size))
 
 
 T = TypeVar("T")
 
 
-def drop_other_saves(ctx: Context, tier: DurableStore, iteration: int) -> None:
-    """Delete the replicas of ``iteration`` in this rank's node root that are not the
-    committed save's (another save of that iteration number): a later restore after a node loss
-    would otherwise mix them with the committed shards. The node's own ranks' shards are theirs
-    to check."""
-    world, node_of = ctx.world_size, ctx.topology.node_of
+def drop_other_saves(ctx: Context, tier: DurableStore, iteration: int, world: int) -> None:
+    """Delete the copies of ``iteration`` in this rank's node root that are not the committed
+    save's (another save of that iteration number): a later restore after a node loss would
+    otherwise mix them with the committed shards. Shards this node's ranks copy are theirs to
+    check."""
+    node_of = ctx.topology.node_of
     for ref in ctx.store.committed():
+        fetcher = ref.owner_rank if world == ctx.world_size else ref.owner_rank % ctx.world_size
         if ref.iteration != iteration or ref.world_size != world or \
-                node_of[ref.owner_rank] == node_of[ctx.rank]:
+                node_of[fetcher] == node_of[ctx.rank]:
             continue
         try:
             same = ctx.store.read_manifest(ref) == tier.committed_manifest(iteration,
@@ -94,32 +110,38 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     return box[0]
 
 
-def fetch_from_durable(ctx: Context, tier: DurableStore, candidates: list[int]) -> int:
-    """Copy this rank's shard of the newest candidate every rank can copy into its node root;
-    returns that iteration, or -1. Collective (one agreed step per candidate tried)."""
-    world = ctx.world_size
-    for iteration in candidates:
-        fetched = False
+def fetch_from_durable(ctx: Context, tier: DurableStore,
+                       candidates: list[tuple[int, int]]) -> tuple[int, int]:
+    """Copy this rank's shards (:func:`fetched_by`) of the newest candidate every rank can copy
+    into its node root; returns that (iteration, world size), or (-1, -1). Collective (one agreed
+    step per candidate tried)."""
+    for iteration, world in candidates:
+        fetched: list[int] = []
 
-        def fetch(iteration: int = iteration) -> None:
-            nonlocal fetched
+        def fetch(iteration: int = iteration, world: int = world,
+                  fetched: list[int] = fetched) -> None:
             fault_point("durable_fetch", ctx.rank, iteration)
-            # A shard of this iteration already here is kept only if it is the committed one
-            # (not a leftover of another save of the same iteration number). A hung mount
-            # fails this rank within the others' wait, instead of holding it for ever.
-            fetched = within(3.5 * ctx.timeout,
-                             lambda: tier.get(ctx.store, iteration, ctx.rank, world))
-            drop_other_saves(ctx, tier, iteration)
+            for owner in fetched_by(ctx, world):
+                # A shard of this iteration already here is kept only if it is the committed
+                # one (not a leftover of another save of the same iteration number). A hung
+                # mount fails this rank within the others' wait, instead of holding it for ever.
+                if within(3.5 * ctx.timeout,
+                          partial(tier.get, ctx.store, iteration, owner, world)):
+                    fetched.append(owner)
+            drop_other_saves(ctx, tier, iteration, world)
 
         with ctx.timed("fetch_from_durable", iteration):
+            # each rank copies at most this many shards, each bounded by 3.5 timeouts
+            most = -(-world // ctx.world_size)
             outcome = ctx.group.gather_outcomes(f"load: from the durable tier, iteration "
-                                                f"{iteration}", fetch, wait=4 * ctx.timeout)
+                                                f"{iteration}", fetch,
+                                                wait=4 * ctx.timeout * most)
         if not outcome.failures:
-            return iteration
+            return iteration, world
         logger.warning("rank %d: iteration %d cannot be restored from the durable tier %s "
                        "(%s); trying an older one", ctx.rank, iteration, tier.root,
                        "; ".join(f"rank {r}: {e[1]}" for r, e in
                                  sorted(outcome.failures.items())[:4]))
-        if fetched:  # an incomplete iteration here: nothing would load it
-            ctx.store.delete(ctx.store.ref(iteration, ctx.rank, world), background=True)
-    return -1
+        for owner in fetched:  # an incomplete iteration here: nothing would load it
+            ctx.store.delete(ctx.store.ref(iteration, owner, world), background=True)
+    return -1, -1

@@ -52,9 +52,10 @@ class LoadPath:
         self._write_back: WriteBack | None = None  # the last load's, until waited for
         self._warned_foreign: set[int] = set()
         self.durable: DurableStore | None = None
-        # find_latest's: durable iterations newer than the local tiers cover, newest first,
-        # and the newest the local tiers cover (the fallback)
-        self._durable_candidates: list[int] = []
+        self._local_found: tuple[int, int] = (-1, ctx.world_size)  # the local tiers' newest
+        # find_latest's: durable (iteration, world size) newer than the local tiers cover,
+        # newest first, and the newest the local tiers cover (the fallback)
+        self._durable_candidates: list[tuple[int, int]] = []
         self._local_latest = -1
 
     @property
@@ -85,12 +86,13 @@ class LoadPath:
             self.latest_iteration, world, self._listed = find_latest(ctx, self.reshard)
             self._found = (self.latest_iteration, world)
             self._local_latest, self._durable_candidates = self.latest_iteration, []
-            if self.durable is not None:  # of this world size, newer than any local one
-                self._durable_candidates = durable_candidates(ctx, self.durable,
-                                                              self.latest_iteration)
+            self._local_found = self._found
+            if self.durable is not None:  # newer than any local one (any world with reshard)
+                self._durable_candidates = durable_candidates(
+                    ctx, self.durable, self.latest_iteration, self.reshard)
                 if self._durable_candidates:
-                    self.latest_iteration = self._durable_candidates[0]
-                    self._found = (self.latest_iteration, ctx.world_size)
+                    self._found = self._durable_candidates[0]
+                    self.latest_iteration = self._found[0]
             box["iteration"] = self.latest_iteration
         if self.latest_iteration >= 0 and world == ctx.world_size:
             # Parsed once: load finds it in the store's manifest cache.
@@ -147,9 +149,11 @@ class LoadPath:
             self.find_latest()
         if self._durable_candidates:  # newer than the local tiers: copied here first
             assert self.durable is not None
-            fetched = fetch_from_durable(self.ctx, self.durable, self._durable_candidates)
+            fetched, world = fetch_from_durable(self.ctx, self.durable,
+                                                self._durable_candidates)
             self._durable_candidates, self._listed = [], None
             self.latest_iteration = fetched if fetched >= 0 else self._local_latest
+            self._found = (fetched, world) if fetched >= 0 else self._local_found
             if fetched < 0 and self.latest_iteration < 0:
                 raise NoCheckpointError(
                     f"load: no complete checkpoint in the local tiers, and none the durable "
@@ -230,7 +234,7 @@ class LoadPath:
 
         def fence() -> None:
             if ctx.rank == 0:  # a hung mount: an error on every rank, not a hung rank 0
-                within(ctx.timeout / 2, lambda: tier.discard_newer(iteration, ctx.world_size))
+                within(ctx.timeout / 2, lambda: tier.discard_newer(iteration))
 
         ctx.group.exchange(f"rollback to {iteration}: persists settled", settled,
                            wait=settle_s + ctx.timeout)

@@ -36,7 +36,8 @@ def _worlds(names: list[str]) -> dict[int, list[int]]:
     for name in names:
         if name.startswith(_SHARD_PREFIX) and len(name) == 19:  # rank_XXXXX_of_XXXXX
             owner, world = int(name[5:10]), int(name[14:19])
-            out.setdefault(world, []).append(owner)
+            if owner < world:  # else no shard of a job: not listed, as the library does
+                out.setdefault(world, []).append(owner)
     return {w: sorted(o) for w, o in out.items()}
 
 
@@ -102,7 +103,8 @@ def verify(url: str) -> tuple[int, list[dict[str, Any]]]:
 
 def collect(url: str, policy: KeepPolicy, session: str | None, dry_run: bool) -> list[str]:
     """What gc removes from the bucket: per session and world size, the committed iterations
-    ``policy`` does not keep (commit record first), and the uncommitted iterations older than
+    ``policy`` does not keep (commit record first; one whose manifest cannot be read is kept,
+    its metrics unknown), and the uncommitted iterations older than
     the newest committed one (each rank persists in order: nothing completes them). Newer
     uncommitted ones may be a persist in progress and stay."""
     removed: list[str] = []
@@ -115,13 +117,13 @@ def collect(url: str, policy: KeepPolicy, session: str | None, dry_run: bool) ->
             for world in sorted(worlds):
                 complete = tier.complete(world)
                 newest_committed = max([newest_committed, *complete])
-                meta = {}
+                meta, unread = {}, set()
                 for it in complete:
                     try:
                         meta[it] = tier.committed_manifest(it, 0, world).metadata
-                    except (OSError, CheckpointingError):
-                        continue
-                keep = policy.keep(complete, metrics={
+                    except (OSError, CheckpointingError):  # kept: its metrics are unknown
+                        unread.add(it)
+                keep = unread | policy.keep(complete, metrics={
                     it: m["metrics"] for it, m in meta.items() if m.get("metrics") is not None},
                     times={it: m["saved_unix"] for it, m in meta.items()
                            if isinstance(m.get("saved_unix"), (int, float))})

@@ -36,11 +36,14 @@ class Persister:
 
     def __init__(self, ctx: Context, tier: DurableStore, every: int | None, keep: int,
                  wait: float, run: str, interval: float | None = None,
-                 keep_every: int | None = None) -> None:
+                 keep_every: int | None = None, any_world: bool = False) -> None:
         self.ctx, self.tier, self.every, self.wait_s = ctx, tier, every, wait
         self.keep = KeepPolicy(last=keep, every=keep_every)  # the durable tier's retention
+        self.any_world = any_world  # reshard=True: other world sizes' iterations are this job's
         self.interval = interval  # seconds between persists by the clock (rank 0's decides)
-        self._asked_at = time.monotonic()  # when a persist was last asked for
+        # When a persist was last asked for: never, so a run's first finalized save is due (a
+        # job whose runs are all shorter than the interval persists too).
+        self._asked_at = -float("inf")
         self.run = run  # this job run's id (rank 0's, agreed at start): names progress records
         self.persisted: list[int] = []  # iterations this rank copied (rank 0: committed)
         self.failures: list[tuple[int, str]] = []  # (iteration, error) of failed persists
@@ -166,15 +169,20 @@ class Persister:
 
     def _retain(self, committed: int) -> None:
         """Rank 0, after committing ``committed``: keep what the keep policy keeps of the
-        complete iterations; remove the others, and uncommitted leftovers older than
+        complete iterations of this world size, and remove the others, those of other world
+        sizes older than all it keeps (with ``any_world``), and uncommitted leftovers older than
         ``committed``."""
         tier, world = self.tier, self.ctx.world_size
-        complete = tier.complete(world)
-        kept = self.keep.keep(complete)
         try:
-            for it in complete:
-                if it not in kept:
-                    tier.delete(it, world)
+            complete = tier.complete_any()
+            kept = self.keep.keep([it for it, w in complete if w == world])
+            for it, w in complete:
+                # With reshard=True, another world size's iteration older than every one kept
+                # was superseded by this job (restarted from it); without, or a newer one, it
+                # is not this job's to judge.
+                if (w == world and it not in kept) or (
+                        w != world and self.any_world and kept and it < min(kept)):
+                    tier.delete(it, w)
             for it in tier.uncommitted():
                 if it < committed:  # every rank copies in order: none still writes there
                     tier.remove_uncommitted(it)

@@ -19,6 +19,7 @@ manifest on the way).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -39,9 +40,12 @@ from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
 from .store import ShardStore, byte_view
 
+logger = logging.getLogger(__name__)
+
 COMMIT_FORMAT = 1
 PROGRESS_DIR = ".persisting"  # per rank: the iteration it copies (rank 0 reads it)
 _SHARD_OF = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
+_COMMIT = re.compile(r"COMMITTED-([0-9]{5})\.json")
 
 
 def commit_name(world_size: int) -> str:
@@ -69,6 +73,7 @@ class Backend(Protocol):
     raise OSError; a missing key reads as FileNotFoundError."""
 
     where: str
+    overwrites_in_place: bool  # a shard is written over key by key, not replaced at once
     poll_s: float  # how often rank 0 looks for the ranks' copies while it waits to commit
 
     def close(self) -> None: ...
@@ -81,7 +86,7 @@ class Backend(Protocol):
     def put_shard(self, manifest: ShardManifest, fill: ChunkFill,
                   each_chunk: EachChunk) -> None: ...
     def fill_chunk(self, manifest: ShardManifest, index: int, out: torch.Tensor) -> None: ...
-    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None: ...
+    def delete_shards(self, iteration: int, world_size: int) -> None: ...
     def remove_iteration(self, iteration: int) -> None: ...
     def remove_if_empty(self, iteration: int) -> None: ...
 
@@ -148,11 +153,30 @@ class DurableStore:
         ref = local.ref(iteration, owner, world_size)
         manifest = local.read_manifest(ref)
         size = manifest.chunk_nbytes
+        if self.backend.overwrites_in_place:
+            self._uncommit_other_save(manifest)
 
         def fill(index: int, out: torch.Tensor) -> None:
             local.read_range(ref, manifest, index * size, out)
         self.backend.put_shard(manifest, fill, self._each_chunk)
         return manifest
+
+    def _uncommit_other_save(self, manifest: ShardManifest) -> None:
+        """Before a store that overwrites objects in place (a bucket) writes over a shard of an
+        iteration committed by another save: remove that commit record, so the tier says the
+        iteration is incomplete while it is, instead of naming shards being overwritten (a
+        directory replaces a shard by one rename and needs none of this)."""
+        world = manifest.world_size
+        try:
+            record = self.commit_record(manifest.iteration, world)
+        except CorruptShardError:  # none (or not valid): nothing claims the iteration
+            return
+        if record.get("save_id") != manifest.metadata.get("save_id"):
+            logger.warning("durable tier %s: iteration %d, committed by another save, is "
+                           "written over by save %s: no longer complete there until that one "
+                           "is committed", self.root, manifest.iteration,
+                           manifest.metadata.get("save_id"))
+            self.backend.remove(_commit_key(manifest.iteration, world))
 
     def read_with_digest(self, iteration: int, owner: int,
                          world_size: int) -> tuple[int, ShardManifest]:
@@ -225,10 +249,11 @@ class DurableStore:
         return True
 
     def holds(self, iteration: int, owner: int, world_size: int, save_id: Any) -> bool:
-        """Whether the shard (``iteration``, ``owner``) of the save ``save_id`` is here."""
+        """Whether the shard (``iteration``, ``owner``) of the save ``save_id`` is here; OSError
+        when the store cannot tell (a copy is not written over a shard that may be there)."""
         try:
             _, manifest = self.read_with_digest(iteration, owner, world_size)
-        except (OSError, CorruptShardError):
+        except (FileNotFoundError, CorruptShardError):  # not there: another error is raised
             return False
         return bool(manifest.metadata.get("save_id") == save_id)
 
@@ -237,7 +262,8 @@ class DurableStore:
     def shards_present(self, iteration: int, world_size: int) -> list[int]:
         """Owners with a shard of ``iteration`` here (one listing; possibly still written)."""
         return sorted(int(m[1]) for name in self.backend.names(iteration)
-                      if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size)
+                      if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size
+                      and int(m[1]) < world_size)
 
     def mark_progress(self, rank: int, run: str, iteration: int) -> None:
         """Record that ``rank`` of the job run ``run`` now copies ``iteration`` (each rank
@@ -299,12 +325,13 @@ class DurableStore:
         self.backend.write(_commit_key(iteration, world_size), json.dumps(doc).encode())
 
     def commit_record(self, iteration: int, world_size: int) -> dict[str, Any]:
-        """The commit record of ``iteration``; CorruptShardError if it is not a valid one."""
+        """The commit record of ``iteration``; CorruptShardError if there is no valid one,
+        OSError if the store cannot be read."""
         key = _commit_key(iteration, world_size)
         try:
             doc = json.loads(self.backend.read(key))
-        except (OSError, ValueError) as exc:
-            raise CorruptShardError(f"{self.root}/{key}: unreadable commit record: "
+        except (FileNotFoundError, ValueError) as exc:  # the store's other errors: as they are
+            raise CorruptShardError(f"{self.root}/{key}: no valid commit record: "
                                     f"{exc}") from exc
         if not (isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT
                 and doc.get("iteration") == iteration and doc.get("world_size") == world_size
@@ -317,6 +344,15 @@ class DurableStore:
         """Iterations with a commit record for ``world_size``, oldest first."""
         name = commit_name(world_size)
         return [it for it in self.backend.iterations() if name in self.backend.names(it)]
+
+    def complete_any(self) -> list[tuple[int, int]]:
+        """(iteration, world size) of every commit record, oldest first."""
+        out = []
+        for it in self.backend.iterations():
+            for name in self.backend.names(it):
+                if (m := _COMMIT.fullmatch(name)) and int(m[1]) >= 1:
+                    out.append((it, int(m[1])))
+        return sorted(out)
 
     def uncommitted(self) -> list[int]:
         """Iterations with something here but no commit record of any world size."""
@@ -333,21 +369,20 @@ class DurableStore:
             raise ValueError(f"iteration {iteration} in {self.root} is committed")
         self.backend.remove_iteration(iteration)
 
-    def discard_newer(self, iteration: int, world_size: int) -> None:
-        """Rank 0, in a rollback to ``iteration``: remove every newer iteration of
-        ``world_size`` (commit record first) and every newer uncommitted one."""
-        committed = set(self.complete(world_size))
-        for it in self.backend.iterations():
+    def discard_newer(self, iteration: int) -> None:
+        """Rank 0, in a rollback to ``iteration``: remove every newer iteration, of any world
+        size (commit records first; a job restarted with ``reshard=True`` would load them),
+        and every newer uncommitted one."""
+        for it, world in self.complete_any():
             if it > iteration:
-                if it in committed:
-                    self.delete(it, world_size)
-                elif not self.committed_by_any(it):
-                    self.remove_uncommitted(it)
+                self.delete(it, world)
+        for it in self.backend.iterations():
+            if it > iteration and not self.committed_by_any(it):
+                self.remove_uncommitted(it)
 
     def delete(self, iteration: int, world_size: int) -> None:
         """Rank 0: the commit record first (the iteration is no longer complete), then the
         shards of ``world_size``, each made invisible first, then the iteration if empty."""
         self.backend.remove(_commit_key(iteration, world_size))
-        for owner in self.shards_present(iteration, world_size):
-            self.backend.delete_shard(iteration, owner, world_size)
+        self.backend.delete_shards(iteration, world_size)
         self.backend.remove_if_empty(iteration)

@@ -41,6 +41,7 @@ class DirectoryBackend:
     method may raise OSError; a missing key reads as FileNotFoundError."""
 
     poll_s = 0.05  # a listing is a system call
+    overwrites_in_place = False  # a shard is replaced by one rename
 
     def __init__(self, root: Path, session_id: str, rank: int, io_threads: int) -> None:
         self.threads = io_threads
@@ -118,8 +119,11 @@ class DirectoryBackend:
         ref = self.store.ref(manifest.iteration, manifest.owner_rank, manifest.world_size)
         self.store.read_range(ref, manifest, index * manifest.chunk_nbytes, out)
 
-    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
-        self.store.delete(self.store.ref(iteration, owner, world_size))
+    def delete_shards(self, iteration: int, world_size: int) -> None:
+        """Every shard of ``world_size`` in ``iteration``, each hidden by a rename first."""
+        for ref in self.store.committed():
+            if ref.iteration == iteration and ref.world_size == world_size:
+                self.store.delete(ref)
 
     def remove_iteration(self, iteration: int) -> None:
         """Everything under ``iteration``: hidden by one rename, then deleted."""

@@ -69,9 +69,40 @@ def _last(path: str) -> str:
 def _translate(exc: Exception, what: str) -> OSError:
     import obstore.exceptions as obs_errors
 
-    if isinstance(exc, obs_errors.NotFoundError):
+    if isinstance(exc, (obs_errors.NotFoundError, FileNotFoundError)):
         return FileNotFoundError(f"{what}: not found")
-    return OSError(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return OSError(f"{what}: {type(exc).__name__}: {first}")
+
+
+# obstore's S3 settings that name the endpoint (an http:// one needs allow_http), the bucket
+# (the URL's; another one would put objects where no message says), and client settings.
+_ENDPOINT_KEYS = {"endpoint", "aws_endpoint", "endpoint_url", "aws_endpoint_url",
+                  "aws_endpoint_url_s3"}
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_BUCKET_KEYS = {"bucket", "bucket_name", "aws_bucket", "aws_bucket_name"}
+_CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout",
+                "proxy_url", "proxy_ca_certificate", "proxy_excludes", "user_agent",
+                "pool_idle_timeout", "pool_max_idle_per_host", "http1_only", "http2_only",
+                "default_content_type"}
+
+
+def _split_settings(url: str, options: Mapping[str, Any]) -> tuple[dict[str, Any],
+                                                                   dict[str, Any]]:
+    """(S3 settings, HTTP client settings) from a tier's ``options``; ConfigurationError for
+    one naming a bucket."""
+    config, client = {}, {}
+    for key, value in options.items():
+        name = key.lower().removeprefix("aws_")
+        if key.lower() in _BUCKET_KEYS:
+            raise ConfigurationError(f"durable tier {url}: options: {key!r} would put the "
+                                     "objects in another bucket than the root names; name the "
+                                     "bucket in the root (s3://bucket/prefix)")
+        if name in _CLIENT_KEYS:
+            client[name] = value
+        else:
+            config[key] = value
+    return config, client
 
 
 class ObjectBackend:
@@ -82,6 +113,7 @@ class ObjectBackend:
     after ``timeout`` seconds, retries included."""
 
     poll_s = 0.25  # a listing is a billed request
+    overwrites_in_place = True  # each object is replaced, not the shard as a whole
 
     def __init__(self, url: str, session_id: str, io_threads: int, timeout: float,
                  options: Mapping[str, Any] | None = None) -> None:
@@ -91,23 +123,27 @@ class ObjectBackend:
         except ImportError as exc:  # pragma: no cover - the extra is not installed
             raise ConfigurationError(f"durable tier {url}: object storage needs obstore "
                                      f"(pip install 'localckpt[s3]'): {exc}") from exc
-        config = dict(options or {})
-        endpoint = next((str(v) for v in (
-            config.get("endpoint"), config.get("aws_endpoint"), os.environ.get(
-                "AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"),
-            os.environ.get("AWS_ENDPOINT")) if v), "")
+        config, client = _split_settings(url, options or {})
+        endpoint = next((str(v) for k, v in config.items() if k.lower() in _ENDPOINT_KEYS),
+                        "") or next((os.environ[k] for k in _ENDPOINT_ENV if os.environ.get(k)),
+                                    "")
         client = {"timeout": timedelta(seconds=timeout),
                   "connect_timeout": timedelta(seconds=min(timeout, 10.0)),
-                  "allow_http": endpoint.startswith("http://")}  # asked for by the endpoint
+                  "allow_http": endpoint.startswith("http://"),  # asked for by the endpoint
+                  **client}
         retry = {"max_retries": 3, "retry_timeout": timedelta(seconds=timeout)}
         try:
             self._store = S3Store.from_url(
                 url, config=config, client_options=client,  # type: ignore[arg-type]
                 retry_config=retry)  # type: ignore[arg-type]
-        except Exception as exc:
+        except BaseException as exc:  # obstore panics (a BaseException) on some settings
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             raise ConfigurationError(f"durable tier: expected s3://bucket[/prefix] and obstore "
                                      f"S3 settings, got {url!r} with settings "
-                                     f"{sorted(config)}: {exc}") from exc
+                                     f"{sorted(config)} and client settings {sorted(client)}: "
+                                     f"{str(exc).splitlines()[0] if str(exc) else exc!r}"
+                                     ) from None
         self._obstore = obstore
         self.where = url
         self._session = session_dir(_ROOT, session_id).name
@@ -120,12 +156,14 @@ class ObjectBackend:
         return f"{self._session}/{key}"
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, the store's errors made OSError naming the object (one line: a server's
+        error body can be long, or carry tokens); a missing one FileNotFoundError."""
         try:
             return fn()
-        except OSError:
+        except CorruptShardError:
             raise
         except Exception as exc:
-            raise _translate(exc, f"{self.where}/{what}") from exc
+            raise _translate(exc, f"{self.where}/{self._key(what)}") from None
 
     # ------------------------------------------------------------------ listing and records
 
@@ -253,11 +291,17 @@ class ObjectBackend:
                 f"{manifest.chunk_crc32c[index]:#010x})")
         byte_view(out)[:] = data[:size]
 
-    def delete_shard(self, iteration: int, owner: int, world_size: int) -> None:
-        """The manifest first (the shard is no longer there), then the rest."""
-        key = shard_key(iteration, owner, world_size)
-        self.remove(f"{key}/zarr.json")
-        self._remove_all(f"{key}/")
+    def delete_shards(self, iteration: int, world_size: int) -> None:
+        """Every shard of ``world_size`` in ``iteration``: one listing, the manifests first
+        (each shard is then no longer there), then the rest, a thousand keys per request."""
+        tag = f"_of_{world_size:05d}/"
+        keys = [k for k in self._all_under(shard_key(iteration, 0, 1).split("/")[0] + "/")
+                if tag in k]
+        manifests = {k for k in keys if k.endswith(tag + "zarr.json")}  # .../rank_*_of_W/
+        for batch in (sorted(manifests), [k for k in keys if k not in manifests]):
+            for start in range(0, len(batch), 1000):
+                self._call(f"iter_{iteration:010d}", partial(
+                    self._obstore.delete, self._store, batch[start: start + 1000]))
 
     def remove_iteration(self, iteration: int) -> None:
         self._remove_all(shard_key(iteration, 0, 1).split("/")[0] + "/")
