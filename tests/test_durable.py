@@ -504,3 +504,20 @@ def test_a_job_that_does_not_reshard_leaves_other_world_sizes_in_the_durable_tie
             assert mgr.wait_for_persist(30)
     # not this job's to judge: a job of 2 ranks may come back to them
     assert DurableStore(durable, "job", 0).complete_any() == [(2, 2), (4, 2), (8, 1)]
+
+
+def test_a_durable_iteration_that_failed_to_fetch_is_not_offered_again_to_a_resharding_load(
+        tmp_path: Path, root: Path) -> None:
+    durable = tmp_path / "shared"
+    _persist_run(tmp_path, root, durable)  # world 2: 2 and 4
+    for r in run_ranks(sc.save_and_persist, 3, tmp_path, str(tmp_path / "w3"), str(durable),
+                       [5, 6], 1):  # world 3, no reshard: 5 and 6, the world-2 ones kept
+        assert r.ok, r.message
+    chunk = sorted((_iter_dir(durable, 6) / "rank_00002_of_00003" / "data" / "c").iterdir())[0]
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 1
+    chunk.write_bytes(bytes(data))  # 6 cannot be fetched: 5 is the newest that can
+    for r in run_ranks(sc.restore_at_another_world, 1, tmp_path, str(tmp_path / "empty"),
+                       str(durable), 3):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 5 and r.value["digest"] == r.value["expected"], r.value

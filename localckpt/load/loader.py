@@ -78,8 +78,9 @@ class LoadPath:
         self.wait_for_write_back()
         self._save.settle()
 
-    def find_latest(self) -> int:
-        """See :meth:`LocalCheckpointManager.find_latest`."""
+    def find_latest(self, durable: bool = True) -> int:
+        """See :meth:`LocalCheckpointManager.find_latest`. ``durable=False``: the local tiers
+        only (a load listing again after its durable step was decided)."""
         self.settle()
         ctx = self.ctx
         with ctx.timed("find_latest", -1) as box, gc_paused():
@@ -87,7 +88,8 @@ class LoadPath:
             self._found = (self.latest_iteration, world)
             self._local_latest, self._durable_candidates = self.latest_iteration, []
             self._local_found = self._found
-            if self.durable is not None:  # newer than any local one (any world with reshard)
+            if self.durable is not None and durable:  # newer than any local one (any world
+                # size with reshard)
                 self._durable_candidates = durable_candidates(
                     ctx, self.durable, self.latest_iteration, self.reshard)
                 if self._durable_candidates:
@@ -252,8 +254,8 @@ class LoadPath:
         world size the write-back of a replaced node starts after it."""
         ctx = self.ctx
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
-            if self._listed is None:
-                self.find_latest()
+            if self._listed is None:  # the durable tier was consulted already, by load
+                self.find_latest(durable=False)
             listed, self._listed = self._listed, None
             if self.latest_iteration < 0 or listed is None:
                 raise NoCheckpointError(f"load: no complete checkpoint of session "
