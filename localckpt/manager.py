@@ -222,6 +222,7 @@ class LocalCheckpointManager:
                             self._job_identity)
         self._save = SavePath(self._ctx, keep, busy)
         self._save.agreement.any_world = reshard
+        self._save.retainer.any_world = reshard
         self._save.dedupe_replicated = dedupe_replicated
         self.reshard = reshard
         self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)

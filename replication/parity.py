@@ -74,6 +74,8 @@ class ParityAccumulator:
         self._weights = coefficients(k, m)[j]
 
     def add(self, member: int, offset: int, data: Any) -> None:
+        if not 0 <= member < len(self._weights):
+            raise ValueError(f"member {member}: expected 0 <= member < {len(self._weights)}")
         piece = np.frombuffer(data, dtype=np.uint8)
         if offset < 0 or offset + len(piece) > len(self.block):
             raise ValueError(f"member {member}: bytes [{offset}, {offset + len(piece)}) fall "

@@ -205,5 +205,7 @@ def restore_at_another_world(rank: int, world: int, base: str, durable: str,
     assert persister is not None
     out["failures"] = list(persister.failures)
     out["complete"] = persister.tier.complete_any()
+    out["other_world_local"] = sorted({(r.iteration, r.world_size) for r in
+                                       mgr._ctx.store.committed() if r.world_size != world})
     mgr.close()
     return out

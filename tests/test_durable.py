@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ def test_a_whole_job_restarts_from_the_durable_tier_at_another_world_size(
         assert v["latest"] == 4 and v["loaded"] == 4, v
         assert v["digest"] == v["expected"], v  # plain state of old rank (rank % 2)
         assert v["failures"] == [], v
+        # the fetched old shards went with the node roots' retention once superseded
+        assert v["other_world_local"] == [], v
     # keep=1: the new job's newest; the old world's iterations, older than it, went too
     assert results[0].value["complete"] == [(11, new_world)], results[0].value
 
@@ -521,3 +524,42 @@ def test_a_durable_iteration_that_failed_to_fetch_is_not_offered_again_to_a_resh
                        str(durable), 3):
         assert r.ok, r.message
         assert r.value["loaded"] == 5 and r.value["digest"] == r.value["expected"], r.value
+
+
+def test_a_fetch_given_up_never_commits_later(root: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy into the node root that its caller stopped waiting for (a hung mount that
+    recovers later) must not commit afterwards: it could replace a newer save's shard."""
+    import threading
+    from functools import partial
+
+    from localckpt.load.from_durable import within
+    from localckpt.storage.durable import GiveUp
+    from localckpt.storage.durable_dir import DirectoryBackend
+    from localckpt.storage.store import ShardStore
+
+    with LocalCheckpointManager(root, "job", chunk_nbytes=4096, durable=DurableTier(
+            tmp_path / "d")) as mgr:
+        mgr.save({"w": torch.arange(10_000, dtype=torch.float32)}, 1)
+        assert mgr.wait_for_persist(30)
+    release = threading.Event()
+    real = DirectoryBackend.fill_chunk
+
+    def stalled(self: DirectoryBackend, manifest: Any, index: int, out: Any) -> None:
+        if index == 0:
+            release.wait(30)
+        real(self, manifest, index, out)
+    monkeypatch.setattr(DirectoryBackend, "fill_chunk", stalled)
+    tier = DurableStore(tmp_path / "d", "job", 0)
+    fresh = ShardStore(tmp_path / "fresh", "job", writer_rank=0)
+    try:
+        stop = GiveUp()
+        with pytest.raises(TimeoutError):
+            within(0.3, partial(tier.get, fresh, 1, 0, 1, stop), stop)
+        release.set()  # the mount recovers
+        time.sleep(1.0)
+        assert fresh.committed() == []  # the copy stopped instead of committing
+    finally:
+        release.set()
+        tier.close()
+        fresh.close()

@@ -149,3 +149,5 @@ def test_a_piece_outside_the_parity_block_is_refused() -> None:
         acc.add(0, 8, np.ones(4, np.uint8))
     with pytest.raises(ValueError, match="parity block 1"):
         ParityAccumulator(3, 1, 1, 10)
+    with pytest.raises(ValueError, match="member -1"):
+        acc.add(-1, 0, np.ones(4, np.uint8))

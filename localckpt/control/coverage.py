@@ -209,14 +209,19 @@ def merge_metadata(docs: Sequence[Any]) -> dict[int, Any]:
     return out
 
 
-def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int) -> list[ShardKey]:
+def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int,
+                     any_world: bool = False) -> list[ShardKey]:
     """Every shard of ``world_size`` in this rank's root outside ``keep``: incomplete or beyond
-    retention. Shards of other world sizes are left alone (see :func:`other_world_shards`).
+    retention. Shards of other world sizes are left alone (see :func:`other_world_shards`),
+    unless ``any_world`` (a job that reshards, whose lineage they are): then those older than
+    every kept iteration go too.
 
     Ranks of a node share the root and may delete the same shard; deletion is a rename that only
     one of them wins, so that race is harmless and no rank needs to own the cleanup."""
     keep = set(keep)
-    return sorted(k for k in mine.shards if k[2] == world_size and k[0] not in keep)
+    floor = min(keep) if any_world and keep else -1
+    return sorted(k for k in mine.shards if (k[2] == world_size and k[0] not in keep)
+                  or (k[2] != world_size and k[0] < floor))
 
 
 def check_capacity(needed: Sequence[int], free: Sequence[int], node_of: Sequence[int]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from ..control.context import Context
 from ..errors import CorruptShardError, DurableTierUnavailableError
 from ..ops.faults import fault_point
-from ..storage.durable import DurableStore
+from ..storage.durable import DurableStore, GiveUp
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,10 @@ def drop_other_saves(ctx: Context, tier: DurableStore, iteration: int, world: in
             ctx.store.delete(ref, background=True)
 
 
-def within(seconds: float, fn: Callable[[], T]) -> T:
+def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T:
     """``fn()`` on a daemon thread (a hung mount must hold neither rank 0 past the others'
-    timeout nor the interpreter's exit); TimeoutError after ``seconds``."""
+    timeout nor the interpreter's exit); TimeoutError after ``seconds``, once ``stop`` (the
+    work's own guard, when it has one) was given up."""
     box: list[T] = []
     errors: list[BaseException] = []
 
@@ -103,6 +104,8 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     thread = threading.Thread(target=run, daemon=True, name="localckpt-durable-list")
     thread.start()
     thread.join(seconds)
+    if stop is not None and not box and not errors:
+        stop.give_up()  # waits for a commit in progress; none starts after
     if errors:
         raise errors[0]
     if not box:
@@ -124,18 +127,21 @@ def fetch_from_durable(ctx: Context, tier: DurableStore,
             for owner in fetched_by(ctx, world):
                 # A shard of this iteration already here is kept only if it is the committed
                 # one (not a leftover of another save of the same iteration number). A hung
-                # mount fails this rank within the others' wait, instead of holding it for ever.
+                # mount fails this rank within the others' wait, instead of holding it for
+                # ever, and a copy given up never commits later (over a newer save's shard).
+                stop = GiveUp()
                 if within(3.5 * ctx.timeout,
-                          partial(tier.get, ctx.store, iteration, owner, world)):
+                          partial(tier.get, ctx.store, iteration, owner, world, stop), stop):
                     fetched.append(owner)
-            drop_other_saves(ctx, tier, iteration, world)
+            within(3.5 * ctx.timeout, partial(drop_other_saves, ctx, tier, iteration, world))
 
         with ctx.timed("fetch_from_durable", iteration):
-            # each rank copies at most this many shards, each bounded by 3.5 timeouts
-            most = -(-world // ctx.world_size)
+            # each rank copies at most this many shards, then checks its node root's other
+            # copies, each step bounded by 3.5 timeouts
+            steps = -(-world // ctx.world_size) + 1
             outcome = ctx.group.gather_outcomes(f"load: from the durable tier, iteration "
                                                 f"{iteration}", fetch,
-                                                wait=4 * ctx.timeout * most)
+                                                wait=ctx.timeout * (3.5 * steps + 0.5))
         if not outcome.failures:
             return iteration, world
         logger.warning("rank %d: iteration %d cannot be restored from the durable tier %s "

@@ -182,6 +182,7 @@ class SaveJob:
     # written over by it are surplus once it is finalized (see storage/recycle.py).
     started_ns: int = field(default_factory=time.monotonic_ns)
     metrics: Metrics = field(default_factory=Metrics)
+    thread: threading.Thread | None = field(default=None, repr=False)  # :meth:`start`'s
 
     def __post_init__(self) -> None:
         if self.agree is None:
@@ -190,15 +191,21 @@ class SaveJob:
 
     def wait(self, timeout: float) -> bool:
         """Whether the job is done, waiting up to ``timeout`` (seconds per unit of work) for
-        its agreement (AGREEMENT_STEPS units), then for the work agreed (``wait_steps``)."""
-        return self.agreed.wait(timeout * AGREEMENT_STEPS) and \
-            self.done.wait(timeout * self.wait_steps)
+        its agreement (AGREEMENT_STEPS units), then for the work agreed (``wait_steps``); once
+        done, its thread has ended too (``close`` leaves no save thread behind)."""
+        if not (self.agreed.wait(timeout * AGREEMENT_STEPS)
+                and self.done.wait(timeout * self.wait_steps)):
+            return False
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)  # done is set last: the thread is only returning
+        return True
 
     def start(self, ctx: Context) -> None:
         """Run :meth:`run` on a thread of its own. Not a daemon: at interpreter exit the shard
         is still committed (every step of it is bounded by the timeout)."""
-        threading.Thread(target=self.run, args=(ctx,), name=f"localckpt-save-{self.iteration}"
-                         ).start()
+        self.thread = threading.Thread(target=self.run, args=(ctx,),
+                                       name=f"localckpt-save-{self.iteration}")
+        self.thread.start()
 
     def run(self, ctx: Context) -> None:
         """Agree (if not yet agreed), write, then replicate (this rank's part of the plan) on

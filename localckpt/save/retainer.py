@@ -34,6 +34,7 @@ class Retainer:
         # Iterations this rank must keep for now (a persist to the durable tier copies them):
         # reported, and kept by every rank (the node roots they share hold them too).
         self.pinned: Callable[[], set[int]] = set
+        self.any_world = False  # reshard=True: other world sizes' older shards go too
 
     def report(self, inventory: Inventory) -> dict[str, Any]:
         """This rank's ``inventory`` as the finalize sends it, with what the policy needs from
@@ -109,7 +110,7 @@ class Retainer:
             keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
             keep |= predicate_keeps or set()
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
-                                                     ctx.world_size):
+                                                     ctx.world_size, self.any_world):
                 ctx.store.delete(ctx.store.ref(it, owner, world),
                                  background=True)
             ctx.store.remove_leftovers(background=True)

@@ -18,6 +18,7 @@ manifest on the way).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
@@ -73,7 +74,6 @@ class Backend(Protocol):
     raise OSError; a missing key reads as FileNotFoundError."""
 
     where: str
-    overwrites_in_place: bool  # a shard is written over key by key, not replaced at once
     poll_s: float  # how often rank 0 looks for the ranks' copies while it waits to commit
 
     def close(self) -> None: ...
@@ -89,6 +89,30 @@ class Backend(Protocol):
     def delete_shards(self, iteration: int, world_size: int) -> None: ...
     def remove_iteration(self, iteration: int) -> None: ...
     def remove_if_empty(self, iteration: int) -> None: ...
+
+
+class GiveUp:
+    """Lets a caller that stopped waiting for a copy into a node root stop it: the copy checks
+    between chunks, and its commit runs entirely before :meth:`give_up` returns or not at all
+    (a copy committed after its fetch was given up could replace a newer save's shard)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._given_up = False
+
+    def give_up(self) -> None:
+        with self._lock:
+            self._given_up = True
+
+    def check(self) -> None:
+        if self._given_up:
+            raise TimeoutError("the copy was given up by its caller")
+
+    @contextlib.contextmanager
+    def committing(self) -> Iterator[None]:
+        with self._lock:
+            self.check()
+            yield
 
 
 class DurableStore:
@@ -153,8 +177,7 @@ class DurableStore:
         ref = local.ref(iteration, owner, world_size)
         manifest = local.read_manifest(ref)
         size = manifest.chunk_nbytes
-        if self.backend.overwrites_in_place:
-            self._uncommit_other_save(manifest)
+        self._uncommit_other_save(manifest)
 
         def fill(index: int, out: torch.Tensor) -> None:
             local.read_range(ref, manifest, index * size, out)
@@ -162,10 +185,10 @@ class DurableStore:
         return manifest
 
     def _uncommit_other_save(self, manifest: ShardManifest) -> None:
-        """Before a store that overwrites objects in place (a bucket) writes over a shard of an
-        iteration committed by another save: remove that commit record, so the tier says the
-        iteration is incomplete while it is, instead of naming shards being overwritten (a
-        directory replaces a shard by one rename and needs none of this)."""
+        """Before a shard of an iteration committed by another save is written over: remove
+        that commit record, so the tier says the iteration is incomplete while it is, instead of
+        naming shards of which some are replaced (a bucket's object by object; a directory's one
+        rank at a time, each by a rename)."""
         world = manifest.world_size
         try:
             record = self.commit_record(manifest.iteration, world)
@@ -221,10 +244,12 @@ class DurableStore:
             future.result()
         return data
 
-    def get(self, local: ShardStore, iteration: int, owner: int, world_size: int) -> bool:
+    def get(self, local: ShardStore, iteration: int, owner: int, world_size: int,
+            stop: GiveUp | None = None) -> bool:
         """Copy the committed durable shard (``iteration``, ``owner``) into ``local``, verified,
         unless ``local`` already holds that very shard (another copy, e.g. from another save
-        of the same iteration number, is replaced). Whether it copied."""
+        of the same iteration number, is replaced). Whether it copied. ``stop``: the caller
+        may give the copy up (TimeoutError here then; nothing committed after)."""
         manifest = self.committed_manifest(iteration, owner, world_size)
         mine = local.ref(iteration, owner, world_size)
         if mine.path.is_dir():
@@ -238,11 +263,14 @@ class DurableStore:
         writer = local.begin_write(manifest)
         try:
             def copy(index: int, buf: torch.Tensor) -> None:
+                if stop is not None:
+                    stop.check()
                 self.backend.fill_chunk(manifest, index, buf)
                 writer.submit_chunk(index, byte_view(buf))
                 writer.wait_chunk(index)  # the buffer is then free for the next chunk
             self._each_chunk(manifest, copy)
-            local.commit(writer)
+            with stop.committing() if stop is not None else contextlib.nullcontext():
+                local.commit(writer)
         except BaseException:
             writer.abort()
             raise

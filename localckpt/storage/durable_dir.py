@@ -33,6 +33,7 @@ def _names(directory: Path) -> list[str]:
         return []
 
 
+_SHARD_NAME = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
 _SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 
 
@@ -41,7 +42,6 @@ class DirectoryBackend:
     method may raise OSError; a missing key reads as FileNotFoundError."""
 
     poll_s = 0.05  # a listing is a system call
-    overwrites_in_place = False  # a shard is replaced by one rename
 
     def __init__(self, root: Path, session_id: str, rank: int, io_threads: int) -> None:
         self.threads = io_threads
@@ -120,10 +120,11 @@ class DirectoryBackend:
         self.store.read_range(ref, manifest, index * manifest.chunk_nbytes, out)
 
     def delete_shards(self, iteration: int, world_size: int) -> None:
-        """Every shard of ``world_size`` in ``iteration``, each hidden by a rename first."""
-        for ref in self.store.committed():
-            if ref.iteration == iteration and ref.world_size == world_size:
-                self.store.delete(ref)
+        """Every shard of ``world_size`` in ``iteration`` (its directory listed, nothing else),
+        each hidden by a rename first."""
+        for name in self.names(iteration):
+            if (m := _SHARD_NAME.fullmatch(name)) and int(m[2]) == world_size:
+                self.store.delete(self.store.ref(iteration, int(m[1]), world_size))
 
     def remove_iteration(self, iteration: int) -> None:
         """Everything under ``iteration``: hidden by one rename, then deleted."""

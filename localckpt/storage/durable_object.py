@@ -113,7 +113,6 @@ class ObjectBackend:
     after ``timeout`` seconds, retries included."""
 
     poll_s = 0.25  # a listing is a billed request
-    overwrites_in_place = True  # each object is replaced, not the shard as a whole
 
     def __init__(self, url: str, session_id: str, io_threads: int, timeout: float,
                  options: Mapping[str, Any] | None = None) -> None:
