@@ -203,9 +203,10 @@ class SaveJob:
     def start(self, ctx: Context) -> None:
         """Run :meth:`run` on a thread of its own. Not a daemon: at interpreter exit the shard
         is still committed (every step of it is bounded by the timeout)."""
-        self.thread = threading.Thread(target=self.run, args=(ctx,),
-                                       name=f"localckpt-save-{self.iteration}")
-        self.thread.start()
+        thread = threading.Thread(target=self.run, args=(ctx,),
+                                  name=f"localckpt-save-{self.iteration}")
+        thread.start()
+        self.thread = thread  # only once started: one that never started is not joined
 
     def run(self, ctx: Context) -> None:
         """Agree (if not yet agreed), write, then replicate (this rank's part of the plan) on
