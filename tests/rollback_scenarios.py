@@ -28,3 +28,23 @@ def rollback(rank: int, world: int, base: str) -> dict[str, Any]:
         mgr.wait_for_write_back()
         return {"iterations": listed, "loaded": ckpt_id[0],
                 "identical": digest(state) == digest(make_state(rank, 20))}
+
+
+def resave(rank: int, world: int, base: str, offset: int) -> None:
+    """A later run rolls back to 20 and saves 30 again, with other states."""
+    with manager(rank, base) as mgr:
+        mgr.load(iteration=20, discard_newer=True)
+        mgr.wait_for_write_back()
+        mgr.save(make_state(rank, 30 + offset), 30)
+
+
+def load_newest(rank: int, world: int, base: str,
+                exact: int | None = None) -> dict[str, Any]:
+    with manager(rank, base) as mgr:
+        try:
+            state, ckpt_id = mgr.load(iteration=exact)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"loaded": ckpt_id[0], "error": None,
+                "is": next((it for it in (10, 20, 30, 1030) if digest(state) == digest(
+                    make_state(rank, it))), None)}

@@ -80,3 +80,24 @@ def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> 
         assert mgr.iterations() == [1, 2, 3]
     with LocalCheckpointManager(root) as mgr:
         assert digest(mgr.load()[0]) == digest(make_state(0, 33))
+
+
+def test_an_iteration_whose_shards_come_from_two_saves_is_never_loaded(
+        tmp_path: Path, root: Path) -> None:
+    """Iteration 30 saved twice (a later run rolled back to 20 and saved 30 again); one rank's
+    shard of the first save put back (a copy restored by hand from a backup): every rank falls
+    back to 20 instead of loading a mix of the two saves."""
+    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+    first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    shutil.copytree(first, tmp_path / "first-save-30")
+    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000):
+        assert r.ok, r.message
+    shutil.rmtree(first)
+    shutil.copytree(tmp_path / "first-save-30", first)
+    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "error": None, "is": 20}, r.value
+    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), 30):
+        assert r.ok, r.message
+        assert "different saves" in r.value["error"], r.value

@@ -200,7 +200,7 @@ def _verify_sources(ctx: Context, rnd: _Round,
             bad.append(_quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
-    return {"bad": bad, "pieces": pieces}
+    return {"bad": bad, "pieces": pieces, "save": _save_of(rnd)}
 
 
 def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
@@ -265,7 +265,36 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
             fetched(time.monotonic() - started, receiver.manifest.data_nbytes)
     if not bad and not retry:
         _build(ctx, rnd, built)
-    return {"bad": bad, "retry": retry}
+    return {"bad": bad, "retry": retry, "save": _save_of(rnd)}
+
+
+def _save_of(rnd: _Round) -> Any:
+    """The save id of this rank's own shard, once read (None: not read, or written before
+    save ids)."""
+    return rnd.own[0].metadata.get("save_id") if rnd.own is not None else None
+
+
+def _mixed_saves(reports: list[dict[str, Any]]) -> dict[Any, list[int]] | None:
+    """Ranks by the save their own shard comes from, when they are not all one save's: an
+    iteration number saved twice (a later run resumed from an older iteration) whose shards
+    were not all replaced. None when they agree (or cannot tell)."""
+    ranks: dict[Any, list[int]] = {}
+    for rank, report in enumerate(reports):
+        if report.get("save") is not None:
+            ranks.setdefault(report["save"], []).append(rank)
+    return ranks if len(ranks) > 1 else None
+
+
+def _note_mixed(mixed: dict[int, str], iteration: int, reports: list[dict[str, Any]]) -> bool:
+    """Whether the ranks' own shards of ``iteration`` come from different saves (then it is
+    recorded in ``mixed``, with why, and never loaded: the same verdict on every rank, from the
+    same gathered reports)."""
+    by_save = _mixed_saves(reports)
+    if by_save is None:
+        return False
+    mixed[iteration] = ("its shards come from different saves: " + "; ".join(
+        f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
+    return True
 
 
 def restore(ctx: Context, iteration: int,
@@ -294,6 +323,7 @@ def restore(ctx: Context, iteration: int,
     rank = ctx.rank
     destinations = Into(into)
     quarantined: list[list[str]] = []
+    mixed: dict[int, str] = {}  # iterations whose shards come from different saves
     rounds = damaged = 0
     while True:
         rounds += 1
@@ -301,16 +331,20 @@ def restore(ctx: Context, iteration: int,
         if inventories is None or rounds > 1:
             inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
         complete = complete_iterations(inventories, ctx.world_size)
-        candidates = [it for it in complete if it <= iteration]
+        candidates = [it for it in complete if it <= iteration and it not in mixed]
         if exact and (not candidates or candidates[0] != iteration):
+            if iteration in mixed:
+                raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: "
+                                        f"{mixed[iteration]}")
             raise _not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
             raise _nothing_left(ctx, iteration, quarantined)
         if candidates[0] != iteration:
             if rank == 0:
-                logger.warning("load: iteration %d can no longer be loaded (corrupt copies were "
-                               "quarantined: %s); falling back to iteration %d on every rank",
-                               iteration, "; ".join(b[0] for b in quarantined), candidates[0])
+                why = mixed.get(iteration) or ("corrupt copies were quarantined: " + "; ".join(
+                    b[0] for b in quarantined))
+                logger.warning("load: iteration %d can no longer be loaded (%s); falling back "
+                               "to iteration %d on every rank", iteration, why, candidates[0])
             iteration = candidates[0]
         step = f"load of iteration {iteration}"
         rnd = plan_round(ctx, iteration, inventories, destinations)
@@ -323,6 +357,8 @@ def restore(ctx: Context, iteration: int,
         if any(v["bad"] for v in verify):
             quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
+        if _note_mixed(mixed, iteration, verify):
+            continue  # an older iteration
         if local_only:  # every rank read its own shard and built its state dict
             return built[0][0], built[0][1], None
         pieces = {k: n for v in verify for k, n in v["pieces"].items()}
@@ -340,6 +376,8 @@ def restore(ctx: Context, iteration: int,
                     f"load of iteration {iteration}: shards arrived damaged from copies that "
                     f"read well, {damaged} times in a row; the last: "
                     f"{next(r for v in fetch for r in v['retry'])}")
+            continue
+        if _note_mixed(mixed, iteration, fetch):
             continue
         write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
                                _transfer_seconds(ctx, rnd.plan.exchange, pieces))
