@@ -185,7 +185,7 @@ def restore_and_wait(rank: int, world: int, base: str, durable: str) -> dict[str
 
 
 def restore_at_another_world(rank: int, world: int, base: str, durable: str,
-                             old_world: int) -> dict[str, Any]:
+                             old_world: int, keep: int = 1) -> dict[str, Any]:
     """A job of ``world`` ranks on empty nodes, ``reshard=True``: load the newest durable
     iteration saved by ``old_world`` ranks, then save and persist two iterations of its own."""
     from replication import make_strategy
@@ -193,7 +193,7 @@ def restore_at_another_world(rank: int, world: int, base: str, durable: str,
     mgr = LocalCheckpointManager(Path(base) / f"node{rank}", "job",
                                  make_strategy("node_spread") if world > 1 else None,
                                  timeout=20, chunk_nbytes=8192, node_id=f"node{rank}",
-                                 reshard=True, durable=DurableTier(durable, keep=1))
+                                 reshard=True, durable=DurableTier(durable, keep=keep))
     latest = mgr.find_latest()
     state, ckpt_id = mgr.load()
     out = {"latest": latest, "loaded": ckpt_id[0], "digest": digest(state),

@@ -48,3 +48,18 @@ def load_newest(rank: int, world: int, base: str,
         return {"loaded": ckpt_id[0], "error": None,
                 "is": next((it for it in (10, 20, 30, 1030) if digest(state) == digest(
                     make_state(rank, it))), None)}
+
+
+def lineage_saves(rank: int, world: int, base: str, iterations: list[int], reshard: bool,
+                  keep_every: int | None = None) -> list[tuple[int, int]]:
+    """Saves on one shared root (one node), keep_last=3; with ``reshard`` it first loads the
+    newest of any world size. Returns the (iteration, world size) the root then holds."""
+    with LocalCheckpointManager(Path(base), "s", None, keep_last=3, keep_every=keep_every,
+                                timeout=20, chunk_nbytes=4096, node_id="one",
+                                reshard=reshard) as mgr:
+        if reshard:
+            mgr.load()
+        for it in iterations:
+            mgr.save(make_state(rank, it), it)
+        mgr._ctx.store.wait_for_deletions()
+        return sorted({(r.iteration, r.world_size) for r in mgr._ctx.store.committed()})

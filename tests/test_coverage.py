@@ -90,15 +90,17 @@ def test_retention_keeps_newest_complete_and_deletes_own_others() -> None:
     assert shards_to_delete(inv(0, (1, 1, 2), (3, 1, 2)), keep, 2) == [(1, 1, 2)]
 
 
-def test_a_resharding_job_drops_other_world_sizes_shards_older_than_all_it_keeps() -> None:
+def test_a_resharding_job_drops_other_world_sizes_shards_its_lineage_does_not_keep() -> None:
     mine = inv(0, (4, 0, 3), (4, 1, 3), (9, 0, 3), (6, 0, 2), (7, 0, 2))
     keep = {7}  # this world size's (2) kept iteration
     # others' shards: not this job's to judge
     assert shards_to_delete(mine, keep, 2) == [(6, 0, 2)]
-    # resharding: the world-3 iteration 4 is older than all kept; 9 is not (a newer lineage)
-    assert shards_to_delete(mine, keep, 2, any_world=True) == [(4, 0, 3), (4, 1, 3), (6, 0, 2)]
+    # resharding: the world-3 iteration 4 is older than all kept and outside the lineage's
+    # keep set; 9 is newer than all kept
+    assert shards_to_delete(mine, keep, 2, lineage={7, 9}) == [(4, 0, 3), (4, 1, 3), (6, 0, 2)]
+    assert shards_to_delete(mine, keep, 2, lineage={4, 7}) == [(6, 0, 2)]  # 4 in the lineage
     # nothing kept: no floor for the other world sizes
-    assert shards_to_delete(mine, set(), 2, any_world=True) == [(6, 0, 2), (7, 0, 2)]
+    assert shards_to_delete(mine, set(), 2, lineage=set()) == [(6, 0, 2), (7, 0, 2)]
 
 
 def test_capacity_counts_every_rank_writing_to_a_node() -> None:

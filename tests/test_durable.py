@@ -496,6 +496,17 @@ def test_stale_replicas_of_a_restored_iteration_are_dropped(tmp_path: Path, root
     assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
 
 
+def test_durable_retention_keeps_the_lineage_across_world_sizes(tmp_path: Path,
+                                                                root: Path) -> None:
+    durable = tmp_path / "shared"
+    _persist_run(tmp_path, root, durable)  # world 2: iterations 2 and 4 committed
+    shutil.rmtree(root)
+    (r,) = run_ranks(sc.restore_at_another_world, 1, tmp_path, str(root), str(durable), 2, 3)
+    assert r.ok, r.message
+    # keep=3 over the lineage 2, 4, 10, 11: the old world size's 4 is among the newest three
+    assert r.value["complete"] == [(4, 2), (10, 1), (11, 1)], r.value
+
+
 def test_a_job_that_does_not_reshard_leaves_other_world_sizes_in_the_durable_tier(
         tmp_path: Path, root: Path) -> None:
     durable = tmp_path / "shared"

@@ -101,3 +101,23 @@ def test_an_iteration_whose_shards_come_from_two_saves_is_never_loaded(
     for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), 30):
         assert r.ok, r.message
         assert "different saves" in r.value["error"], r.value
+
+
+@pytest.mark.parametrize("keep_every", [None, 2])
+def test_a_resharding_job_keeps_its_lineage_as_its_keep_policy_says(
+        tmp_path: Path, root: Path, keep_every: int | None) -> None:
+    """keep_last=3 over the job's lineage: after a restart at another world size, the first save
+    leaves the two newest of the old world size, not only itself (and the multiples of
+    keep_every); once newer ones are kept, the old world size's shards go."""
+    for r in run_ranks(sc.lineage_saves, 2, tmp_path, str(root), [1, 2, 3, 4], False,
+                       keep_every):
+        assert r.ok, r.message
+    (first,) = run_ranks(sc.lineage_saves, 1, tmp_path, str(root), [5], True, keep_every)
+    assert first.ok, first.message
+    assert first.value == [*([(2, 2)] if keep_every else []), (3, 2), (4, 2), (5, 1)]
+    (later,) = run_ranks(sc.lineage_saves, 1, tmp_path, str(root), [6, 7, 8], True,
+                         keep_every)
+    assert later.ok, later.message
+    # 6, 7, 8 kept; of the old world size only the multiples of keep_every (2, 4) stay
+    assert later.value == [*([(2, 2), (4, 2), (6, 1)] if keep_every else [(6, 1)]), (7, 1),
+                           (8, 1)]

@@ -139,7 +139,8 @@ def choose_latest_any_world(inventories: Sequence[Inventory], world_size: int
 def other_world_shards(inventories: Sequence[Inventory], world_size: int) -> dict[int, list[int]]:
     """World size -> iterations of shards on disk written by jobs of another world size: they
     cannot be loaded by this job (find_latest reports them) and are never deleted by its
-    retention; ``localckpt gc --world-size`` removes them."""
+    retention (unless it reshards: see :func:`shards_to_delete`); ``localckpt gc
+    --world-size`` removes them."""
     found: dict[int, set[int]] = defaultdict(set)
     for shards, _ in _distinct_listings(inventories):
         for it, _, world in shards:
@@ -209,19 +210,34 @@ def merge_metadata(docs: Sequence[Any]) -> dict[int, Any]:
     return out
 
 
+def lineage_keeps(inventories: Sequence[Inventory], world_size: int,
+                  policy: KeepPolicy) -> set[int] | None:
+    """The iterations of every world size a resharding job's retention keeps, the job's own
+    lineage taken together: the newest ``policy.last`` complete iterations of any world size,
+    and the multiples of ``policy.every``. None (keep every other world size's shard) when the
+    policy also ranks by metrics, a predicate or time, which only this world size's shards
+    report."""
+    if policy.best is not None or policy.predicate is not None or policy.interval is not None:
+        return None
+    listings = [shards for shards, _ in _distinct_listings(inventories)]
+    worlds = {key[2] for shards in listings for key in shards}
+    return policy.keep({it for w in worlds for it in complete_from_listings(listings, w)})
+
+
 def shards_to_delete(mine: Inventory, keep: Iterable[int], world_size: int,
-                     any_world: bool = False) -> list[ShardKey]:
+                     lineage: set[int] | None = None) -> list[ShardKey]:
     """Every shard of ``world_size`` in this rank's root outside ``keep``: incomplete or beyond
     retention. Shards of other world sizes are left alone (see :func:`other_world_shards`),
-    unless ``any_world`` (a job that reshards, whose lineage they are): then those older than
-    every kept iteration go too.
+    unless ``lineage`` (a job that reshards: :func:`lineage_keeps`) is given: then those older
+    than every kept iteration of this world size and outside ``lineage`` go too.
 
     Ranks of a node share the root and may delete the same shard; deletion is a rename that only
     one of them wins, so that race is harmless and no rank needs to own the cleanup."""
     keep = set(keep)
-    floor = min(keep) if any_world and keep else -1
+    floor = min(keep) if lineage is not None and keep else -1
+    spared = (lineage or set()) | keep
     return sorted(k for k in mine.shards if (k[2] == world_size and k[0] not in keep)
-                  or (k[2] != world_size and k[0] < floor))
+                  or (k[2] != world_size and k[0] < floor and k[0] not in spared))
 
 
 def check_capacity(needed: Sequence[int], free: Sequence[int], node_of: Sequence[int]) -> None:

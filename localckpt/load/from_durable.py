@@ -21,6 +21,7 @@ from ..control.context import Context
 from ..errors import CorruptShardError, DurableTierUnavailableError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore, GiveUp
+from ..storage.layout import ShardRef
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +70,14 @@ def fetched_by(ctx: Context, world: int) -> list[int]:
 T = TypeVar("T")
 
 
-def drop_other_saves(ctx: Context, tier: DurableStore, iteration: int, world: int) -> None:
-    """Delete the copies of ``iteration`` in this rank's node root that are not the committed
-    save's (another save of that iteration number): a later restore after a node loss would
-    otherwise mix them with the committed shards. Shards this node's ranks copy are theirs to
-    check."""
+def other_saves(ctx: Context, tier: DurableStore, iteration: int,
+                world: int) -> list[ShardRef]:
+    """The copies of ``iteration`` in this rank's node root that are not the committed save's
+    (another save of that iteration number, or unreadable): a later restore after a node loss
+    would otherwise mix them with the committed shards. Shards this node's ranks copy are
+    theirs to check. Reads only: the caller deletes them, once it knows it still wants to."""
     node_of = ctx.topology.node_of
+    out = []
     for ref in ctx.store.committed():
         fetcher = ref.owner_rank if world == ctx.world_size else ref.owner_rank % ctx.world_size
         if ref.iteration != iteration or ref.world_size != world or \
@@ -86,7 +89,8 @@ def drop_other_saves(ctx: Context, tier: DurableStore, iteration: int, world: in
         except (OSError, CorruptShardError):
             same = False
         if not same:
-            ctx.store.delete(ref, background=True)
+            out.append(ref)
+    return out
 
 
 def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T:
@@ -133,7 +137,11 @@ def fetch_from_durable(ctx: Context, tier: DurableStore,
                 if within(3.5 * ctx.timeout,
                           partial(tier.get, ctx.store, iteration, owner, world, stop), stop):
                     fetched.append(owner)
-            within(3.5 * ctx.timeout, partial(drop_other_saves, ctx, tier, iteration, world))
+            # Deleted here, only if the reads ended in time: a thread left behind on a hung
+            # mount must not delete a newer save's replica later.
+            for ref in within(3.5 * ctx.timeout,
+                              partial(other_saves, ctx, tier, iteration, world)):
+                ctx.store.delete(ref, background=True)
 
         with ctx.timed("fetch_from_durable", iteration):
             # each rank copies at most this many shards, then checks its node root's other

@@ -198,7 +198,8 @@ class LoadPath:
 
     def _discard_newer(self, iteration: int) -> None:
         """After a rollback to ``iteration`` (every rank loaded it): delete this root's shards
-        of newer iterations of this world size, so saves go on from there. Each root's ranks
+        of newer iterations of this world size (of every world size with ``reshard``: the
+        job's lineage), so saves go on from there. Each root's ranks
         delete alike (a rename only one wins); a shard left by a failure only makes its
         iteration incomplete, which retention removes."""
         ctx = self.ctx
@@ -206,7 +207,7 @@ class LoadPath:
         if self.durable is not None:
             self._discard_newer_durable(iteration)
         for ref in ctx.store.committed():
-            if ref.iteration > iteration and ref.world_size == ctx.world_size:
+            if ref.iteration > iteration and (ref.world_size == ctx.world_size or self.reshard):
                 try:
                     ctx.store.delete(ref, background=True)
                 except OSError as exc:

@@ -170,18 +170,20 @@ class Persister:
     def _retain(self, committed: int) -> None:
         """Rank 0, after committing ``committed``: keep what the keep policy keeps of the
         complete iterations of this world size, and remove the others, those of other world
-        sizes older than all it keeps (with ``any_world``), and uncommitted leftovers older than
+        sizes older than all it keeps that the policy over every world size's iterations does
+        not keep either (with ``any_world``), and uncommitted leftovers older than
         ``committed``."""
         tier, world = self.tier, self.ctx.world_size
         try:
             complete = tier.complete_any()
             kept = self.keep.keep([it for it, w in complete if w == world])
+            # With reshard=True the other world sizes' iterations are this job's lineage: the
+            # keep policy over all of them spares some; without, they are not this job's.
+            lineage = self.keep.keep({it for it, _ in complete}) if self.any_world else None
             for it, w in complete:
-                # With reshard=True, another world size's iteration older than every one kept
-                # was superseded by this job (restarted from it); without, or a newer one, it
-                # is not this job's to judge.
                 if (w == world and it not in kept) or (
-                        w != world and self.any_world and kept and it < min(kept)):
+                        w != world and lineage is not None and kept and it < min(kept)
+                        and it not in lineage):
                     tier.delete(it, w)
             for it in tier.uncommitted():
                 if it < committed:  # every rank copies in order: none still writes there

@@ -14,6 +14,7 @@ from typing import Any
 from ..control.context import Context
 from ..control.coverage import (
     Inventory,
+    lineage_keeps,
     merge_metadata,
     retained_iterations,
     shards_to_delete,
@@ -34,7 +35,7 @@ class Retainer:
         # Iterations this rank must keep for now (a persist to the durable tier copies them):
         # reported, and kept by every rank (the node roots they share hold them too).
         self.pinned: Callable[[], set[int]] = set
-        self.any_world = False  # reshard=True: other world sizes' older shards go too
+        self.any_world = False  # reshard=True: other world sizes' shards are this job's lineage
 
     def report(self, inventory: Inventory) -> dict[str, Any]:
         """This rank's ``inventory`` as the finalize sends it, with what the policy needs from
@@ -109,8 +110,10 @@ class Retainer:
             policy = replace(self.policy, predicate=None)  # its answers are every rank's, below
             keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
             keep |= predicate_keeps or set()
+            lineage = lineage_keeps(inventories, ctx.world_size, self.policy) \
+                if self.any_world else None
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
-                                                     ctx.world_size, self.any_world):
+                                                     ctx.world_size, lineage):
                 ctx.store.delete(ctx.store.ref(it, owner, world),
                                  background=True)
             ctx.store.remove_leftovers(background=True)

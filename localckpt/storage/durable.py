@@ -100,9 +100,17 @@ class GiveUp:
         self._lock = threading.Lock()
         self._given_up = False
 
-    def give_up(self) -> None:
-        with self._lock:
+    def give_up(self, wait: float = 30.0) -> None:
+        """From now on the copy stops. Waits up to ``wait`` seconds for a commit in progress
+        (one rename and a few fsyncs); a commit hung longer than that on the node's own file
+        system cannot be stopped, and is logged."""
+        if self._lock.acquire(timeout=wait):
             self._given_up = True
+            self._lock.release()
+        else:
+            self._given_up = True
+            logger.error("a copy from the durable tier was given up while its commit into the "
+                         "node root hung for %gs: it may still complete", wait)
 
     def check(self) -> None:
         if self._given_up:

@@ -123,7 +123,8 @@ class DirectoryBackend:
         """Every shard of ``world_size`` in ``iteration`` (its directory listed, nothing else),
         each hidden by a rename first."""
         for name in self.names(iteration):
-            if (m := _SHARD_NAME.fullmatch(name)) and int(m[2]) == world_size:
+            if (m := _SHARD_NAME.fullmatch(name)) and int(m[2]) == world_size \
+                    and int(m[1]) < world_size:  # else no shard of a job: not listed either
                 self.store.delete(self.store.ref(iteration, int(m[1]), world_size))
 
     def remove_iteration(self, iteration: int) -> None:
