@@ -63,3 +63,14 @@ def lineage_saves(rank: int, world: int, base: str, iterations: list[int], resha
             mgr.save(make_state(rank, it), it)
         mgr._ctx.store.wait_for_deletions()
         return sorted({(r.iteration, r.world_size) for r in mgr._ctx.store.committed()})
+
+
+def reshard_load(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A job of ``world`` ranks (on the first nodes' roots) loads the newest of any world size."""
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", None, reshard=True,
+                                timeout=30, node_id=f"node{rank}") as mgr:
+        try:
+            _, ckpt_id = mgr.load()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"loaded": ckpt_id[0], "error": None}

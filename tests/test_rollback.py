@@ -121,3 +121,19 @@ def test_a_resharding_job_keeps_its_lineage_as_its_keep_policy_says(
     # 6, 7, 8 kept; of the old world size only the multiples of keep_every (2, 4) stay
     assert later.value == [*([(2, 2), (4, 2), (6, 1)] if keep_every else [(6, 1)]), (7, 1),
                            (8, 1)]
+
+
+def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
+                                                               root: Path) -> None:
+    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+    first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    shutil.copytree(first, tmp_path / "first-save-30")
+    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000):
+        assert r.ok, r.message
+    replica = root / "node0" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    shutil.rmtree(replica)  # node 0's copy of rank 1's shard: the first save's, from a backup
+    shutil.copytree(tmp_path / "first-save-30", replica)
+    (r,) = run_ranks(sc.reshard_load, 1, tmp_path, str(root))
+    assert r.ok, r.message
+    assert r.value["error"] is not None and "different saves" in r.value["error"], r.value

@@ -56,6 +56,20 @@ def _box(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torc
     return t
 
 
+def _check_one_save(manifests: dict[int, ShardManifest], step: str) -> None:
+    """CorruptShardError (on every rank: the manifests are gathered) when the old shards come
+    from different saves of the iteration (one put back from a backup after it was re-saved):
+    never a state dict mixed from two saves."""
+    saves: dict[Any, list[int]] = {}
+    for owner, manifest in sorted(manifests.items()):
+        save = manifest.metadata.get("save_id")
+        if save is not None:
+            saves.setdefault(save, []).append(owner)
+    if len(saves) > 1:
+        raise CorruptShardError(f"{step}: its shards come from different saves: " + "; ".join(
+            f"old ranks {owners[:8]} hold save {save}" for save, owners in saves.items()))
+
+
 def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     inventories: list[Inventory], into: Any) -> tuple[ShardManifest, Any]:
     """This rank's state dict from ``iteration`` as saved by a job of ``old_world`` ranks, and
@@ -97,6 +111,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     laid_out = time.monotonic()
     manifests = {int(o): ShardManifest.from_json_dict(doc, f"shard {o} of {step}")
                  for d in described for o, doc in d["manifests"].items()}
+    _check_one_save(manifests, step)
     old: dict[str, list[OldShard]] = defaultdict(list)
     for o, m in sorted(manifests.items()):
         paths = [m.tensors[i].key_path for i in m.layouts]
