@@ -82,19 +82,27 @@ def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> 
         assert digest(mgr.load()[0]) == digest(make_state(0, 33))
 
 
+def _saved_twice(tmp_path: Path, root: Path) -> Path:
+    """Iterations 10, 20, 30 saved; a copy of rank 1's first shard of 30 kept aside (the
+    backup, returned); then a rollback to 20 and 30 saved again, with other states."""
+    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+    backup = tmp_path / "first-save-30"
+    shutil.copytree(root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002", backup)
+    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000):
+        assert r.ok, r.message
+    return backup
+
+
 def test_an_iteration_whose_shards_come_from_two_saves_is_never_loaded(
         tmp_path: Path, root: Path) -> None:
     """Iteration 30 saved twice (a later run rolled back to 20 and saved 30 again); one rank's
     shard of the first save put back (a copy restored by hand from a backup): every rank falls
     back to 20 instead of loading a mix of the two saves."""
-    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
-        assert r.ok, r.message
+    backup = _saved_twice(tmp_path, root)
     first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
-    shutil.copytree(first, tmp_path / "first-save-30")
-    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000):
-        assert r.ok, r.message
     shutil.rmtree(first)
-    shutil.copytree(tmp_path / "first-save-30", first)
+    shutil.copytree(backup, first)
     for r in run_ranks(sc.load_newest, 2, tmp_path, str(root)):
         assert r.ok, r.message
         assert r.value == {"loaded": 20, "error": None, "is": 20}, r.value
@@ -125,15 +133,10 @@ def test_a_resharding_job_keeps_its_lineage_as_its_keep_policy_says(
 
 def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
                                                                root: Path) -> None:
-    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
-        assert r.ok, r.message
-    first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
-    shutil.copytree(first, tmp_path / "first-save-30")
-    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000):
-        assert r.ok, r.message
+    backup = _saved_twice(tmp_path, root)
     replica = root / "node0" / "job" / "iter_0000000030" / "rank_00001_of_00002"
     shutil.rmtree(replica)  # node 0's copy of rank 1's shard: the first save's, from a backup
-    shutil.copytree(tmp_path / "first-save-30", replica)
+    shutil.copytree(backup, replica)
     (r,) = run_ranks(sc.reshard_load, 1, tmp_path, str(root))
     assert r.ok, r.message
     assert r.value["error"] is not None and "different saves" in r.value["error"], r.value

@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -60,6 +60,11 @@ def shard_key(iteration: int, owner: int, world_size: int) -> str:
     names, and the same checks, as a node root's directories)."""
     path = shard_path(_ROOT, "", iteration, owner, world_size)
     return f"{path.parent.name}/{path.name}"
+
+
+def _iteration_prefix(iteration: int) -> str:
+    """``iter_<iteration>/``: the session-relative prefix of an iteration's objects."""
+    return shard_key(iteration, 0, 1).split("/")[0] + "/"
 
 
 def _last(path: str) -> str:
@@ -192,15 +197,10 @@ class ObjectBackend:
     def sizes(self, iteration: int) -> dict[str, int]:
         """Bytes under each entry of ``iteration`` (shard names, record names)."""
         out: dict[str, int] = {}
-        prefix = shard_key(iteration, 0, 1).split("/")[0] + "/"
-
-        def batches() -> list[list[tuple[str, int]]]:
-            stream = self._obstore.list(self._store, self._key(prefix), chunk_size=1000)
-            return [[(o["path"], o["size"]) for o in batch] for batch in stream]
-        for batch in self._call(prefix, batches):
-            for path, size in batch:
-                entry = path[len(self._key(prefix)):].split("/", 1)[0]
-                out[entry] = out.get(entry, 0) + int(size)
+        prefix = _iteration_prefix(iteration)
+        for path, size in self._all_under(prefix):
+            entry = path[len(self._key(prefix)):].split("/", 1)[0]
+            out[entry] = out.get(entry, 0) + size
         return out
 
     def iterations(self) -> list[int]:
@@ -208,7 +208,7 @@ class ObjectBackend:
         return sorted(int(m[1]) for p in prefixes if (m := _ITER.fullmatch(p)))
 
     def names(self, iteration: int) -> list[str]:
-        prefixes, objects = self._listing(shard_key(iteration, 0, 1).split("/")[0] + "/")
+        prefixes, objects = self._listing(_iteration_prefix(iteration))
         return prefixes + objects
 
     def read(self, key: str) -> bytes:
@@ -234,18 +234,20 @@ class ObjectBackend:
         with contextlib.suppress(FileNotFoundError):
             self._call(key, lambda: self._obstore.delete(self._store, self._key(key)))
 
-    def _all_under(self, prefix: str) -> Iterator[str]:
-        def batches() -> list[list[str]]:
+    def _all_under(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, bytes) of every object under ``prefix`` (a session-relative key ending in
+        '/'), keys relative to the store's prefix."""
+        def listing() -> list[tuple[str, int]]:
             stream = self._obstore.list(self._store, self._key(prefix), chunk_size=1000)
-            return [[o["path"] for o in batch] for batch in stream]
-        for batch in self._call(prefix, batches):
-            yield from batch
+            return [(o["path"], int(o["size"])) for batch in stream for o in batch]
+        return self._call(prefix, listing)
 
-    def _remove_all(self, prefix: str) -> None:
-        paths = list(self._all_under(prefix))
-        for start in range(0, len(paths), 1000):  # one request per thousand (S3's limit)
-            self._call(prefix, partial(self._obstore.delete, self._store,
-                                       paths[start: start + 1000]))
+    def _delete(self, keys: list[str], what: str) -> None:
+        """Delete ``keys`` (relative to the store's prefix), a thousand per request (S3's
+        limit)."""
+        for start in range(0, len(keys), 1000):
+            self._call(what, partial(self._obstore.delete, self._store,
+                                     keys[start: start + 1000]))
 
     # ------------------------------------------------------------------ shards
 
@@ -294,16 +296,14 @@ class ObjectBackend:
         """Every shard of ``world_size`` in ``iteration``: one listing, the manifests first
         (each shard is then no longer there), then the rest, a thousand keys per request."""
         tag = f"_of_{world_size:05d}/"
-        keys = [k for k in self._all_under(shard_key(iteration, 0, 1).split("/")[0] + "/")
-                if tag in k]
+        keys = [k for k, _ in self._all_under(_iteration_prefix(iteration)) if tag in k]
         manifests = {k for k in keys if k.endswith(tag + "zarr.json")}  # .../rank_*_of_W/
-        for batch in (sorted(manifests), [k for k in keys if k not in manifests]):
-            for start in range(0, len(batch), 1000):
-                self._call(f"iter_{iteration:010d}", partial(
-                    self._obstore.delete, self._store, batch[start: start + 1000]))
+        self._delete(sorted(manifests), _iteration_prefix(iteration))
+        self._delete([k for k in keys if k not in manifests], _iteration_prefix(iteration))
 
     def remove_iteration(self, iteration: int) -> None:
-        self._remove_all(shard_key(iteration, 0, 1).split("/")[0] + "/")
+        prefix = _iteration_prefix(iteration)
+        self._delete([k for k, _ in self._all_under(prefix)], prefix)
 
     def remove_if_empty(self, iteration: int) -> None:
         """Nothing to do: a prefix is gone with its last object."""
