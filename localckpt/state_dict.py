@@ -179,7 +179,8 @@ def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths:
 def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str],
                     skip: Collection[int] = ()) -> list[torch.Tensor]:
     """``tensors`` (CPU) moved to their recorded devices; CPU where a device is absent; those at
-    indices in ``skip`` left where they are. Each result has a storage of its own.
+    indices in ``skip``, and those already off the CPU (read onto their device), left where they
+    are. Each result has a storage of its own.
 
     A host-to-device copy costs tens of microseconds whatever its size, so small tensors bound
     for a GPU cross as in staging: one copy of their concatenation per run of one device and
@@ -188,7 +189,7 @@ def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str],
     out = list(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, recorded) in enumerate(zip(tensors, devices, strict=True)):
-        if i in skip:
+        if i in skip or not t.is_cpu:
             continue
         device = resolve_device(recorded, cache)
         if device.type == "cuda" and 0 < t.numel() * t.element_size() <= GATHER_MAX_NBYTES:

@@ -46,7 +46,7 @@ from localckpt.save.async_calls import AsyncCallsQueue
 from localckpt.save.staging import StagingArena, plan_layout
 from localckpt.state_dict import as_tensor_aware
 from localckpt.storage.io_sizing import default_io_threads, usable_cores
-from localckpt.storage.store import byte_view
+from localckpt.storage.views import byte_view
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

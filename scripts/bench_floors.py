@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from localckpt.storage.store import byte_view
+from localckpt.storage.views import byte_view
 
 CHUNK_NBYTES = 16 << 20  # the manager's default chunk file size
 

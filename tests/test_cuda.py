@@ -5,11 +5,13 @@ machine with ``pytest tests/test_cuda.py``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from localckpt import LocalCheckpointManager
+from localckpt.errors import CorruptShardError
 from localckpt.ops import health
 from localckpt.save.async_calls import AsyncCallsQueue
 from localckpt.save.staging import StagingArena, plan_layout, tensor_view
@@ -143,3 +145,124 @@ def test_load_into_cuda_tensors_fills_the_callers_own(root: Path) -> None:
     for k, v in saved.items():
         assert loaded[k] is into[k] and loaded[k].device == v.device
         assert torch.equal(loaded[k].detach(), v)
+
+
+# ------------------------------------------------------------- loads through pinned memory
+
+def _pinned_state() -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    return {
+        "big": torch.randn(300_000, device="cuda", generator=g),  # 1.2 MB: many 64 KiB chunks
+        "small": [torch.randn(1 + i % 53, device="cuda", generator=g).to(dtype)
+                  for i, dtype in zip(range(400), [torch.float32, torch.bfloat16,
+                                                   torch.int64, torch.bool] * 100, strict=True)],
+        "scalar": torch.tensor(2.5, device="cuda"),
+        "empty": torch.empty(0, 3, device="cuda"),
+        "cpu": torch.randn(1000),
+        "step": 7,
+    }
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.device == b.device and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("slots_per_thread", [2, 0])  # 0: one slot shared by both readers
+def test_load_reads_through_pinned_slots_straight_onto_the_device(
+        root: Path, monkeypatch: pytest.MonkeyPatch, slots_per_thread: int) -> None:
+    from localckpt import state_dict
+    from localckpt.storage import device_reader, store
+
+    state = _pinned_state()
+    with LocalCheckpointManager(root, "s", chunk_nbytes=64 << 10, io_threads=2) as mgr:
+        mgr.save(state, 1)
+    monkeypatch.setattr(store, "SLOTS_PER_THREAD", slots_per_thread)
+    copies: list[int] = []  # pieces per chunk copied out of a slot
+    real_copy_out = device_reader.DeviceScatter.copy_out
+
+    def copy_out(self: device_reader.DeviceScatter, slot: object, chunk: int) -> None:
+        copies.append(len(self._per_chunk.get(chunk, [])))
+        real_copy_out(self, slot, chunk)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(device_reader.DeviceScatter, "copy_out", copy_out)
+    crossed: list[str] = []  # tensors restore_devices still had to move off the CPU
+    real_restore = state_dict.restore_devices
+
+    def restore(tensors: list[torch.Tensor], devices: list[str], skip: object = ()) -> object:
+        crossed.extend(d for i, (t, d) in enumerate(zip(tensors, devices, strict=True))
+                       if t.is_cpu and d.startswith("cuda") and t.numel())
+        return real_restore(tensors, devices, skip)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state_dict, "restore_devices", restore)
+    with LocalCheckpointManager(root, "s", io_threads=2) as mgr:
+        loaded, _ = mgr.load()
+    assert _same(loaded, state)
+    assert crossed == []  # no pageable hop
+    assert max(copies) > 4 and min(copies) <= 4  # scattered on the device; copied piece by piece
+    storages = {t.untyped_storage().data_ptr() for t in loaded["small"]}  # type: ignore[union-attr]
+    assert len(storages) == 400
+
+
+def test_a_corrupt_chunk_read_through_pinned_memory_falls_back(root: Path) -> None:
+    old, new = _pinned_state(), _pinned_state()
+    new["big"] = new["big"] + 1
+
+    def corrupt(iteration: int) -> Path:
+        chunk = root / "s" / f"iter_{iteration:010d}" / "rank_00000_of_00001" / "data" / "c" / "3"
+        raw = bytearray(chunk.read_bytes())
+        raw[5] ^= 0x10
+        chunk.write_bytes(raw)
+        return chunk
+
+    with LocalCheckpointManager(root, "s", keep_last=2, chunk_nbytes=64 << 10) as mgr:
+        mgr.save(old, 1)
+        mgr.save(new, 2)
+    corrupt(2)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        loaded, ckpt_id = mgr.load()  # the newest fails its checksum: the older one, same load
+    assert ckpt_id[0] == 1 and _same(loaded, old)
+    with LocalCheckpointManager(root, "s", keep_last=2, chunk_nbytes=64 << 10) as mgr:
+        mgr.save(new, 3)
+    chunk = corrupt(3)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr, \
+            pytest.raises(CorruptShardError, match="checksum mismatch") as info:
+        mgr.load(iteration=3)
+    assert str(chunk) in str(info.value)
+
+
+def test_load_into_cuda_tensors_reads_into_them_through_pinned_memory(root: Path) -> None:
+    saved = _pinned_state()
+    with LocalCheckpointManager(root, "s", chunk_nbytes=64 << 10) as mgr:
+        mgr.save(saved, 1)
+    into = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor)
+                else [torch.zeros_like(x) for x in v] if isinstance(v, list) else v)
+            for k, v in saved.items()}
+    pointers = {k: v.data_ptr() for k, v in into.items() if isinstance(v, torch.Tensor)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    assert _same(loaded, saved)
+    assert {k: v.data_ptr() for k, v in loaded.items() if isinstance(v, torch.Tensor)} \
+        == pointers
+    assert all(a is b for a, b in zip(loaded["small"], into["small"], strict=True))
+
+
+def test_a_corrupt_own_copy_on_the_gpu_is_replaced_by_the_peers_replica(tmp_path: Path) -> None:
+    import cuda_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(cuda_scenarios.own_copy_corrupt_then_load, 2, tmp_path,
+                        str(tmp_path / "nodes"), deadline=180)
+    for r in results:
+        assert r.error is None, r.error
+    zero, one = (r.value for r in results)
+    assert zero["ckpt_id"][0] == one["ckpt_id"][0] == 1
+    assert zero["same"] and one["same"]
+    assert zero["devices"] == one["devices"] == ["cuda:0"]
+    assert len(zero["quarantined"]) == 1 and not one["quarantined"]

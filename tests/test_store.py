@@ -14,7 +14,8 @@ import zarr
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from localckpt.storage.layout import find_leftovers, list_shards
 from localckpt.storage.manifest import ShardManifest
-from localckpt.storage.store import ShardStore, byte_view, check_free_space, chunking
+from localckpt.storage.store import ShardStore, check_free_space, chunking
+from localckpt.storage.views import byte_view
 
 
 def _write(store: ShardStore, iteration: int, owner: int = 0, world: int = 1,

@@ -85,10 +85,11 @@ class Into:
 
 @dataclass
 class Destinations:
-    """For one manifest: ``direct[i]``, the caller's CPU tensor entry i is read into (None: a
-    fresh one), ``copied``: entry index -> caller's tensor on another device, ``dtensors``:
-    entry index -> the caller's DTensor whose local shard receives it, and ``mismatched``: why
-    a saved DTensor cannot go where ``into`` has one (raised once the data is in)."""
+    """For one manifest: ``direct[i]``, the caller's tensor entry i is read into (on the CPU, or
+    on the device of a read through pinned memory; None: a fresh one), ``copied``: entry index
+    -> caller's tensor filled by a copy after the read, ``dtensors``: entry index -> the
+    caller's DTensor whose local shard receives it, and ``mismatched``: why a saved DTensor
+    cannot go where ``into`` has one (raised once the data is in)."""
 
     direct: list[torch.Tensor | None]
     copied: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -120,9 +121,11 @@ def _layouts_differ(path: str, saved: DTensorLayout | None,
     return None
 
 
-def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destinations:
+def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
+          device: torch.device | None = None) -> Destinations:
     """Which entries of ``manifest`` go into which of the caller's tensors (pure). A plain
-    contiguous CPU tensor is read into; one on another device, non-contiguous (channels_last),
+    contiguous CPU tensor is read into, as is one on ``device`` (a read through pinned memory:
+    ShardStore.read_tensors); one on another device, non-contiguous (channels_last),
     with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
     nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
     at another place than ``into``'s goes to ``mismatched``. A numpy array stored as bytes
@@ -136,7 +139,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
     dtensors: dict[int, Any] = {}
     mismatched: list[str] = []
     layouts = manifest.layouts
-    spans: list[tuple[int, int, int]] = []  # (start, end, entry) of CPU destinations' memory
+    # (device, start, end, entry) of the memory of destinations read into
+    spans: list[tuple[str, int, int, int]] = []
     seen: dict[str, int] = {}
     for e in manifest.tensors:
         seen[e.key_path] = seen.get(e.key_path, 0) + 1
@@ -157,8 +161,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
                 continue
         t = target.tensor
         dtype = dtypes.get(e.dtype) or dtypes.setdefault(e.dtype, dtype_from_name(e.dtype))
-        device = t.device.type
-        if t.layout != torch.strided or t.is_nested or device == "meta" \
+        kind = t.device.type
+        if t.layout != torch.strided or t.is_nested or kind == "meta" \
                 or t.dtype != dtype or t.shape != e.shape:
             if target.dtensor is not None:
                 mismatched.append(f"{e.key_path!r}: the local shard is {e.dtype} of shape "
@@ -168,20 +172,23 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None) -> Destina
         if target.dtensor is not None:
             dtensors[i] = target.dtensor
         contiguous = t.is_contiguous()
-        if device == "cpu" and e.nbytes and contiguous and not t.is_conj() and not t.is_neg():
+        readable = kind == "cpu" or (device is not None and t.device == device)
+        if readable and e.nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
         else:
             copied[i] = t
-        if device == "cpu" and e.nbytes:
+        if readable and e.nbytes:
             # the memory it spans, views and strides included (tied weights, a view of another)
             extent = t.numel() if contiguous else 1 + sum(
                 (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
             start = t.data_ptr()
-            spans.append((start, start + extent * t.element_size(), i))
+            spans.append((kind, start, start + extent * t.element_size(), i))
     spans.sort()
     shared: set[int] = set()
-    reach, last = -1, -1
-    for start, end, i in spans:
+    reach, last, on = -1, -1, ""
+    for kind, start, end, i in spans:
+        if kind != on:
+            reach, last, on = -1, -1, kind
         if start < reach:  # overlaps the furthest-reaching span so far
             shared.update((i, last))
         if end > reach:

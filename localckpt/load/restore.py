@@ -56,6 +56,7 @@ from ..control.coverage import (
 from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
+from ..storage.device_reader import cuda_destination
 from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
@@ -107,16 +108,18 @@ class _Round:
     own: Loaded | None = None
     destinations: Destinations | None = None  # where the own shard's tensors go
 
-    def choose(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
-        """The caller's CPU tensors the own shard's entries are read into (see match)."""
-        self.destinations = match(manifest, self.into.paths())
+    def choose(self, manifest: ShardManifest,
+               device: torch.device | None = None) -> list[torch.Tensor | None]:
+        """The caller's tensors the own shard's entries are read into (see match): on the CPU,
+        and on ``device`` for a read through pinned memory."""
+        self.destinations = match(manifest, self.into.paths(), device)
         return self.destinations.direct
 
     def choose_or_refuse(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
         """:meth:`choose` for a read from this rank's disk, which stops before reading any data
         when the shard lies elsewhere than ``into``'s DTensors (LayoutMismatchError: a
         resharding load takes over)."""
-        direct = self.choose(manifest)
+        direct = self.choose(manifest, cuda_destination(manifest))
         assert self.destinations is not None
         check_layouts(self.destinations)
         return direct
@@ -189,7 +192,8 @@ def _verify_sources(ctx: Context, rnd: _Round,
         try:
             if built is not None:  # the common case: only its own shard, for itself
                 try:
-                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose_or_refuse)
+                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose_or_refuse,
+                                                     to_device=True)
                 except CorruptShardError as exc:
                     _blame_destination(ctx, rnd, shard, exc)
                     raise
@@ -216,7 +220,7 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
     if any(t.src == rank == t.dst for t in rnd.plan.reads):
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
         reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard),
-                                rnd.choose_or_refuse)
+                                rnd.choose_or_refuse, True)
         reader.shutdown(wait=False)
     receivers: dict[tuple[int, int], TensorReceiver] = {}
 

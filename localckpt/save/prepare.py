@@ -34,7 +34,7 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
-from .staging import StagingArena, plan_layout
+from .staging import PackedLayout, StagingArena, plan_layout
 
 if TYPE_CHECKING:
     from ..control.collectives import CheckpointGroup
@@ -73,7 +73,20 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     layout = plan_layout(deduped.tensors)
     chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
     fault_point("staging", ctx.rank, iteration)
-    payload = arena.stage(deduped.tensors, layout, chunk_nbytes * chunk_count)
+    # The manifest is built while the copies from the GPU run; nothing returns before they end.
+    payload, settle = arena.stage_begin(deduped.tensors, layout, chunk_nbytes * chunk_count)
+    try:
+        manifest, request = _describe(ctx, tasd, deduped, layout, chunk_nbytes, chunk_count,
+                                      iteration, meta, state_dict)
+    finally:
+        settle()
+    return StagedShard(iteration, manifest, payload, deduped, request)
+
+
+def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, chunk_nbytes: int,
+              chunk_count: int, iteration: Any, meta: dict[str, Any],
+              state_dict: Any) -> tuple[ShardManifest, dict[str, Any]]:
+    """The manifest of a staged shard and the request its save puts to the agreement."""
     names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
     entries = tuple(
         TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
@@ -107,7 +120,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
                                       chunk_count),
                "chunks": chunk_count, "pieces": piece_count(chunk_nbytes, chunk_count),
                "replicas": deduped.digest, "meta": meta}
-    return StagedShard(iteration, manifest, payload, deduped, request)
+    return manifest, request
 
 
 class SaveAgreement:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +152,16 @@ class StagingArena:
         Blocks until every copy is complete: on return the caller may modify or free the source
         tensors, and the returned buffer holds a snapshot.
         """
+        buf, settle = self.stage_begin(tensors, layout, total_nbytes)
+        settle()
+        return buf
+
+    def stage_begin(self, tensors: Sequence[torch.Tensor], layout: PackedLayout,
+                    total_nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """:meth:`stage` with the wait left to the caller: the copies from CUDA tensors may
+        still run when this returns (CPU tensors are copied), and ``settle()`` blocks until
+        they are complete. Until then the caller must not modify the source tensors, and must
+        call it before the buffer is read or staged into again."""
         buf = self.buffer(total_nbytes)
         buf[layout.nbytes :].zero_()
         events = []
@@ -167,9 +177,12 @@ class StagingArena:
                                                layout, buf))
             else:
                 _stage_cpu(tensors, indices, layout, buf)
-        for event in events:
-            event.synchronize()
-        return buf
+
+        def settle() -> None:
+            for event in events:
+                event.synchronize()
+
+        return buf, settle
 
     def _stage_cuda(self, device: torch.device, tensors: Sequence[torch.Tensor],
                     indices: list[int], runs: list[tuple[int, ...]], layout: PackedLayout,

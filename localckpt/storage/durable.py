@@ -39,7 +39,8 @@ from .durable_object import ObjectBackend, is_object_url, shard_key
 from .layout import iteration_dir
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
-from .store import ShardStore, byte_view
+from .store import ShardStore
+from .views import byte_view
 
 logger = logging.getLogger(__name__)
 

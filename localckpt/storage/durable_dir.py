@@ -20,7 +20,8 @@ import torch
 from .fsutil import fsync_dir
 from .layout import iteration_dir, list_iterations
 from .manifest import ShardManifest
-from .store import ShardStore, byte_view
+from .store import ShardStore
+from .views import byte_view
 
 if TYPE_CHECKING:
     from .durable import ChunkFill, EachChunk

@@ -39,7 +39,7 @@ from ..errors import ConfigurationError, CorruptShardError
 from .layout import session_dir, shard_path
 from .manifest import ShardManifest
 from .shard_writer import array_metadata, group_metadata
-from .store import byte_view
+from .views import byte_view
 
 if TYPE_CHECKING:
     from .durable import ChunkFill, EachChunk

@@ -22,7 +22,8 @@ from ..ops.faults import fault_point
 from ..save.staging import unpack
 from .manifest import ShardManifest, dtype_from_name
 from .shard_writer import ShardWriter
-from .store import ShardStore, byte_view
+from .store import ShardStore
+from .views import byte_view
 
 logger = logging.getLogger(__name__)
 

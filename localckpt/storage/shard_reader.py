@@ -17,6 +17,7 @@ from pathlib import Path
 import crc32c
 
 from ..errors import CorruptShardError
+from .device_reader import DeviceScatter
 from .manifest import ShardManifest
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
@@ -25,16 +26,39 @@ _WINDOW = 1 << 20  # bytes read and checksummed at a time (well inside a core's 
 
 def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
                      targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
-                     chunks: range | None = None) -> None:
+                     chunks: range | None = None, device: DeviceScatter | None = None) -> None:
     """Read the chunks under ``chunk_dir`` (all, or ``chunks``) into ``targets`` (see
-    ShardStore.read_into), one chunk per task on ``pool`` (None: on this thread). Raises
+    ShardStore.read_into), one chunk per task on ``pool`` (None: on this thread); with
+    ``device``, the bytes of the tensors it holds go through its pinned slots to the device
+    (bytes no target covers land there too), and every copy is complete on return. Raises
     CorruptShardError naming the first bad file."""
+    try:
+        _read_chunks(chunk_dir, manifest, targets, pool, chunks, device)
+    finally:
+        if device is not None:
+            device.finish()
+
+
+def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
+                 targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
+                 chunks: range | None, device: DeviceScatter | None) -> None:
     size = manifest.chunk_nbytes
     # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
     targets = sorted(targets, key=lambda target: target[0])
     starts = [off for off, _ in targets]
 
     def one(i: int) -> None:
+        if device is None or not device.holds(i):
+            read_one(i, None)
+            return
+        slot = device.take()
+        try:
+            read_one(i, slot.host)
+            device.copy_out(slot, i)
+        finally:
+            device.give(slot)
+
+    def read_one(i: int, fill: memoryview | None) -> None:
         path = chunk_dir / str(i)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -46,7 +70,7 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
             # second pass over a whole chunk from memory costs half as much again as the read.
             for lo in range(0, size, _WINDOW):
                 hi = min(lo + _WINDOW, size)
-                pieces = _pieces(targets, starts, i * size + lo, i * size + hi)
+                pieces = _pieces(targets, starts, i * size + lo, i * size + hi, fill, i * size)
                 n = _preadv_all(fd, list(pieces), lo)
                 got += n
                 if n != hi - lo:
@@ -112,22 +136,28 @@ def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
 
 
 def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,
-            hi: int) -> list[memoryview]:
-    """The buffers that bytes [lo, hi) of the packed data go to, in order; gaps get scratch."""
+            hi: int, fill: memoryview | None = None, base: int = 0) -> list[memoryview]:
+    """The buffers that bytes [lo, hi) of the packed data go to, in order. Bytes no target
+    covers go to ``fill`` (packed offset ``base`` at its start) or to scratch."""
     pieces: list[memoryview] = []
     pos = lo
+
+    def gap(begin: int, end: int) -> None:
+        pieces.append(fill[begin - base : end - base] if fill is not None
+                      else memoryview(bytearray(end - begin)))
+
     k = max(bisect.bisect_right(starts, lo) - 1, 0)
     while k < len(targets) and targets[k][0] < hi:
         off, view = targets[k]
         begin, end = max(off, pos), min(off + len(view), hi)
         if end > begin:
-            if begin > pos:  # alignment padding between tensors
-                pieces.append(memoryview(bytearray(begin - pos)))
+            if begin > pos:  # alignment padding between tensors, or a device tensor's bytes
+                gap(pos, begin)
             pieces.append(view[begin - off : end - off])
             pos = end
         k += 1
     if pos < hi:  # padding at the end of the data
-        pieces.append(memoryview(bytearray(hi - pos)))
+        gap(pos, hi)
     return pieces
 
 

@@ -24,7 +24,8 @@ from ..errors import CorruptShardError
 from .layout import ShardRef
 from .manifest import ShardManifest
 from .peer_io import PieceRing, received_manifest
-from .store import ShardStore, byte_view, fresh_or_given
+from .store import ShardStore, fresh_or_given
+from .views import byte_view
 
 # A tensor at least this large is its own segment on the wire, received in place; smaller ones
 # (and alignment padding) arrive in a scratch buffer and are copied out: one message per small

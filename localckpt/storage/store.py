@@ -27,7 +27,6 @@ files 0600; listing never follows a symbolic link.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -42,6 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptShardError, InsufficientSpaceError
+from ..hollow import resolve_device
+from .device_reader import SLOTS_PER_THREAD, DeviceScatter, cuda_destination
 from .layout import (
     ShardRef,
     find_leftovers,
@@ -56,6 +57,7 @@ from .manifest import ShardManifest, dtype_from_name
 from .recycle import FilePool
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
+from .views import byte_view, device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +92,6 @@ def check_free_space(root: Path, needed: int) -> None:
 def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) -> int:
     """Disk bytes a shard takes: chunks with their checksums, metadata, slack for inodes."""
     return chunk_count * (chunk_nbytes + 4) + manifest_estimate + 64 * 1024
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor (any dtype, pinned included) as a writable
-    memoryview sharing its memory: what os.write / preadv / crc32c take without a copy. The view
-    keeps ``t`` alive. Raises ValueError for a non-contiguous or non-CPU tensor."""
-    if not (t.is_cpu and t.is_contiguous()):
-        raise ValueError(f"byte_view: expected a contiguous CPU tensor, got one on {t.device} "
-                         f"with strides {t.stride()}")
-    # ctypes instead of tensor.view(uint8).numpy(): a third of the cost per tensor, which is
-    # what a 10,000-tensor load pays 10,000 times.
-    array = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    array.owner = t  # type: ignore[attr-defined]
-    return memoryview(array).cast("B")
 
 
 class ShardStore:
@@ -282,17 +270,38 @@ class ShardStore:
         return manifest, buf
 
     def read_tensors(self, ref: ShardRef,
-                     into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None
-                     ) -> tuple[ShardManifest, list[torch.Tensor]]:
-        """Read ``ref`` straight into a CPU tensor per entry (a scatter read, verified as in
+                     into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None,
+                     to_device: bool = False) -> tuple[ShardManifest, list[torch.Tensor]]:
+        """Read ``ref`` straight into a tensor per entry (a scatter read, verified as in
         :meth:`read_into`): fresh ones, or those ``into(manifest)`` names (contiguous, of the
         entry's dtype and shape, not overlapping; None: a fresh one). The manifest is checked
-        first (:meth:`read_manifest`), so nothing is allocated from an inconsistent one."""
+        first (:meth:`read_manifest`), so nothing is allocated from an inconsistent one.
+
+        Fresh tensors are on the CPU, except with ``to_device``: then the entries saved from the
+        CUDA device most bytes go back to (:func:`cuda_destination`) are allocated there and
+        read through pinned memory, as are the given tensors on that device; every copy is
+        complete on return. Tensors on other devices are returned on the CPU."""
         manifest = self.read_manifest(ref)
-        tensors = fresh_or_given(manifest, into)
-        self.read_into(ref, manifest, [
-            (e.offset, byte_view(t)) for e, t in zip(manifest.tensors, tensors, strict=True)
-            if e.nbytes])
+        device = cuda_destination(manifest) if to_device else None
+        tensors = fresh_or_given(manifest, into, device)
+        host, on_device = [], []
+        for e, t in zip(manifest.tensors, tensors, strict=True):
+            if not e.nbytes:
+                continue
+            if t.is_cpu:
+                host.append((e.offset, byte_view(t)))
+            elif t.device == device and t.is_contiguous():
+                on_device.append((e.offset, device_bytes(t)))
+            else:
+                raise ValueError(f"read_tensors: {e.key_path!r} is to be read into a tensor on "
+                                 f"{t.device} (contiguous: {t.is_contiguous()}); expected a "
+                                 f"contiguous tensor on the CPU or on {device or 'the CPU'}")
+        scatter = None
+        if on_device:
+            assert device is not None
+            scatter = DeviceScatter(device, on_device, manifest.chunk_nbytes,
+                                    SLOTS_PER_THREAD * self._pool._max_workers)
+        read_chunks_into(ref.path / "data" / "c", manifest, host, self._pool, device=scatter)
         return manifest, tensors
 
     def read_into(self, ref: ShardRef, manifest: ShardManifest,
@@ -377,12 +386,20 @@ class ShardStore:
 
 
 def fresh_or_given(manifest: ShardManifest,
-                   into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None
-                   ) -> list[torch.Tensor]:
-    """A CPU tensor per entry of ``manifest`` to load into: ``into(manifest)``'s, else fresh."""
+                   into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None,
+                   device: torch.device | None = None) -> list[torch.Tensor]:
+    """A tensor per entry of ``manifest`` to load into: ``into(manifest)``'s, else a fresh one,
+    on ``device`` for a non-empty entry saved from it (None: every fresh one on the CPU)."""
     given = into(manifest) if into is not None else [None] * len(manifest.tensors)
-    return [t if t is not None else torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-            for e, t in zip(manifest.tensors, given, strict=True)]
+    cache: dict[str, torch.device] = {}
+    out = []
+    for e, t in zip(manifest.tensors, given, strict=True):
+        if t is None:
+            here = device if (device is not None and e.nbytes and e.device.startswith("cuda")
+                              and resolve_device(e.device, cache) == device) else None
+            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
+        out.append(t)
+    return out
 
 
 def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
