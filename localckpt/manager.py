@@ -78,7 +78,7 @@ class LocalCheckpointManager:
         chunk_nbytes: target size of the data chunk files.
         io_threads: threads that checksum and write / read chunk files in parallel (None: the
             rank's share of the cores it may run on: its affinity mask, capped by a cgroup CPU
-            quota, divided among the ranks of its node with the same mask; 2 to 8).
+            quota, divided among the ranks of its node with the same mask; 2 to 12).
         node_id: this rank's node, for placement (default $LOCALCKPT_NODE_ID, else hostname).
         busy: what an async save does while the previous one is in flight: "wait" for it, or
             "skip" this save (decided alike on every rank).

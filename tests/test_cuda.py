@@ -174,16 +174,16 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("slots_per_thread", [2, 0])  # 0: one slot shared by both readers
+@pytest.mark.parametrize("spare_slots", [2, -1])  # -1: one slot shared by both readers
 def test_load_reads_through_pinned_slots_straight_onto_the_device(
-        root: Path, monkeypatch: pytest.MonkeyPatch, slots_per_thread: int) -> None:
+        root: Path, monkeypatch: pytest.MonkeyPatch, spare_slots: int) -> None:
     from localckpt import state_dict
     from localckpt.storage import device_reader, store
 
     state = _pinned_state()
     with LocalCheckpointManager(root, "s", chunk_nbytes=64 << 10, io_threads=2) as mgr:
         mgr.save(state, 1)
-    monkeypatch.setattr(store, "SLOTS_PER_THREAD", slots_per_thread)
+    monkeypatch.setattr(store, "SPARE_SLOTS", spare_slots)
     copies: list[int] = []  # pieces per chunk copied out of a slot
     real_copy_out = device_reader.DeviceScatter.copy_out
 

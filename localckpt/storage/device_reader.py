@@ -10,9 +10,10 @@ A chunk with few pieces is copied piece by piece straight into the tensors; one 
 tensors crosses once into a device buffer of the slot and is scattered on the device by one
 batched copy (a host-to-device copy costs microseconds whatever its size).
 
-Slots are made as readers need them, at most ``SLOTS_PER_THREAD`` per I/O thread, so a small
-shard pins little. Their buffers come from torch's caching host allocator: a second load in the
-same process reuses the pages.
+Slots are made as readers need them, at most one per I/O thread and ``SPARE_SLOTS`` more, so a
+small shard pins little; a reader takes the slot given back longest ago, whose copy (a third of a
+millisecond for 16 MiB) is long complete. Their buffers come from torch's caching host
+allocator: a second load in the same process reuses the pages.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..hollow import resolve_device
 from .manifest import ShardManifest
 from .views import byte_view
 
-SLOTS_PER_THREAD = 2  # one being read into while the other's copy runs
+SPARE_SLOTS = 2  # beyond one per reader: a reader rarely waits for a copy to finish
 _FEW_PIECES = 4  # up to this many pieces in a chunk: copied straight into the tensors
 
 
@@ -105,7 +106,7 @@ class DeviceScatter:
         with self._lock:
             while not self._free and len(self._made) >= self._max_slots:
                 self._lock.wait()
-            slot = self._free.pop() if self._free else None
+            slot = self._free.pop(0) if self._free else None
             if slot is None:
                 pinned = torch.empty(self.chunk_nbytes, dtype=torch.uint8, pin_memory=True)
                 slot = _Slot(pinned, byte_view(pinned),

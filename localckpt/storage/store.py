@@ -42,7 +42,7 @@ import torch
 
 from ..errors import CorruptShardError, InsufficientSpaceError
 from ..hollow import resolve_device
-from .device_reader import SLOTS_PER_THREAD, DeviceScatter, cuda_destination
+from .device_reader import SPARE_SLOTS, DeviceScatter, cuda_destination
 from .layout import (
     ShardRef,
     find_leftovers,
@@ -300,7 +300,7 @@ class ShardStore:
         if on_device:
             assert device is not None
             scatter = DeviceScatter(device, on_device, manifest.chunk_nbytes,
-                                    SLOTS_PER_THREAD * self._pool._max_workers)
+                                    self._pool._max_workers + SPARE_SLOTS)
         read_chunks_into(ref.path / "data" / "c", manifest, host, self._pool, device=scatter)
         return manifest, tensors
 
