@@ -266,3 +266,28 @@ def test_a_corrupt_own_copy_on_the_gpu_is_replaced_by_the_peers_replica(tmp_path
     assert zero["same"] and one["same"]
     assert zero["devices"] == one["devices"] == ["cuda:0"]
     assert len(zero["quarantined"]) == 1 and not one["quarantined"]
+
+
+def test_an_entry_filled_by_a_copy_is_read_into_host_memory_not_a_second_device_tensor(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from localckpt.storage import store
+
+    saved = {"conv": torch.randn(16, 8, 4, 4, device="cuda"), "b": torch.randn(100, device="cuda")}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    into = {"conv": torch.zeros(16, 8, 4, 4, device="cuda").to(memory_format=torch.channels_last),
+            "b": torch.zeros(100, device="cuda")}
+    fresh: list[str] = []
+    real = store.fresh_or_given
+
+    def spy(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        out = real(*args, **kwargs)
+        fresh.extend(str(t.device) for t in out)
+        return out
+
+    monkeypatch.setattr(store, "fresh_or_given", spy)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    assert loaded["conv"] is into["conv"] and torch.equal(loaded["conv"], saved["conv"])
+    assert loaded["b"] is into["b"] and torch.equal(loaded["b"], saved["b"])
+    assert fresh == ["cpu", "cuda:0"]  # the channels_last one through the host, "b" read into

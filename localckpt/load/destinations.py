@@ -125,7 +125,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
           device: torch.device | None = None) -> Destinations:
     """Which entries of ``manifest`` go into which of the caller's tensors (pure). A plain
     contiguous CPU tensor is read into, as is one on ``device`` (a read through pinned memory:
-    ShardStore.read_tensors); one on another device, non-contiguous (channels_last),
+    ShardStore.read_tensors; if it shares memory with another, it is filled by a copy instead);
+    one on another device, non-contiguous (channels_last),
     with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
     nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
     at another place than ``into``'s goes to ``mismatched``. A numpy array stored as bytes
@@ -193,9 +194,15 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             shared.update((i, last))
         if end > reach:
             reach, last = end, i
-    for i in shared:  # left out: one would overwrite the other
+    for i in shared:
+        held = direct[i] if direct[i] is not None else copied.get(i)
         direct[i] = None
-        copied.pop(i, None)
+        if held is not None and not held.is_cpu:
+            # Filled by a copy, as a device tensor always was: its checksums are taken on the
+            # host, so tied weights on the GPU cannot fail them.
+            copied[i] = held
+            continue
+        copied.pop(i, None)  # left out: one would overwrite the other
         dtensors.pop(i, None)
     return Destinations(direct, copied, dtensors, mismatched, elsewhere)
 

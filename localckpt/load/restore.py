@@ -58,7 +58,7 @@ from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.device_reader import cuda_destination
 from ..storage.layout import ShardRef
-from ..storage.manifest import ShardManifest
+from ..storage.manifest import ShardManifest, dtype_from_name
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
 from .destinations import Destinations, Into, Rewrap, check_layouts, fill_copied, match
@@ -107,6 +107,21 @@ class _Round:
     manifests: dict[tuple[int, int], ShardManifest] = field(default_factory=dict)
     own: Loaded | None = None
     destinations: Destinations | None = None  # where the own shard's tensors go
+    _device: list[torch.device | None] = field(default_factory=list)  # device_for, once known
+
+    def device_for(self, manifest: ShardManifest) -> torch.device | None:
+        """The CUDA device the own shard is read onto through pinned memory (the same answer
+        for the whole round): the one holding most bytes of ``into``'s CUDA tensors when it
+        has any, else the one most of the shard's bytes were saved from; None: no CUDA."""
+        if not self._device:
+            nbytes: dict[torch.device, int] = {}
+            for target in (self.into.paths() or {}).values():
+                t = target.tensor
+                if t.is_cuda:
+                    nbytes[t.device] = nbytes.get(t.device, 0) + t.numel() * t.element_size()
+            self._device.append(max(nbytes, key=nbytes.__getitem__) if nbytes
+                                else cuda_destination(manifest))
+        return self._device[0]
 
     def choose(self, manifest: ShardManifest,
                device: torch.device | None = None) -> list[torch.Tensor | None]:
@@ -116,13 +131,18 @@ class _Round:
         return self.destinations.direct
 
     def choose_or_refuse(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
-        """:meth:`choose` for a read from this rank's disk, which stops before reading any data
-        when the shard lies elsewhere than ``into``'s DTensors (LayoutMismatchError: a
-        resharding load takes over)."""
-        direct = self.choose(manifest, cuda_destination(manifest))
+        """:meth:`choose` for a read from this rank's disk onto :meth:`device_for`, which stops
+        before reading any data when the shard lies elsewhere than ``into``'s DTensors
+        (LayoutMismatchError: a resharding load takes over). An entry the caller receives by a
+        copy is read into host memory, never into a second tensor on a device."""
+        targets = self.choose(manifest, self.device_for(manifest))
         assert self.destinations is not None
         check_layouts(self.destinations)
-        return direct
+        targets = list(targets)
+        for i in self.destinations.copied:
+            e = manifest.tensors[i]
+            targets[i] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+        return targets
 
     @property
     def fetches(self) -> ExchangePlan:
@@ -164,8 +184,9 @@ def _blame_destination(ctx: Context, rnd: _Round, shard: tuple[int, int],
     """A read into the caller's tensors failed its checks: read the copy again into private
     memory. If it verifies, the copy is healthy and must not be quarantined: the caller's
     tensors are at fault (read-only memory, or changed while load ran): ConfigurationError."""
-    if rnd.destinations is None or not any(t is not None for t in rnd.destinations.direct):
-        return
+    if rnd.destinations is None or not any(t is not None and t.is_cpu
+                                           for t in rnd.destinations.direct):
+        return  # tensors on a device cannot fail a checksum: it is taken on the host
     try:
         ctx.store.read(_ref(ctx, shard))
     except CorruptShardError:
@@ -193,7 +214,7 @@ def _verify_sources(ctx: Context, rnd: _Round,
             if built is not None:  # the common case: only its own shard, for itself
                 try:
                     rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose_or_refuse,
-                                                     to_device=True)
+                                                     rnd.device_for)
                 except CorruptShardError as exc:
                     _blame_destination(ctx, rnd, shard, exc)
                     raise
@@ -218,9 +239,18 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
     own_shard = (rnd.iteration, rank)
     reading: Future[Loaded] | None = None
     if any(t.src == rank == t.dst for t in rnd.plan.reads):
+        # On the caller's stream, as if read on its thread: copies after what it queued, the
+        # tensors its to use and free.
+        initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        stream = torch.cuda.current_stream() if initialized else None
+
+        def read_own() -> Loaded:
+            with torch.cuda.stream(stream):
+                return ctx.store.read_tensors(_ref(ctx, own_shard), rnd.choose_or_refuse,
+                                              rnd.device_for)
+
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
-        reading = reader.submit(ctx.store.read_tensors, _ref(ctx, own_shard),
-                                rnd.choose_or_refuse, True)
+        reading = reader.submit(read_own)
         reader.shutdown(wait=False)
     receivers: dict[tuple[int, int], TensorReceiver] = {}
 

@@ -164,19 +164,26 @@ class StagingArena:
         call it before the buffer is read or staged into again."""
         buf = self.buffer(total_nbytes)
         buf[layout.nbytes :].zero_()
-        events = []
+        events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
-        for device, indices in by_device.items():
-            if device.type == "cuda":
-                runs = [r for r in layout.runs if tensors[r[0]].device == device]
-                in_runs = {i for r in runs for i in r}
-                events.append(self._stage_cuda(device, tensors,
-                                               [i for i in indices if i not in in_runs], runs,
-                                               layout, buf))
-            else:
-                _stage_cpu(tensors, indices, layout, buf)
+        try:
+            for device, indices in by_device.items():
+                if device.type == "cuda":
+                    runs = [r for r in layout.runs if tensors[r[0]].device == device]
+                    in_runs = {i for r in runs for i in r}
+                    events.append(self._stage_cuda(device, tensors,
+                                                   [i for i in indices if i not in in_runs],
+                                                   runs, layout, buf))
+                else:
+                    _stage_cpu(tensors, indices, layout, buf)
+        except BaseException:
+            # Another device's copies may be queued already: none may still write into the
+            # arena once this raised (the next save stages into it).
+            for stream in self._streams.values():
+                stream.synchronize()
+            raise
 
         def settle() -> None:
             for event in events:

@@ -70,7 +70,8 @@ class DeviceScatter:
     def __init__(self, device: torch.device, targets: Sequence[tuple[int, torch.Tensor]],
                  chunk_nbytes: int, max_slots: int) -> None:
         """``targets``: (offset in the packed data, the tensor's bytes on ``device`` as
-        :func:`device_bytes` gives them), not overlapping."""
+        :func:`localckpt.storage.views.device_bytes` gives them), not overlapping. The copies
+        come after what the calling thread's current stream on ``device`` has queued."""
         self.device = device
         self.chunk_nbytes = chunk_nbytes
         self._max_slots = max(1, max_slots)
@@ -129,33 +130,42 @@ class DeviceScatter:
         if not pieces:
             return
         with torch.cuda.stream(slot.stream):
-            if len(pieces) <= _FEW_PIECES:
-                for view, a, b, at in pieces:
-                    view[a:b].copy_(slot.pinned[at : at + b - a], non_blocking=True)
-            else:
-                if slot.staging is None:
-                    slot.staging = torch.empty(self.chunk_nbytes, dtype=torch.uint8,
-                                               device=self.device)
-                lo, hi = pieces[0][3], pieces[-1][3] + pieces[-1][2] - pieces[-1][1]
-                slot.staging[lo:hi].copy_(slot.pinned[lo:hi], non_blocking=True)
-                # The sources cut in one call (gaps between them: alignment padding), the
-                # destinations sliced only where a tensor spans chunks: a chunk of small tensors
-                # holds hundreds of them.
-                sizes: list[int] = []
-                pos = lo
-                for _, a, b, at in pieces:
-                    sizes += (at - pos, b - a)
-                    pos = at + b - a
-                sources = torch.split_with_sizes(slot.staging[lo:hi], sizes)[1::2]
-                torch._foreach_copy_(
-                    [view if a == 0 and b == view.numel() else view[a:b]
-                     for view, a, b, _ in pieces], sources)
-            slot.event.record(slot.stream)
+            try:
+                self._copy(slot, pieces)
+            finally:  # what was queued before a failure is waited for like the rest
+                slot.event.record(slot.stream)
+
+    def _copy(self, slot: _Slot, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
+        if len(pieces) <= _FEW_PIECES:
+            for view, a, b, at in pieces:
+                view[a:b].copy_(slot.pinned[at : at + b - a], non_blocking=True)
+            return
+        if slot.staging is None:
+            slot.staging = torch.empty(self.chunk_nbytes, dtype=torch.uint8, device=self.device)
+        lo, hi = pieces[0][3], pieces[-1][3] + pieces[-1][2] - pieces[-1][1]
+        slot.staging[lo:hi].copy_(slot.pinned[lo:hi], non_blocking=True)
+        # The sources cut in one call (gaps between them: alignment padding), the destinations
+        # sliced only where a tensor spans chunks: a chunk of small tensors holds hundreds.
+        sizes: list[int] = []
+        pos = lo
+        for _, a, b, at in pieces:
+            sizes += (at - pos, b - a)
+            pos = at + b - a
+        sources = torch.split_with_sizes(slot.staging[lo:hi], sizes)[1::2]
+        torch._foreach_copy_([view if a == 0 and b == view.numel() else view[a:b]
+                              for view, a, b, _ in pieces], sources)
 
     def finish(self) -> None:
-        """Block until every copy issued is complete; the slots' buffers go back to the
+        """Block until everything queued on the slots' streams is complete (every slot's, even
+        if one raises: then the first error is raised after); the slots' buffers go back to the
         allocators."""
         with self._lock:
             made, self._made, self._free = self._made, [], []
+        error: BaseException | None = None
         for slot in made:
-            slot.event.synchronize()
+            try:
+                slot.stream.synchronize()
+            except BaseException as exc:  # the others are still waited for
+                error = error or exc
+        if error is not None:
+            raise error

@@ -42,7 +42,7 @@ import torch
 
 from ..errors import CorruptShardError, InsufficientSpaceError
 from ..hollow import resolve_device
-from .device_reader import SPARE_SLOTS, DeviceScatter, cuda_destination
+from .device_reader import SPARE_SLOTS, DeviceScatter
 from .layout import (
     ShardRef,
     find_leftovers,
@@ -271,18 +271,20 @@ class ShardStore:
 
     def read_tensors(self, ref: ShardRef,
                      into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None,
-                     to_device: bool = False) -> tuple[ShardManifest, list[torch.Tensor]]:
+                     device_of: Callable[[ShardManifest], torch.device | None] | None = None
+                     ) -> tuple[ShardManifest, list[torch.Tensor]]:
         """Read ``ref`` straight into a tensor per entry (a scatter read, verified as in
         :meth:`read_into`): fresh ones, or those ``into(manifest)`` names (contiguous, of the
         entry's dtype and shape, not overlapping; None: a fresh one). The manifest is checked
         first (:meth:`read_manifest`), so nothing is allocated from an inconsistent one.
 
-        Fresh tensors are on the CPU, except with ``to_device``: then the entries saved from the
-        CUDA device most bytes go back to (:func:`cuda_destination`) are allocated there and
-        read through pinned memory, as are the given tensors on that device; every copy is
-        complete on return. Tensors on other devices are returned on the CPU."""
+        Fresh tensors are on the CPU, except with ``device_of``: then the entries saved from
+        the CUDA device ``device_of(manifest)`` names (e.g. :func:`cuda_destination`) are
+        allocated there and read through pinned memory, as are the given tensors on that
+        device; every copy is complete on return. Tensors on other devices are returned on the
+        CPU."""
         manifest = self.read_manifest(ref)
-        device = cuda_destination(manifest) if to_device else None
+        device = device_of(manifest) if device_of is not None else None
         tensors = fresh_or_given(manifest, into, device)
         host, on_device = [], []
         for e, t in zip(manifest.tensors, tensors, strict=True):

@@ -1,0 +1,232 @@
+"""The pinned-memory load path's logic, on any machine: DeviceScatter and read_chunks_into with a
+stand-in for torch.cuda (streams and events that record what they are asked, host tensors for
+device ones), the device destinations of ``match``, and the failure paths that must leave no copy
+running. What only a GPU shows (real streams, pinned memory) is in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import random
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from localckpt.load import restore
+from localckpt.load.destinations import Destinations, Target, match
+from localckpt.save import staging
+from localckpt.save.staging import StagingArena, plan_layout
+from localckpt.storage import device_reader
+from localckpt.storage.manifest import ShardManifest, TensorEntry, dtype_name
+from localckpt.storage.shard_reader import read_chunks_into
+from localckpt.storage.store import ShardStore, chunking
+from localckpt.storage.views import byte_view, device_bytes
+
+
+class _Log(list[str]):
+    pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _Log:
+    """device_reader's torch with CUDA streams and events that log, and no pinning."""
+    log = _Log()
+
+    class Event:
+        def record(self, stream: Any = None) -> None:
+            log.append("record")
+
+        def synchronize(self) -> None:
+            log.append("event sync")
+
+    class Stream:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            log.append("stream sync")
+
+    class On:
+        def __init__(self, stream: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    class Torch:
+        cuda = types.SimpleNamespace(Stream=Stream, Event=Event, stream=On,
+                                     current_stream=lambda device=None: Stream())
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args: Any, pin_memory: bool = False, device: Any = None,
+                  **kwargs: Any) -> torch.Tensor:
+            return torch.empty(*args, **kwargs)
+
+    monkeypatch.setattr(device_reader, "torch", Torch())
+    return log
+
+
+def _shard(tmp_path: Path, seed: int, chunk_nbytes: int, threads: int
+           ) -> tuple[ShardStore, Any, list[torch.Tensor], list[str]]:
+    rng = random.Random(seed)
+    tensors, devices = [], []
+    for _ in range(rng.randint(1, 60)):
+        kind = rng.random()
+        t = (torch.randn(()) if kind < 0.1 else torch.empty(0) if kind < 0.15
+             else torch.randn(rng.randint(1, 300)) if kind < 0.7
+             else torch.randn(rng.randint(1, 3 * chunk_nbytes // 4)))  # spans chunks
+        if rng.random() < 0.2:
+            t = (t * 100).to(torch.int8)
+        tensors.append(t)
+        devices.append("cuda:0" if rng.random() < 0.7 else "cpu")
+    layout = plan_layout(tensors)
+    nbytes, count = chunking(layout.nbytes, chunk_nbytes)
+    payload = StagingArena(pin=False).stage(tensors, layout, nbytes * count)
+    entries = tuple(TensorEntry(f"t{i}", dtype_name(t.dtype), tuple(t.shape), layout.offsets[i],
+                                layout.sizes[i], devices[i]) for i, t in enumerate(tensors))
+    store = ShardStore(tmp_path / f"root{seed}", "s", writer_rank=0, chunk_nbytes=chunk_nbytes,
+                       io_threads=threads)
+    manifest = ShardManifest("s", 1, 0, 1, entries, {"dict": []}, "plain", layout.nbytes,
+                             nbytes, count, ())
+    ref, _ = store.write(manifest, payload)
+    return store, ref, tensors, devices
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_byte_lands_where_it_belongs(tmp_path: Path, fake_cuda: _Log, seed: int) -> None:
+    """Random shards (tensors within a chunk, across chunks, empty, 0-dim; host and "device"
+    ones mixed) through both copy paths, on 1 to 4 readers sharing few slots."""
+    rng = random.Random(seed)
+    store, ref, tensors, devices = _shard(tmp_path, seed, rng.choice([256, 1024, 4096]),
+                                          rng.choice([1, 2, 4]))
+    try:
+        m = store.read_manifest(ref)
+        out = [torch.full_like(t, 7) for t in tensors]
+        host = [(e.offset, byte_view(t)) for e, t in zip(m.tensors, out, strict=True)
+                if e.nbytes and e.device == "cpu"]
+        dev = [(e.offset, device_bytes(t)) for e, t in zip(m.tensors, out, strict=True)
+               if e.nbytes and e.device != "cpu"]
+        scatter = device_reader.DeviceScatter(torch.device("cpu"), dev, m.chunk_nbytes,
+                                              rng.choice([1, 3])) if dev else None
+        read_chunks_into(ref.path / "data" / "c", m, host, store._pool, device=scatter)
+    finally:
+        store.close()
+    for i, (saved, loaded) in enumerate(zip(tensors, out, strict=True)):
+        assert torch.equal(saved, loaded), (i, devices[i])
+
+
+def test_a_copy_that_fails_midway_is_waited_for_before_the_error_returns(
+        fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first piece's copy is queued, the second one's fails: the slot's event is recorded
+    anyway (take() waits for it) and finish() synchronizes the slot's stream."""
+    a, b = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    scatter = device_reader.DeviceScatter(torch.device("cpu"), [(0, a), (64, b)], 128, 2)
+    real = torch.Tensor.copy_
+    calls = []
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
+        calls.append(1)
+        fake_cuda.append(f"copy {len(calls)}")
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: launch failure (injected)")
+        return real(self, src, non_blocking=non_blocking)
+
+    slot = scatter.take()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(RuntimeError, match="injected"):
+        scatter.copy_out(slot, 0)
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    scatter.give(slot)
+    scatter.finish()
+    assert fake_cuda[fake_cuda.index("copy 2"):] == ["copy 2", "record", "stream sync"]
+
+
+def test_finish_waits_for_every_slot_even_when_one_fails(fake_cuda: _Log) -> None:
+    scatter = device_reader.DeviceScatter(torch.device("cpu"), [], 64, 3)
+    slots = [scatter.take() for _ in range(3)]
+    waited = []
+
+    def broken() -> None:
+        waited.append("broken")
+        raise RuntimeError("CUDA error (injected)")
+
+    slots[0].stream.synchronize = broken  # type: ignore[method-assign]
+    for i, slot in enumerate(slots[1:], 1):
+        slot.stream.synchronize = lambda i=i: waited.append(i)  # type: ignore[method-assign]
+    for slot in slots:
+        scatter.give(slot)
+    with pytest.raises(RuntimeError, match="injected"):
+        scatter.finish()
+    assert waited == ["broken", 1, 2]
+
+
+class _OnDevice(torch.Tensor):
+    """A host tensor that says it is on cuda:0 (what ``match`` looks at)."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda:0")
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_OnDevice, t)
+
+
+def _manifest(n: int, nbytes: int = 32) -> ShardManifest:
+    entries = tuple(TensorEntry(f"t{i}", "float32", (nbytes // 4,), i * nbytes, nbytes, "cuda:0")
+                    for i in range(n))
+    return ShardManifest("s", 1, 0, 1, entries, {"dict": []}, "plain", n * nbytes, 4096, 1,
+                         (0,))
+
+
+def test_tied_device_tensors_are_filled_by_a_copy_not_left_out() -> None:
+    """Two key paths sharing memory on the device (tied embedding and head): both filled by a
+    copy, as before the pinned path; two on the host are left out; the rest read into."""
+    gpu = torch.zeros(16)
+    cpu = torch.zeros(16)
+    targets = {"t0": Target(_on_device(gpu[:8])), "t1": Target(_on_device(gpu[:8])),
+               "t2": Target(_on_device(torch.zeros(8))),
+               "t3": Target(cpu[:8]), "t4": Target(cpu[4:12])}
+    got = match(_manifest(5), targets, torch.device("cuda:0"))
+    assert [t is not None for t in got.direct] == [False, False, True, False, False]
+    assert sorted(got.copied) == [0, 1]
+
+
+def test_a_checksum_failure_is_not_blamed_on_device_destinations() -> None:
+    """Checksums are taken on the host: a failed read into ``into``'s device tensors means the
+    copy is bad, so no second read into private memory is tried (``ctx`` is never used)."""
+    rnd = types.SimpleNamespace(destinations=Destinations([_on_device(torch.zeros(8)), None]))
+    restore._blame_destination(None, rnd, (1, 0), restore.CorruptShardError("bad"))  # type: ignore[arg-type]
+
+
+def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    synced = []
+    arena = StagingArena(pin=False)
+    arena._streams = {torch.device("cuda:0"): types.SimpleNamespace(  # type: ignore[dict-item]
+        synchronize=lambda: synced.append("cuda:0"))}
+    monkeypatch.setattr(arena, "_stage_cuda", lambda *args: synced.append("queued") or object())
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("staging a CPU tensor failed (injected)")
+
+    monkeypatch.setattr(staging, "_stage_cpu", broken)
+    tensors = [_on_device(torch.zeros(4)), torch.zeros(4)]
+    layout = plan_layout([torch.zeros(4), torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="injected"):
+        arena.stage_begin(tensors, layout, layout.nbytes)
+    assert synced == ["queued", "cuda:0"]
