@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from localckpt.errors import CorruptShardError
 from localckpt.load import restore
 from localckpt.load.destinations import Destinations, Target, match
 from localckpt.save import staging
@@ -210,7 +211,7 @@ def test_a_checksum_failure_is_not_blamed_on_device_destinations() -> None:
     """Checksums are taken on the host: a failed read into ``into``'s device tensors means the
     copy is bad, so no second read into private memory is tried (``ctx`` is never used)."""
     rnd = types.SimpleNamespace(destinations=Destinations([_on_device(torch.zeros(8)), None]))
-    restore._blame_destination(None, rnd, (1, 0), restore.CorruptShardError("bad"))  # type: ignore[arg-type]
+    restore._blame_destination(None, rnd, (1, 0), CorruptShardError("bad"))  # type: ignore[arg-type]
 
 
 def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(

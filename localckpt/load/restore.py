@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,11 +35,7 @@ import torch
 
 from replication import (
     ExchangePlan,
-    RetrievalPlan,
     Transfer,
-    retrieval_plan,
-    schedule,
-    wanted_shards,
 )
 from replication.executor import Outgoing
 
@@ -56,17 +51,23 @@ from ..control.coverage import (
 from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
-from ..storage.device_reader import cuda_destination
 from ..storage.layout import ShardRef
-from ..storage.manifest import ShardManifest, dtype_from_name
+from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
-from .destinations import Destinations, Into, Rewrap, check_layouts, fill_copied, match
+from .destinations import Into, Rewrap, fill_copied
+from .rounds import (
+    Loaded,
+    Round,
+    not_loadable,
+    note_mixed,
+    nothing_left,
+    plan_round,
+    save_of,
+)
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
-
-Loaded = tuple[ShardManifest, list[torch.Tensor]]
 
 
 def find_latest(ctx: Context, reshard: bool = False) -> tuple[int, int, list[Inventory]]:
@@ -95,77 +96,6 @@ def find_latest(ctx: Context, reshard: bool = False) -> tuple[int, int, list[Inv
     return latest, ctx.world_size, inventories
 
 
-@dataclass
-class _Round:
-    """One attempt: the plan, the manifests of the copies this rank serves (checked), and its
-    own shard once read or received."""
-
-    iteration: int
-    plan: RetrievalPlan
-    holders: dict[tuple[int, int], list[int]]
-    into: Into = field(default_factory=lambda: Into(None))  # the caller's tensors
-    manifests: dict[tuple[int, int], ShardManifest] = field(default_factory=dict)
-    own: Loaded | None = None
-    destinations: Destinations | None = None  # where the own shard's tensors go
-    _device: list[torch.device | None] = field(default_factory=list)  # device_for, once known
-
-    def device_for(self, manifest: ShardManifest) -> torch.device | None:
-        """The CUDA device the own shard is read onto through pinned memory (the same answer
-        for the whole round): the one holding most bytes of ``into``'s CUDA tensors when it
-        has any, else the one most of the shard's bytes were saved from; None: no CUDA."""
-        if not self._device:
-            nbytes: dict[torch.device, int] = {}
-            for target in (self.into.paths() or {}).values():
-                t = target.tensor
-                if t.is_cuda:
-                    nbytes[t.device] = nbytes.get(t.device, 0) + t.numel() * t.element_size()
-            self._device.append(max(nbytes, key=nbytes.__getitem__) if nbytes
-                                else cuda_destination(manifest))
-        return self._device[0]
-
-    def choose(self, manifest: ShardManifest,
-               device: torch.device | None = None) -> list[torch.Tensor | None]:
-        """The caller's tensors the own shard's entries are read into (see match): on the CPU,
-        and on ``device`` for a read through pinned memory."""
-        self.destinations = match(manifest, self.into.paths(), device)
-        return self.destinations.direct
-
-    def choose_or_refuse(self, manifest: ShardManifest) -> list[torch.Tensor | None]:
-        """:meth:`choose` for a read from this rank's disk onto :meth:`device_for`, which stops
-        before reading any data when the shard lies elsewhere than ``into``'s DTensors
-        (LayoutMismatchError: a resharding load takes over). An entry the caller receives by a
-        copy is read into host memory, never into a second tensor on a device."""
-        targets = self.choose(manifest, self.device_for(manifest))
-        assert self.destinations is not None
-        check_layouts(self.destinations)
-        targets = list(targets)
-        for i in self.destinations.copied:
-            e = manifest.tensors[i]
-            targets[i] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
-        return targets
-
-    @property
-    def fetches(self) -> ExchangePlan:
-        """The transfers ``load`` waits for: each owner's shard to its owner. The replicas a
-        replaced node must hold again are the write-back's, after ``load`` returned."""
-        return schedule(t for t in self.plan.exchange.transfers if t.dst == t.owner)
-
-
-def plan_round(ctx: Context, iteration: int, inventories: list[Inventory],
-               into: Into | None = None) -> _Round:
-    """Who reads which copy of ``iteration`` and who receives what (pure: the same on every
-    rank). ``iteration`` must be complete in ``inventories``."""
-    world = ctx.world_size
-    present = [frozenset((it, o) for it, o, w in inv.shards if it == iteration and w == world)
-               for inv in inventories]
-    holders: dict[tuple[int, int], list[int]] = {}
-    for r, shards in enumerate(present):
-        for s in shards:
-            holders.setdefault(s, []).append(r)
-    wants = wanted_shards(ctx.placement, ctx.topology, iteration, present)
-    return _Round(iteration, retrieval_plan(wants, holders), holders, into or Into(None))
-
-
 def _ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
     return ctx.store.ref(*shard, ctx.world_size)
 
@@ -179,7 +109,7 @@ def _quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> lis
     return [str(ref.path), str(exc), str(moved)]
 
 
-def _blame_destination(ctx: Context, rnd: _Round, shard: tuple[int, int],
+def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
                        exc: CorruptShardError) -> None:
     """A read into the caller's tensors failed its checks: read the copy again into private
     memory. If it verifies, the copy is healthy and must not be quarantined: the caller's
@@ -197,7 +127,7 @@ def _blame_destination(ctx: Context, rnd: _Round, shard: tuple[int, int],
         "read-only, or changed by another thread while load ran?") from exc
 
 
-def _verify_sources(ctx: Context, rnd: _Round,
+def _verify_sources(ctx: Context, rnd: Round,
                     built: list[tuple[ShardManifest, Any]] | None) -> dict[str, Any]:
     """Check every copy this rank serves: its manifest, and its chunk files all there and whole
     (the data's checksums are checked as it is read, in the fetch step). A copy that fails is
@@ -225,10 +155,10 @@ def _verify_sources(ctx: Context, rnd: _Round,
             bad.append(_quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
-    return {"bad": bad, "pieces": pieces, "save": _save_of(rnd)}
+    return {"bad": bad, "pieces": pieces, "save": save_of(rnd)}
 
 
-def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
+def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
            fetched: Callable[[float, int], None] | None) -> dict[str, Any]:
     """This rank's own shard read from its root (on a thread) while the owners' shards stream
     from their serving ranks' disks into their owners' tensors; then the state dict built. A
@@ -299,36 +229,7 @@ def _fetch(ctx: Context, rnd: _Round, built: list[tuple[ShardManifest, Any]],
             fetched(time.monotonic() - started, receiver.manifest.data_nbytes)
     if not bad and not retry:
         _build(ctx, rnd, built)
-    return {"bad": bad, "retry": retry, "save": _save_of(rnd)}
-
-
-def _save_of(rnd: _Round) -> Any:
-    """The save id of this rank's own shard, once read (None: not read, or written before
-    save ids)."""
-    return rnd.own[0].metadata.get("save_id") if rnd.own is not None else None
-
-
-def _mixed_saves(reports: list[dict[str, Any]]) -> dict[Any, list[int]] | None:
-    """Ranks by the save their own shard comes from, when they are not all one save's: an
-    iteration number saved twice (a later run resumed from an older iteration) whose shards
-    were not all replaced. None when they agree (or cannot tell)."""
-    ranks: dict[Any, list[int]] = {}
-    for rank, report in enumerate(reports):
-        if report.get("save") is not None:
-            ranks.setdefault(report["save"], []).append(rank)
-    return ranks if len(ranks) > 1 else None
-
-
-def _note_mixed(mixed: dict[int, str], iteration: int, reports: list[dict[str, Any]]) -> bool:
-    """Whether the ranks' own shards of ``iteration`` come from different saves (then it is
-    recorded in ``mixed``, with why, and never loaded: the same verdict on every rank, from the
-    same gathered reports)."""
-    by_save = _mixed_saves(reports)
-    if by_save is None:
-        return False
-    mixed[iteration] = ("its shards come from different saves: " + "; ".join(
-        f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
-    return True
+    return {"bad": bad, "retry": retry, "save": save_of(rnd)}
 
 
 def restore(ctx: Context, iteration: int,
@@ -370,9 +271,9 @@ def restore(ctx: Context, iteration: int,
             if iteration in mixed:
                 raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: "
                                         f"{mixed[iteration]}")
-            raise _not_loadable(ctx, iteration, complete, quarantined)
+            raise not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
-            raise _nothing_left(ctx, iteration, quarantined)
+            raise nothing_left(ctx, iteration, quarantined)
         if candidates[0] != iteration:
             if rank == 0:
                 why = mixed.get(iteration) or ("corrupt copies were quarantined: " + "; ".join(
@@ -391,7 +292,7 @@ def restore(ctx: Context, iteration: int,
         if any(v["bad"] for v in verify):
             quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
-        if _note_mixed(mixed, iteration, verify):
+        if note_mixed(mixed, iteration, verify):
             continue  # an older iteration
         if local_only:  # every rank read its own shard and built its state dict
             return built[0][0], built[0][1], None
@@ -411,7 +312,7 @@ def restore(ctx: Context, iteration: int,
                     f"read well, {damaged} times in a row; the last: "
                     f"{next(r for v in fetch for r in v['retry'])}")
             continue
-        if _note_mixed(mixed, iteration, fetch):
+        if note_mixed(mixed, iteration, fetch):
             continue
         write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
                                _transfer_seconds(ctx, rnd.plan.exchange, pieces))
@@ -438,7 +339,7 @@ def _transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) 
     return ctx.timeout * (1 + 2 * steps)
 
 
-def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> None:
+def _build(ctx: Context, rnd: Round, out: list[tuple[ShardManifest, Any]]) -> None:
     """This rank's state dict from its shard of the round, rebuilt in the form it was saved,
     tensors on their recorded devices, DTensors on the caller's meshes, Stateful objects of
     ``into`` restored (their ``load_state_dict`` runs here, inside an agreed step)."""
@@ -455,30 +356,3 @@ def _build(ctx: Context, rnd: _Round, out: list[tuple[ShardManifest, Any]]) -> N
         manifest.layouts, rewrap.dtensor, rewrap.restorer, rnd.into.types)
     rewrap.check_restored()
     out.append((manifest, state))
-
-
-def _not_loadable(ctx: Context, iteration: int, complete: list[int],
-                  quarantined: list[list[str]]) -> Exception:
-    """The agreed error of ``load(iteration=N)`` when N cannot be loaded."""
-    shown = sorted(complete)[-8:]
-    have = f"complete iterations: {shown}" if complete else "no complete iteration"
-    if quarantined:
-        return CorruptShardError(
-            f"load: iteration {iteration} can no longer be loaded: corrupt copies were "
-            f"quarantined ({'; '.join(f'{p}: {e}' for p, e, _ in quarantined[:4])}); {have}")
-    return NoCheckpointError(
-        f"load: iteration {iteration} of session {ctx.session_id!r} is not complete for a "
-        f"world of {ctx.world_size} ranks; {have} (iterations() lists them)")
-
-
-def _nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:
-    if not quarantined:
-        return NoCheckpointError(
-            f"load: no complete checkpoint of session {ctx.session_id!r} at or before iteration "
-            f"{iteration} for a world of {ctx.world_size} ranks")
-    shown = "; ".join(f"{path}: {error}" for path, error, _ in quarantined[:4])
-    more = f" (and {len(quarantined) - 4} more)" if len(quarantined) > 4 else ""
-    return CorruptShardError(
-        f"load: no complete iteration at or before {iteration} is left: {len(quarantined)} "
-        f"corrupt copies were quarantined: {shown}{more}. The job can start afresh (the next "
-        "find_latest does not choose them again)")
