@@ -22,7 +22,7 @@ from typing import Any
 
 from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
 
-from .control.bootstrap import open_node_root, place_replicas
+from .control.bootstrap import open_node_root, place_replicas, stripes
 from .control.collectives import CheckpointGroup
 from .control.context import Context
 from .control.durable_config import DurableTier
@@ -55,7 +55,9 @@ class LocalCheckpointManager:
             owned by another user, unless ``allow_unsafe_root``.
         session_id: separates jobs sharing a root; "" is the default session.
         repl_strategy: None (no replicas), a ReplicationStrategy, or the registered name of one
-            built with its defaults (``replication.strategy_names()``).
+            built with its defaults (``replication.strategy_names()``). ``"erasure"`` (or
+            ``ErasureCodingStrategy(k, m)``) keeps parity blocks instead of replicas: any m
+            lost nodes per stripe of k shards are rebuilt (docs/erasure.md).
         keep_last: complete iterations kept after a successful save (>= 1).
         keep_every: also keep each complete iteration that is a positive multiple of this (None:
             none), e.g. every 1000th for post-mortems. ``localckpt gc --keep-every`` keeps the
@@ -196,6 +198,7 @@ class LocalCheckpointManager:
             placement = place_replicas(strategy, topology,
                                        [(int(d["root"][0]), int(d["root"][1])) for d in started],
                                        strict, self.rank)
+            layout = stripes(strategy, topology, strict, self.rank)
             if io_threads is None:  # this rank's share of the cores it may run on
                 io_threads = default_io_threads(ranks_sharing(
                     self.rank, names, [d.get("cpus") for d in started]))
@@ -219,7 +222,7 @@ class LocalCheckpointManager:
                               "topology_crc32": zlib.crc32("\n".join(names).encode())}
         self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
                             data_group, topology, placement, store, metrics_,
-                            self._job_identity)
+                            self._job_identity, erasure=layout)
         self._save = SavePath(self._ctx, keep, busy)
         self._save.agreement.any_world = reshard
         self._save.retainer.any_world = reshard
@@ -423,7 +426,8 @@ class LocalCheckpointManager:
         building the model and optimizer). Returns the bytes one save stages. Raises TypeError
         for a leaf ``save`` would refuse."""
         nbytes = self._save.reserve(state_dict)
-        if any(self._ctx.placement.holders):  # a piece is at most the shard, at most this
+        if any(self._ctx.placement.holders) or self._ctx.erasure is not None:
+            # a piece is at most the shard, at most this
             self._ctx.ring.reserve(min(nbytes, PIECE_TARGET_NBYTES))
         return nbytes
 

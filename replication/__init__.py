@@ -4,6 +4,7 @@ Works on opaque shard payloads (bytes + ids) and never imports localckpt; localc
 Strategies and plans are pure; :mod:`replication.executor` moves bytes over a process group.
 """
 
+from .erasure import ErasureCodingStrategy, StripeLayout, parity_of_slot, parity_slot
 from .errors import ReplicationError, StaleTransferError, TopologyError, UnknownStrategyError
 from .plans import (
     ExchangePlan,
@@ -30,6 +31,7 @@ from .topology import Topology, local_node_name
 
 __all__ = [
     "CliqueReplicationStrategy",
+    "ErasureCodingStrategy",
     "ExchangePlan",
     "LazyCliqueReplicationStrategy",
     "NoReplication",
@@ -37,6 +39,7 @@ __all__ = [
     "Placement",
     "ReplicationError",
     "ReplicationStrategy",
+    "StripeLayout",
     "RetrievalPlan",
     "StaleTransferError",
     "Topology",
@@ -46,6 +49,8 @@ __all__ = [
     "local_node_name",
     "make_strategy",
     "owners_without_remote_copy",
+    "parity_of_slot",
+    "parity_slot",
     "register_strategy",
     "retrieval_plan",
     "save_plan",

@@ -10,7 +10,11 @@ The layout is a deterministic function of the topology, as every placement is: e
 computes the same one, and a node replaced by an empty one (same ranks, same node index) gets
 the same blocks back.
 
-This module decides only. The codes that compute parity are in :mod:`replication.codes`.
+Parity blocks travel and are listed like shards, under an owner id below zero that no rank has
+(:func:`parity_slot`), so the plans, the executor and the inventories carry them unchanged.
+
+This module decides only. The codes that compute parity are in :mod:`replication.codes` and
+:mod:`replication.parity`; who sends which block to whom is :mod:`replication.stripe_plans`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,26 @@ from itertools import combinations
 from typing import Any
 
 from .errors import TopologyError
+from .strategies import Placement, ReplicationStrategy, register_strategy
 from .topology import Topology
+
+MAX_PARITY = 100  # parity blocks per stripe: block j of stripe s is slot -(1 + 100 s + j)
+
+
+def parity_slot(stripe: int, block: int) -> int:
+    """The owner id parity block ``block`` of stripe ``stripe`` is listed, sent and named by:
+    below zero, so it is never a rank's."""
+    if not (0 <= block < MAX_PARITY and stripe >= 0):
+        raise ValueError(f"parity block {block} of stripe {stripe}: expected a stripe >= 0 and "
+                         f"0 <= block < {MAX_PARITY}")
+    return -(1 + stripe * MAX_PARITY + block)
+
+
+def parity_of_slot(slot: int) -> tuple[int, int]:
+    """(stripe, block) of a :func:`parity_slot`; ValueError for a rank's owner id."""
+    if slot >= 0:
+        raise ValueError(f"owner id {slot} is a rank's, not a parity block's")
+    return divmod(-slot - 1, MAX_PARITY)
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,43 @@ class StripeLayout:
         """(stripe, parity block) pairs ``rank`` keeps."""
         return [(s, j) for s, stripe in enumerate(self.stripes)
                 for j, holder in enumerate(stripe.parity) if holder == rank]
+
+    def slots(self) -> list[tuple[int, int, int]]:
+        """(stripe, block, slot) of every parity block."""
+        return [(s, j, parity_slot(s, j)) for s, stripe in enumerate(self.stripes)
+                for j in range(len(stripe.parity))]
+
+
+@register_strategy
+class ErasureCodingStrategy(ReplicationStrategy):
+    """No replicas: the shards of up to ``k`` ranks on as many nodes form a stripe, and ``m``
+    parity blocks computed from them go to ``m`` further nodes (:func:`stripe_layout`). Any
+    ``m`` lost nodes per stripe are survivable, at about m / k of the shards' bytes per node
+    instead of F - 1 times for full replicas. m = 1 is XOR parity; m >= 2 Reed-Solomon (needs
+    ``pip install 'localckpt[erasure]'``)."""
+
+    name = "erasure"
+
+    def __init__(self, k: int = 3, m: int = 1) -> None:
+        if type(k) is not int or k < 1 or type(m) is not int or not 1 <= m < MAX_PARITY:
+            raise TopologyError(f"erasure: expected ints k >= 1 and 1 <= m < {MAX_PARITY}, "
+                                f"got k={k!r}, m={m!r}")
+        if m >= 2:
+            from .parity import coefficients
+
+            coefficients(k, m)  # ImportError without zfec, here rather than at a save
+        self.k, self.m = k, m
+
+    def describe(self) -> dict[str, Any]:
+        return {"k": self.k, "m": self.m}
+
+    def place(self, topology: Topology) -> Placement:
+        return Placement(tuple(() for _ in range(topology.world_size)))
+
+    def stripes(self, topology: Topology) -> StripeLayout:
+        """The stripes and parity holders on ``topology``; TopologyError with fewer than
+        k + m nodes."""
+        return stripe_layout(topology, self.k, self.m)
 
 
 def stripe_layout(topology: Topology, k: int, m: int) -> StripeLayout:

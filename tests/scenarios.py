@@ -171,10 +171,10 @@ def replicated_save(rank: int, world: int, base: str, strategy: str, kwargs: dic
 
 def replicated_load(rank: int, world: int, base: str, strategy: str, kwargs: dict[str, Any],
                     ranks_per_node: int) -> dict[str, Any]:
-    fetched: list[int] = []  # bytes this rank received from peers, from the metrics hook
+    fetched: list[int] = []  # bytes this rank received from peers (or rebuilt from them)
 
     def hook(m: Any) -> None:
-        if m.phase == "fetch_from_peer":
+        if m.phase in ("fetch_from_peer", "rebuild"):
             fetched.append(m.nbytes)
 
     with _replicated_manager(rank, base, strategy, kwargs, ranks_per_node,

@@ -7,7 +7,12 @@ import json
 import pytest
 
 from localckpt.errors import CorruptShardError, UnsupportedFormatError
-from localckpt.storage.manifest import FORMAT_VERSION, ShardManifest, TensorEntry
+from localckpt.storage.manifest import (
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    ShardManifest,
+    TensorEntry,
+)
 
 
 def _manifest() -> ShardManifest:
@@ -32,11 +37,12 @@ def test_unknown_format_version_is_rejected_with_both_versions() -> None:
     from localckpt.storage.manifest import _crc_of
 
     doc = _manifest().to_json_dict()
-    doc["manifest"]["format_version"] = FORMAT_VERSION + 1
+    newer = max(READABLE_VERSIONS) + 1
+    doc["manifest"]["format_version"] = newer
     doc["crc32c"] = _crc_of(doc["manifest"])  # intact, written by another version
     with pytest.raises(UnsupportedFormatError) as info:
         ShardManifest.from_json_dict(doc, "shard-x")
-    assert "shard-x" in str(info.value) and str(FORMAT_VERSION + 1) in str(info.value)
+    assert "shard-x" in str(info.value) and str(newer) in str(info.value)
 
 
 def test_edited_manifest_fails_its_checksum() -> None:

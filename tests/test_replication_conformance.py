@@ -12,27 +12,35 @@ import scenarios
 from dist_harness import run_ranks
 
 from localckpt.storage.layout import list_shards
-from replication import Topology, make_strategy
+from replication import ErasureCodingStrategy, Topology, make_strategy
 
-STRATEGIES = ["clique", "lazy_clique", "node_spread"]
+STRATEGIES = ["clique", "lazy_clique", "node_spread", "erasure"]
 LAYOUTS = [(2, 2), (4, 2)]  # (nodes, ranks per node): 4 ranks on 2 nodes, 8 ranks on 4 nodes
 
 
-def kwargs_for(name: str, ranks_per_node: int) -> dict[str, Any]:
+def kwargs_for(name: str, ranks_per_node: int, nodes: int) -> dict[str, Any]:
     if name in ("clique", "lazy_clique"):
         return {"replication_jump": ranks_per_node, "replication_factor": 2}
+    if name == "erasure":  # one parity block per stripe of the other nodes' ranks: 1+1, 3+1
+        return {"k": nodes - 1, "m": 1}
     return {"replication_factor": 2}
 
 
 def expected_on_nodes(name: str, nodes: int, per_node: int) -> list[set[int]]:
-    """Owners whose shard each node must hold: its own ranks' and the replicas placed on it."""
+    """Owners whose shard each node must hold: its own ranks' and the replicas placed on it
+    (with erasure coding, the slots of the parity blocks placed on it)."""
     topo = Topology.uniform(nodes, per_node)
-    placement = make_strategy(name, **kwargs_for(name, per_node)).place(topo)
+    strategy = make_strategy(name, **kwargs_for(name, per_node, nodes))
+    placement = strategy.place(topo)
     want: list[set[int]] = [set() for _ in range(nodes)]
     for owner, holders in enumerate(placement.holders):
         want[topo.node_of[owner]].add(owner)
         for h in holders:
             want[topo.node_of[h]].add(owner)
+    if isinstance(strategy, ErasureCodingStrategy):
+        layout = strategy.stripes(topo)
+        for s, j, slot in layout.slots():
+            want[topo.node_of[layout.stripes[s].parity[j]]].add(slot)
     return want
 
 
@@ -43,7 +51,7 @@ def held(root: Path, node: int, iteration: int) -> set[int]:
 
 def load_all(tmp_path: Path, root: Path, name: str, nodes: int, per: int) -> list[Any]:
     results = run_ranks(scenarios.replicated_load, nodes * per, tmp_path, str(root), name,
-                        kwargs_for(name, per), per)
+                        kwargs_for(name, per, nodes), per)
     for r in results:
         assert r.ok, r.message
     return [r.value for r in results]
@@ -55,7 +63,7 @@ def test_node_loss_recovery_restores_redundancy_and_survives_a_second_loss(
         tmp_path: Path, root: Path, name: str, nodes: int, per: int) -> None:
     world = nodes * per
     results = run_ranks(scenarios.replicated_save, world, tmp_path, str(root), name,
-                        kwargs_for(name, per), per, [3, 5])
+                        kwargs_for(name, per, nodes), per, [3, 5])
     assert all(r.ok for r in results), [r.message for r in results]
     want = expected_on_nodes(name, nodes, per)
     assert [held(root, n, 5) for n in range(nodes)] == want
@@ -78,7 +86,7 @@ def test_corrupt_primary_is_replaced_from_a_verified_replica(tmp_path: Path, roo
                                                               per: int) -> None:
     world = nodes * per
     assert all(r.ok for r in run_ranks(scenarios.replicated_save, world, tmp_path, str(root),
-                                       name, kwargs_for(name, per), per, [4]))
+                                       name, kwargs_for(name, per, nodes), per, [4]))
     chunk = root / "node0" / "job" / "iter_0000000004" / f"rank_00001_of_{world:05d}" / "data" \
         / "c" / "0"
     raw = bytearray(chunk.read_bytes())
@@ -99,10 +107,12 @@ def test_losing_every_copy_of_a_shard_falls_back_never_to_an_unloadable_iteratio
         expected: int) -> None:
     world = nodes * per
     results = run_ranks(scenarios.replicated_save, world, tmp_path, str(root), name,
-                        kwargs_for(name, per), per, [6, 9], keep_last)
+                        kwargs_for(name, per, nodes), per, [6, 9], keep_last)
     assert all(r.ok for r in results), [r.message for r in results]
     for shard in root.glob(f"node*/job/iter_0000000009/rank_00002_of_{world:05d}"):
         shutil.rmtree(shard)
+    for block in root.glob(f"node*/job/iter_0000000009/parity_*_of_{world:05d}"):
+        shutil.rmtree(block)  # erasure: what would rebuild it goes too
     for v in load_all(tmp_path, root, name, nodes, per):
         assert v["latest"] == expected
         if expected >= 0:

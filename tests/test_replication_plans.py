@@ -33,7 +33,7 @@ def strategy_for(name: str, topo: Topology, factor: int = 2):  # type: ignore[no
 
 
 def test_registry_lists_every_strategy_and_rejects_unknown_names() -> None:
-    assert strategy_names() == ["clique", "lazy_clique", "node_spread", "none"]
+    assert strategy_names() == ["clique", "erasure", "lazy_clique", "node_spread", "none"]
     with pytest.raises(UnknownStrategyError, match=r"expected one of \['clique'.*got 'ring'"):
         make_strategy("ring")
 

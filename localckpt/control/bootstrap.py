@@ -13,10 +13,12 @@ from typing import Any
 
 from replication import (
     CliqueReplicationStrategy,
+    ErasureCodingStrategy,
     NodeSpreadReplicationStrategy,
     NoReplication,
     Placement,
     ReplicationStrategy,
+    StripeLayout,
     Topology,
     TopologyError,
     local_node_name,
@@ -91,8 +93,8 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
     to fewer nodes): without ``strict`` each shard then gets a copy on every other node (none on
     a single node), placed as node_spread places them."""
     hint = shared_roots_hint(topology, roots)
-    if strategy is None or isinstance(strategy, NoReplication):
-        return NoReplication().place(topology)
+    if strategy is None or isinstance(strategy, (NoReplication, ErasureCodingStrategy)):
+        return NoReplication().place(topology)  # parity instead of replicas: see stripes
     factor = getattr(strategy, "replication_factor", 0)
     nodes = topology.num_nodes
     if factor > 1 and nodes < factor and not hint:
@@ -131,3 +133,23 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
     if rank == 0:
         logger.warning(message)
     return placement
+
+
+def stripes(strategy: ReplicationStrategy | None, topology: Topology, strict: bool,
+            rank: int) -> StripeLayout | None:
+    """The erasure-coded stripes of ``strategy`` on ``topology`` (None for any other strategy).
+    With fewer nodes than a stripe's k + m blocks need, a warning (rank 0) and no parity, as
+    replication degrades on too few nodes, or with ``strict`` ConfigurationError on every rank
+    (pure: every rank decides alike)."""
+    if not isinstance(strategy, ErasureCodingStrategy):
+        return None
+    try:
+        return strategy.stripes(topology)
+    except TopologyError as exc:
+        message = (f"replication {strategy!r}: {exc}; saves get no parity, so losing a node "
+                   "loses its shards")
+        if strict:
+            raise ConfigurationError(f"{message}; strict=True refuses that") from None
+        if rank == 0:
+            logger.warning(message)
+        return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replication import Placement, Topology
+from replication import Placement, StripeLayout, Topology
 
 from ..ops.metrics import Metrics
 from ..storage.peer_io import PieceRing
@@ -22,7 +22,9 @@ from .coverage import Inventory, decode_inventories
 @dataclass(frozen=True, eq=False)
 class Context:
     """One rank's view of the job. ``placement`` names no holders when replication is off (no
-    replication is a placement like any other for planning). ``group`` is for agreement (the
+    replication is a placement like any other for planning); with the ``erasure`` strategy it
+    names none either, and ``erasure`` says where each stripe's parity blocks live (None
+    otherwise). ``group`` is for agreement (the
     training thread only), ``data_group`` for shard transfers of a save (maybe on a background
     thread); neither is the training group."""
 
@@ -39,6 +41,7 @@ class Context:
     metrics: Metrics
     job_identity: dict[str, Any]
     ring: PieceRing = field(default_factory=PieceRing)  # replica receive buffers, reused
+    erasure: StripeLayout | None = None
 
     def inventory(self) -> Inventory:
         """The committed shards of this session in this rank's root (no data is read)."""

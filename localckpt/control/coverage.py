@@ -11,6 +11,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replication import StripeLayout, parity_of_slot
+from replication.erasure import rebuildable
+
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
 from .retention import KeepPolicy
@@ -91,37 +94,58 @@ def check_sessions(inventories: Sequence[Inventory]) -> None:
         raise ConfigurationError(f"every rank must use the same session_id, got {by}")
 
 
-def complete_from_listings(listings: Iterable[frozenset[ShardKey]], world_size: int) -> list[int]:
+def complete_from_listings(listings: Iterable[frozenset[ShardKey]], world_size: int,
+                           layout: StripeLayout | None = None) -> list[int]:
     """Iterations, newest first, for which the ``listings`` (shard sets of node roots, or of
-    ranks) together hold the shard of every owner rank of a ``world_size`` job. Shards of other
-    world sizes never count."""
+    ranks) together hold the shard of every owner rank of a ``world_size`` job, or, with an
+    erasure ``layout`` (of this world size), hold it or blocks enough of its stripe to rebuild
+    it. Shards of other world sizes never count."""
     owners: dict[int, set[int]] = defaultdict(set)
+    parity: dict[int, set[tuple[int, int]]] = defaultdict(set)
     for shards in listings:
         for it, owner, world in shards:
             if world == world_size and 0 <= owner < world_size:
                 owners[it].add(owner)
-    return sorted((it for it, o in owners.items() if len(o) == world_size), reverse=True)
+            elif world == world_size and owner < 0 and layout is not None:
+                parity[it].add(parity_of_slot(owner))
+    return sorted((it for it, o in owners.items() if len(o) == world_size or (
+        layout is not None and rebuildable(layout, o, parity[it]))), reverse=True)
 
 
-def complete_iterations(inventories: Sequence[Inventory], world_size: int) -> list[int]:
+def complete_iterations(inventories: Sequence[Inventory], world_size: int,
+                        layout: StripeLayout | None = None) -> list[int]:
     """Iterations, newest first, that every rank of a ``world_size`` job can load: every owner's
     shard is held by some rank (a rank reads its own from its node's root or receives it from a
     holder; with no replication that holder is normally the owner's node, or wherever the owner
-    ran before the ranks moved between nodes)."""
+    ran before the ranks moved between nodes), or with an erasure ``layout`` can be rebuilt."""
     if len(inventories) != world_size:
         raise ValueError(f"expected {world_size} inventories, got {len(inventories)}")
-    return complete_from_listings((s for s, _ in _distinct_listings(inventories)), world_size)
+    return complete_from_listings((s for s, _ in _distinct_listings(inventories)), world_size,
+                                  layout)
 
 
-def choose_latest(inventories: Sequence[Inventory], world_size: int) -> int:
-    """The newest iteration every rank can load, or -1 when there is none."""
+def choose_latest(inventories: Sequence[Inventory], world_size: int,
+                  layout: StripeLayout | None = None) -> int:
+    """The newest iteration every rank can load (see :func:`complete_iterations`), or -1 when
+    there is none."""
     check_sessions(inventories)
-    complete = complete_iterations(inventories, world_size)
+    complete = complete_iterations(inventories, world_size, layout)
     return complete[0] if complete else -1
 
 
-def choose_latest_any_world(inventories: Sequence[Inventory], world_size: int
-                            ) -> tuple[int, int]:
+def holders_of(inventories: Sequence[Inventory], iteration: int, world_size: int
+               ) -> dict[int, list[int]]:
+    """Owner (or parity slot) -> the ranks whose root holds that shard of ``iteration``."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    for shards, ranks in _distinct_listings(inventories):
+        for it, owner, world in shards:
+            if it == iteration and world == world_size:
+                holders[owner] += ranks
+    return {owner: sorted(ranks) for owner, ranks in holders.items()}
+
+
+def choose_latest_any_world(inventories: Sequence[Inventory], world_size: int,
+                            layout: StripeLayout | None = None) -> tuple[int, int]:
     """The newest iteration the job can load, saved by a job of any world size (loading one of
     another world size reshards it), and that world size; (-1, world_size) when there is none.
     An iteration complete at this world size wins a tie."""
@@ -130,7 +154,7 @@ def choose_latest_any_world(inventories: Sequence[Inventory], world_size: int
     worlds = {w for shards in listings for _, _, w in shards if w >= 1}
     best = (-1, True, world_size)
     for w in worlds:
-        complete = complete_from_listings(listings, w)
+        complete = complete_from_listings(listings, w, layout if w == world_size else None)
         if complete:
             best = max(best, (complete[0], w == world_size, w))
     return best[0], best[2]
@@ -150,7 +174,8 @@ def other_world_shards(inventories: Sequence[Inventory], world_size: int) -> dic
 
 
 def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
-                  world_size: int, any_world: bool = False) -> int:
+                  world_size: int, any_world: bool = False,
+                  layout: StripeLayout | None = None) -> int:
     """Check a save request gathered from every rank; return the iteration to save.
 
     Raises InvalidIterationError (not an int, negative, too wide for the directory name,
@@ -174,8 +199,8 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
         raise InvalidIterationError(
             f"iteration: expected at most {MAX_ITERATION} (10 digits in the directory name), "
             f"got {iteration}; nothing was written")
-    latest = choose_latest_any_world(inventories, world_size)[0] if any_world \
-        else choose_latest(inventories, world_size)
+    latest = choose_latest_any_world(inventories, world_size, layout)[0] if any_world \
+        else choose_latest(inventories, world_size, layout)
     if iteration <= latest:
         raise InvalidIterationError(
             f"iteration: expected a value newer than the latest committed checkpoint {latest}, got "
@@ -185,7 +210,8 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
 
 
 def retained_iterations(inventories: Sequence[Inventory], world_size: int,
-                        policy: KeepPolicy, metadata: dict[int, Any] | None = None) -> set[int]:
+                        policy: KeepPolicy, metadata: dict[int, Any] | None = None,
+                        layout: StripeLayout | None = None) -> set[int]:
     """The complete iterations ``policy`` keeps (``metadata``: by iteration, its manifest's
     ``metadata``: metrics and save time): every other shard of this world size in a root may
     be deleted."""
@@ -193,7 +219,7 @@ def retained_iterations(inventories: Sequence[Inventory], world_size: int,
     metrics = {it: m["metrics"] for it, m in metadata.items() if m.get("metrics") is not None}
     times = {it: float(m["saved_unix"]) for it, m in metadata.items()
              if isinstance(m.get("saved_unix"), (int, float))}
-    return policy.keep(complete_iterations(inventories, world_size), metrics=metrics,
+    return policy.keep(complete_iterations(inventories, world_size, layout), metrics=metrics,
                        times=times)
 
 

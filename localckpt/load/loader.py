@@ -107,7 +107,7 @@ class LoadPath:
         """See :meth:`LocalCheckpointManager.iterations`."""
         self.settle()
         inventories = self.ctx.gather_inventories("iterations")
-        return sorted(complete_iterations(inventories, self.ctx.world_size))
+        return sorted(complete_iterations(inventories, self.ctx.world_size, self.ctx.erasure))
 
     def metadata(self, iteration: Any) -> dict[str, Any]:
         """See :meth:`LocalCheckpointManager.metadata`."""

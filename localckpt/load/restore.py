@@ -33,10 +33,7 @@ from typing import Any
 
 import torch
 
-from replication import (
-    ExchangePlan,
-    Transfer,
-)
+from replication import ExchangePlan, Transfer
 from replication.executor import Outgoing
 
 from ..control.context import Context
@@ -51,11 +48,11 @@ from ..control.coverage import (
 from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
-from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
 from ..storage.peer_io import piece_count, run_transfers
 from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
 from .destinations import Into, Rewrap, fill_copied
+from .rebuild import needs_rebuild, parity_repair, rebuild_lost
 from .rounds import (
     Loaded,
     Round,
@@ -63,7 +60,10 @@ from .rounds import (
     note_mixed,
     nothing_left,
     plan_round,
+    quarantine,
     save_of,
+    shard_ref,
+    transfer_seconds,
 )
 from .write_back import WriteBack
 
@@ -81,9 +81,9 @@ def find_latest(ctx: Context, reshard: bool = False) -> tuple[int, int, list[Inv
 
     inventories = decode_inventories(ctx.group.exchange("find_latest", listing))
     if reshard:
-        latest, world = choose_latest_any_world(inventories, ctx.world_size)
+        latest, world = choose_latest_any_world(inventories, ctx.world_size, ctx.erasure)
         return latest, world, inventories
-    latest = choose_latest(inventories, ctx.world_size)
+    latest = choose_latest(inventories, ctx.world_size, ctx.erasure)
     others = other_world_shards(inventories, ctx.world_size)
     if others and ctx.rank == 0:
         logger.warning(
@@ -96,19 +96,6 @@ def find_latest(ctx: Context, reshard: bool = False) -> tuple[int, int, list[Inv
     return latest, ctx.world_size, inventories
 
 
-def _ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
-    return ctx.store.ref(*shard, ctx.world_size)
-
-
-def _quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> list[str]:
-    """Move this rank's copy of ``shard`` aside; [file, error, where it went]."""
-    ref = _ref(ctx, shard)
-    moved = ctx.store.quarantine(ref)
-    logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed when the "
-                   "next save starts)", ctx.rank, exc, moved)
-    return [str(ref.path), str(exc), str(moved)]
-
-
 def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
                        exc: CorruptShardError) -> None:
     """A read into the caller's tensors failed its checks: read the copy again into private
@@ -118,11 +105,11 @@ def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
                                            for t in rnd.destinations.direct):
         return  # tensors on a device cannot fail a checksum: it is taken on the host
     try:
-        ctx.store.read(_ref(ctx, shard))
+        ctx.store.read(shard_ref(ctx, shard))
     except CorruptShardError:
         return  # the copy itself is bad
     raise ConfigurationError(
-        f"load(into=...): the checkpoint copy {_ref(ctx, shard).path} verifies when read into "
+        f"load(into=...): the checkpoint copy {shard_ref(ctx, shard).path} verifies when read into "
         f"fresh memory, but not when read into the tensors of `into` ({exc}): are they "
         "read-only, or changed by another thread while load ran?") from exc
 
@@ -143,16 +130,16 @@ def _verify_sources(ctx: Context, rnd: Round,
         try:
             if built is not None:  # the common case: only its own shard, for itself
                 try:
-                    rnd.own = ctx.store.read_tensors(_ref(ctx, shard), rnd.choose_or_refuse,
+                    rnd.own = ctx.store.read_tensors(shard_ref(ctx, shard), rnd.choose_or_refuse,
                                                      rnd.device_for)
                 except CorruptShardError as exc:
                     _blame_destination(ctx, rnd, shard, exc)
                     raise
             else:
-                m = rnd.manifests[shard] = ctx.store.read_manifest(_ref(ctx, shard))
+                m = rnd.manifests[shard] = ctx.store.read_manifest(shard_ref(ctx, shard))
                 pieces[f"{shard[0]}:{shard[1]}"] = piece_count(m.chunk_nbytes, m.chunk_count)
         except CorruptShardError as exc:
-            bad.append(_quarantine(ctx, shard, exc))
+            bad.append(quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
     return {"bad": bad, "pieces": pieces, "save": save_of(rnd)}
@@ -176,7 +163,7 @@ def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
 
         def read_own() -> Loaded:
             with torch.cuda.stream(stream):
-                return ctx.store.read_tensors(_ref(ctx, own_shard), rnd.choose_or_refuse,
+                return ctx.store.read_tensors(shard_ref(ctx, own_shard), rnd.choose_or_refuse,
                                               rnd.device_for)
 
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-own")
@@ -187,7 +174,7 @@ def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
     def source(t: Transfer) -> Outgoing:
         fault_point("replica_send", rank, t.iteration)
         m = rnd.manifests[t.shard]
-        return outgoing_from_disk(ctx.store, _ref(ctx, t.shard), m, ctx.ring, tensor_splits(m))
+        return outgoing_from_disk(ctx.store, shard_ref(ctx, t.shard), m, ctx.ring, tensor_splits(m))
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> TensorReceiver:
         receivers[t.shard] = TensorReceiver(t, meta, nbytes, ctx.world_size, ctx.ring,
@@ -217,7 +204,7 @@ def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
         if not isinstance(error, CorruptShardError):
             raise error
         if served is not None:  # this rank's copy failed its checksums
-            bad.append(_quarantine(ctx, served, error))
+            bad.append(quarantine(ctx, served, error))
         else:  # received damaged; if the sender's copy was bad it says so in ``bad``
             hint = (" (received into the tensors of load(into=...): were they changed while "
                     "load ran?)") if rnd.into.state is not None else ""
@@ -258,14 +245,16 @@ def restore(ctx: Context, iteration: int,
     rank = ctx.rank
     destinations = Into(into)
     quarantined: list[list[str]] = []
-    mixed: dict[int, str] = {}  # iterations whose shards come from different saves
+    # iterations that cannot be loaded, and why: shards from different saves, lost shards that
+    # cannot be rebuilt
+    mixed: dict[int, str] = {}
     rounds = damaged = 0
     while True:
         rounds += 1
         started = time.monotonic()
         if inventories is None or rounds > 1:
             inventories = ctx.gather_inventories(f"load of iteration {iteration}: inventory")
-        complete = complete_iterations(inventories, ctx.world_size)
+        complete = complete_iterations(inventories, ctx.world_size, ctx.erasure)
         candidates = [it for it in complete if it <= iteration and it not in mixed]
         if exact and (not candidates or candidates[0] != iteration):
             if iteration in mixed:
@@ -281,6 +270,19 @@ def restore(ctx: Context, iteration: int,
                 logger.warning("load: iteration %d can no longer be loaded (%s); falling back "
                                "to iteration %d on every rank", iteration, why, candidates[0])
             iteration = candidates[0]
+        if needs_rebuild(ctx, iteration, inventories):  # erasure coding: lost shards first
+            rebuilt = rebuild_lost(ctx, iteration, inventories)
+            quarantined += rebuilt.bad
+            if rebuilt.unusable is not None:
+                mixed[iteration] = rebuilt.unusable
+            elif rebuilt.retry:
+                damaged += 1
+                if damaged > 2:
+                    raise CorruptShardError(
+                        f"load of iteration {iteration}: blocks arrived damaged from copies "
+                        f"that read well, {damaged} times in a row; the last: "
+                        f"{rebuilt.retry[-1]}")
+            continue  # list again: the rebuilt shards are on their owners' nodes now
         step = f"load of iteration {iteration}"
         rnd = plan_round(ctx, iteration, inventories, destinations)
         planned = time.monotonic()
@@ -294,11 +296,13 @@ def restore(ctx: Context, iteration: int,
             continue  # re-plan: another copy, or an older iteration
         if note_mixed(mixed, iteration, verify):
             continue  # an older iteration
+        repair = parity_repair(ctx, iteration, inventories)
         if local_only:  # every rank read its own shard and built its state dict
-            return built[0][0], built[0][1], None
+            return built[0][0], built[0][1], None if repair is None else WriteBack(
+                ctx, ExchangePlan(()), {}, iteration, 0.0, repair)
         pieces = {k: n for v in verify for k, n in v["pieces"].items()}
         fetch = ctx.group.exchange(f"{step}: fetch", partial(_fetch, ctx, rnd, built, fetched),
-                                   wait=_transfer_seconds(ctx, rnd.fetches, pieces))
+                                   wait=transfer_seconds(ctx, rnd.fetches, pieces))
         logger.debug("rank %d: restore plan %.3fs, verify %.3fs, fetch %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
         if any(v["bad"] for v in fetch):
@@ -315,7 +319,7 @@ def restore(ctx: Context, iteration: int,
         if note_mixed(mixed, iteration, fetch):
             continue
         write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
-                               _transfer_seconds(ctx, rnd.plan.exchange, pieces))
+                               transfer_seconds(ctx, rnd.plan.exchange, pieces), repair)
         return built[0][0], built[0][1], write_back
 
 
@@ -325,18 +329,11 @@ def write_back_after(ctx: Context, iteration: int, inventories: list[Inventory]
     wants them) started in the background after a load that did not plan one itself (a
     resharding load at this world size); None when nothing is missing."""
     rnd = plan_round(ctx, iteration, inventories)
-    if not rnd.plan.exchange.rounds:
+    repair = parity_repair(ctx, iteration, inventories)
+    if not rnd.plan.exchange.rounds and repair is None:
         return None
     return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
-                     _transfer_seconds(ctx, rnd.plan.exchange, {}))
-
-
-def _transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) -> float:
-    """How long a rank with little to do may wait for the others' part of ``plan``: every
-    piece on the wire, and its handling on arrival, is bounded by the timeout."""
-    steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
-                for round_ in plan.rounds)
-    return ctx.timeout * (1 + 2 * steps)
+                     transfer_seconds(ctx, rnd.plan.exchange, {}), repair)
 
 
 def _build(ctx: Context, rnd: Round, out: list[tuple[ShardManifest, Any]]) -> None:

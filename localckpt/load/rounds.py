@@ -4,6 +4,7 @@ an iteration that cannot be loaded."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +16,11 @@ from ..control.context import Context
 from ..control.coverage import Inventory
 from ..errors import CorruptShardError, NoCheckpointError
 from ..storage.device_reader import cuda_destination
+from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest, dtype_from_name
 from .destinations import Destinations, Into, check_layouts, match
+
+logger = logging.getLogger(__name__)
 
 Loaded = tuple[ShardManifest, list[torch.Tensor]]
 
@@ -146,3 +150,25 @@ def nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> 
         f"load: no complete iteration at or before {iteration} is left: {len(quarantined)} "
         f"corrupt copies were quarantined: {shown}{more}. The job can start afresh (the next "
         "find_latest does not choose them again)")
+
+
+def shard_ref(ctx: Context, shard: tuple[int, int]) -> ShardRef:
+    """Where this rank's node keeps ``shard`` (iteration, owner or parity slot)."""
+    return ctx.store.ref(*shard, ctx.world_size)
+
+
+def quarantine(ctx: Context, shard: tuple[int, int], exc: BaseException) -> list[str]:
+    """Move this rank's copy of ``shard`` aside; [file, error, where it went]."""
+    ref = shard_ref(ctx, shard)
+    moved = ctx.store.quarantine(ref)
+    logger.warning("rank %d: load: %s; this copy was quarantined to %s (it is removed when the "
+                   "next save starts)", ctx.rank, exc, moved)
+    return [str(ref.path), str(exc), str(moved)]
+
+
+def transfer_seconds(ctx: Context, plan: ExchangePlan, pieces: dict[str, int]) -> float:
+    """How long a rank with little to do may wait for the others' part of ``plan``: every
+    piece on the wire, and its handling on arrival, is bounded by the timeout."""
+    steps = sum(max(pieces.get(f"{t.iteration}:{t.owner}", 1) for t in round_)
+                for round_ in plan.rounds)
+    return ctx.timeout * (1 + 2 * steps)

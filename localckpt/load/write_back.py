@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from replication import ExchangePlan, Transfer, retrieval_plan
 from replication.executor import Outgoing
@@ -32,6 +33,8 @@ from ..errors import CollectiveError, CollectiveTimeoutError, CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.peer_io import StoreReceiver, run_transfers
 from ..storage.shard_stream import outgoing_from_disk
+from .parity_repair import fold_parity
+from .rounds import transfer_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +46,18 @@ class WriteBack:
     long the slowest rank may take for one attempt (every piece is bounded by the timeout)."""
 
     def __init__(self, ctx: Context, plan: ExchangePlan, holders: dict[ShardId, list[int]],
-                 iteration: int, seconds: float) -> None:
+                 iteration: int, seconds: float,
+                 repair: tuple[tuple[tuple[int, int], ...], ExchangePlan] | None = None) -> None:
         self.ctx = ctx
         self.holders = {s: list(h) for s, h in holders.items()}  # minus quarantined copies
         self.iteration = iteration
         self.seconds = seconds
+        # erasure coding: (stripe, block) of the parity blocks to fold again, and the transfers
+        # of the members' shards to their holders (see fold_parity)
+        self.repair = repair
+        self.repair_seconds = 0.0 if repair is None else 2 * ctx.timeout + transfer_seconds(
+            ctx, repair[1], {})  # the pieces on the wire are counted once the sizes are known
+        self.repaired: list[tuple[int, int]] = []  # parity blocks this rank committed
         self.written: list[tuple[int, int]] = []  # shards this rank committed
         self.failed: list[Transfer] = []  # what still failed after the last attempt (agreed)
         self.error: BaseException | None = None  # the group failed: no redundancy came back
@@ -68,55 +78,73 @@ class WriteBack:
         return StoreReceiver(self.ctx.store, t, meta, nbytes, self.ctx.world_size, self.ctx.ring)
 
     def _run(self, plan: ExchangePlan) -> None:
-        ctx, it = self.ctx, self.iteration
         try:
-            for attempt in range(1, ATTEMPTS + 1):
-                failures = run_transfers(plan, ctx.data_group, self._source, self._sink)
-                bad = {t for t, _ in failures}
-                self.written += [t.shard for t in plan.involving(ctx.rank)
-                                 if t.dst == ctx.rank and t not in bad]
-                corrupt = [t.shard for t, exc in failures
-                           if t.src == ctx.rank and isinstance(exc, CorruptShardError)]
-                for shard, exc in ((t.shard, e) for t, e in failures if t.shard in corrupt):
-                    moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size))
-                    logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
-                                   ctx.rank, exc, moved)
-                mine = {"failed": [[t.src, t.dst, t.iteration, t.owner] for t in sorted(bad)],
-                        "corrupt": [list(s) for s in corrupt]}
-                agreed = ctx.data_group.exchange(
-                    f"write-back of iteration {it}: attempt {attempt}", mine.copy,
-                    wait=self.seconds)
-                self.failed = sorted({Transfer(*x) for v in agreed for x in v["failed"]})
-                for r, v in enumerate(agreed):  # that node's copy is gone for all its ranks
-                    for s in v["corrupt"]:
-                        shard = (s[0], s[1])
-                        self.holders[shard] = [h for h in self.holders.get(shard, [])
-                                               if not ctx.topology.same_node(r, h)]
-                if not self.failed:
-                    return
-                shown = ", ".join(f"{t.shard} to rank {t.dst}" for t in self.failed[:6])
-                if attempt < ATTEMPTS:
-                    logger.warning("rank %d: write-back of iteration %d: %d transfers failed "
-                                   "(%s); trying them again", ctx.rank, it, len(self.failed),
-                                   shown)
-                    # from another holder where a copy was quarantined (pure: same everywhere)
-                    plan = retrieval_plan([(t.dst, t.shard) for t in self.failed],
-                                          self.holders).exchange
-            logger.error("rank %d: write-back of iteration %d gave up after %d attempts: %s are "
-                         "not restored; the next save brings redundancy back for the new "
-                         "iteration", ctx.rank, it, ATTEMPTS, shown)
+            if plan.transfers:
+                self._write_replicas(plan)
+            if self.repair is not None:
+                self.repaired = fold_parity(self.ctx, self.iteration, *self.repair,
+                                            self._repair_takes)
         except Exception as exc:  # the data group failed: nothing more can be sent on it
             self.error = exc
-            logger.error("rank %d: write-back of iteration %d failed: %s", ctx.rank, it, exc)
+            logger.error("rank %d: write-back of iteration %d failed: %s", self.ctx.rank,
+                         self.iteration, exc)
         finally:
             self.done.set()
+
+    def _write_replicas(self, plan: ExchangePlan) -> None:
+        ctx, it = self.ctx, self.iteration
+        for attempt in range(1, ATTEMPTS + 1):
+            failures = run_transfers(plan, ctx.data_group, self._source, self._sink)
+            bad = {t for t, _ in failures}
+            self.written += [t.shard for t in plan.involving(ctx.rank)
+                             if t.dst == ctx.rank and t not in bad]
+            corrupt = [t.shard for t, exc in failures
+                       if t.src == ctx.rank and isinstance(exc, CorruptShardError)]
+            for shard, exc in ((t.shard, e) for t, e in failures if t.shard in corrupt):
+                moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size))
+                logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
+                               ctx.rank, exc, moved)
+            mine = {"failed": [[t.src, t.dst, t.iteration, t.owner] for t in sorted(bad)],
+                    "corrupt": [list(s) for s in corrupt]}
+            agreed = ctx.data_group.exchange(
+                f"write-back of iteration {it}: attempt {attempt}", mine.copy,
+                wait=self.seconds)
+            self.failed = sorted({Transfer(*x) for v in agreed for x in v["failed"]})
+            for r, v in enumerate(agreed):  # that node's copy is gone for all its ranks
+                for s in v["corrupt"]:
+                    shard = (s[0], s[1])
+                    self.holders[shard] = [h for h in self.holders.get(shard, [])
+                                           if not ctx.topology.same_node(r, h)]
+            if not self.failed:
+                return
+            shown = ", ".join(f"{t.shard} to rank {t.dst}" for t in self.failed[:6])
+            if attempt < ATTEMPTS:
+                logger.warning("rank %d: write-back of iteration %d: %d transfers failed "
+                               "(%s); trying them again", ctx.rank, it, len(self.failed),
+                               shown)
+                # from another holder where a copy was quarantined (pure: same everywhere)
+                plan = retrieval_plan([(t.dst, t.shard) for t in self.failed],
+                                      self.holders).exchange
+        logger.error("rank %d: write-back of iteration %d gave up after %d attempts: %s are "
+                     "not restored; the next save brings redundancy back for the new "
+                     "iteration", ctx.rank, it, ATTEMPTS, shown)
+
+    def _repair_takes(self, seconds: float) -> None:
+        self.repair_seconds = seconds
+
+    def _bound(self) -> float:
+        return self.seconds * ATTEMPTS + self.repair_seconds + self.ctx.timeout
 
     def wait(self) -> None:
         """Block until this rank's write-back is over (it logs failed transfers). Raises, and
         leaves both groups unusable: CollectiveTimeoutError if it overran every bound,
         CollectiveError if the data group failed under it (a peer lost: the job must restart;
         raised at once rather than as a timeout of the next collective)."""
-        if self.done.wait(self.seconds * ATTEMPTS + self.ctx.timeout):
+        called = time.monotonic()
+        while not self.done.wait(0.05):  # the bound grows once the parity's sizes are known
+            if time.monotonic() - called > self._bound():
+                break
+        if self.done.is_set():
             if self.error is None:
                 return
             failed = CollectiveError(f"the write-back of iteration {self.iteration} after the "
@@ -126,7 +154,7 @@ class WriteBack:
             raise failed from self.error
         err = CollectiveTimeoutError(
             f"the write-back of iteration {self.iteration} did not finish within "
-            f"{self.seconds * ATTEMPTS + self.ctx.timeout:g}s")
+            f"{self._bound():g}s")
         self.ctx.data_group.mark_broken(err)
         self.ctx.group.mark_broken(err)
         raise err

@@ -8,6 +8,11 @@ phase          what was timed                                               byte
 stall          the time inside ``save()`` (async: validation + staging)     staged tensor bytes
 write          writing and committing the rank's own shard                  shard data bytes
 replicate      this rank's part of the replica exchange of a save           bytes sent + received
+parity         this rank's part of a save's parity exchange (erasure): its  bytes sent + folded
+               shard to its parity holders, and folding and committing
+               the blocks it keeps
+rebuild        rebuilding this rank's lost shard from its stripe's blocks   shard bytes rebuilt
+               during a restore (erasure)
 finalize       agreeing the iteration is complete, retention, cleanup       0
 find_latest    gathering inventories and choosing the iteration             0
 load           the whole ``load()`` on this rank                            tensor bytes returned
@@ -37,7 +42,8 @@ from ..errors import ConfigurationError
 
 logger = logging.getLogger("localckpt.metrics")  # a stable name users configure
 
-PHASES = ("stall", "write", "replicate", "finalize", "find_latest", "load", "fetch_from_peer")
+PHASES = ("stall", "write", "replicate", "parity", "finalize", "find_latest", "load",
+          "fetch_from_peer", "rebuild")
 
 
 @dataclass(frozen=True)

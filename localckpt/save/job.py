@@ -33,6 +33,7 @@ from replication import ExchangePlan, Transfer
 from ..errors import CheckpointingError, CollectiveError
 from ..ops.metrics import Metrics
 from ..storage.manifest import ShardManifest
+from ..storage.parity_io import ParityFolder
 from ..storage.peer_io import StoreReceiver, exchange_shards
 
 if TYPE_CHECKING:
@@ -164,6 +165,8 @@ class SaveJob:
     payload: torch.Tensor  # the staging arena's bytes: must not be restaged before ``done``
     plan: ExchangePlan | None = None
     agree: Callable[[], AgreedSave] | None = None  # None: agreed already
+    parity: ExchangePlan | None = None  # erasure coding: shards to the parity holders
+    sizes: tuple[int, ...] = ()  # every rank's packed bytes (what parity is folded over)
     error: BaseException | None = None
     # The agreement's verdict against this save, the same on every rank that reached it
     # (nothing was written): what finalize reports for this rank.
@@ -217,6 +220,7 @@ class SaveJob:
                     agreed = self.agree()
                     self.manifest, self.plan, self.wait_steps = \
                         agreed.manifest, agreed.plan, agreed.wait_steps
+                    self.parity, self.sizes = agreed.parity, agreed.sizes
                     self.passed_agreement = True
                 except CollectiveError as exc:  # no agreement: finalize finds out what holds
                     self.error = exc
@@ -251,11 +255,12 @@ class SaveJob:
             self.error = exc
             logger.error("rank %d: writing shard of iteration %d failed: %s",
                          rank, self.iteration, exc)
+        def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
+            if committed is None:
+                raise RuntimeError(f"rank {rank} has no shard to send: {self.error}")
+            return committed, self.payload
+
         if self.plan is not None:
-            def source(t: Transfer) -> tuple[ShardManifest, torch.Tensor]:
-                if committed is None:
-                    raise RuntimeError(f"rank {rank} has no shard to send: {self.error}")
-                return committed, self.payload
             received: dict[tuple[int, int], StoreReceiver] = {}
             sent = sum(1 for t in self.plan.transfers if t.src == rank)
             try:
@@ -264,5 +269,18 @@ class SaveJob:
                                     source, ctx.ring, received)
                     box["nbytes"] = sent * self.manifest.data_nbytes + sum(
                         r.manifest.data_nbytes for r in received.values())
+            except Exception as exc:
+                self.error = self.error or exc
+        if self.parity is not None and ctx.erasure is not None:
+            try:
+                with metrics.timed("parity", rank, self.iteration, session) as box:
+                    folder = ParityFolder(store, ctx.erasure, self.iteration, rank,
+                                          ctx.world_size, dict(enumerate(self.sizes)), ctx.ring,
+                                          self.manifest.metadata)
+                    exchange_shards(self.parity, ctx.data_group, store, ctx.world_size, source,
+                                    ctx.ring, sink=folder.sink)
+                    box["nbytes"] = sum(self.sizes[t.src] for t in self.parity.transfers
+                                        if rank in (t.src, t.dst))
+                    folder.commit()
             except Exception as exc:
                 self.error = self.error or exc

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replication import ExchangePlan, save_plan
+from replication.stripe_plans import parity_save_plan
 
 from ..control.coverage import check_capacity, decode_inventories, validate_save
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
@@ -54,11 +55,15 @@ class StagedShard:
 
 @dataclass(frozen=True)
 class AgreedSave:
-    """What every rank agreed on: write ``manifest`` from the payload, then ``plan``."""
+    """What every rank agreed on: write ``manifest`` from the payload, then ``plan``, then
+    with erasure coding ``parity`` (the members' shards to their parity holders, who fold
+    blocks over shards of ``sizes[r]`` packed bytes for rank r)."""
 
     manifest: ShardManifest
     plan: ExchangePlan | None
     wait_steps: int  # units of work the slowest rank may still have (SaveJob.wait_steps)
+    parity: ExchangePlan | None = None
+    sizes: tuple[int, ...] = ()
 
 
 def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: Any,
@@ -119,6 +124,7 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
                "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                       chunk_count),
                "chunks": chunk_count, "pieces": piece_count(chunk_nbytes, chunk_count),
+               "payload": chunk_nbytes * chunk_count,
                "replicas": deduped.digest, "meta": meta}
     return manifest, request
 
@@ -153,23 +159,35 @@ class SaveAgreement:
         assert not isinstance(staged, Exception)  # the exchange raised it
         inventories = decode_inventories([g["inventory"] for g in gathered])
         validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
-                      self.any_world)
+                      self.any_world, ctx.erasure)
         self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
         plan = save_plan(ctx.placement, ctx.topology, staged.iteration)
         needed = [int(g["nbytes"]) for g in gathered]
         writes = list(needed)
         for t in plan.transfers:
             writes[t.dst] += needed[t.src]
+        sizes = tuple(int(g["payload"]) for g in gathered)
+        parity = None
+        if ctx.erasure is not None:
+            parity = parity_save_plan(ctx.erasure, staged.iteration)
+            for stripe in ctx.erasure.stripes:  # a block is as long as the stripe's longest
+                block = max(sizes[r] for r in stripe.members)
+                for holder in stripe.parity:
+                    writes[holder] += bytes_needed(4096, *chunking(block,
+                                                                  ctx.store.chunk_nbytes))
         self._check_capacity(group, writes, gathered)
-        # A rank writes its chunks, then takes part in the replica rounds, each as long as the
-        # longest transfer in it: the bound of what a fast rank may wait for in finalize.
+        # A rank writes its chunks, then takes part in the replica (or parity) rounds, each as
+        # long as the longest transfer in it: the bound of what a fast rank may wait for in
+        # finalize.
         pieces = [int(g["pieces"]) for g in gathered]
         steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
-            max(pieces[t.src] for t in round_) for round_ in plan.rounds)
+            max(pieces[t.src] for t in round_)
+            for round_ in (*plan.rounds, *(parity.rounds if parity else ())))
         manifest = staged.manifest
         if gathered[0]["meta"]:  # rank 0's, in every shard: one answer for metadata(iteration)
             manifest = replace(manifest, metadata=gathered[0]["meta"])
-        return AgreedSave(manifest, plan if plan.transfers else None, steps)
+        return AgreedSave(manifest, plan if plan.transfers else None, steps,
+                          parity if parity is not None and parity.transfers else None, sizes)
 
     def _check_capacity(self, group: CheckpointGroup, writes: list[int],
                         gathered: list[dict[str, Any]]) -> None:

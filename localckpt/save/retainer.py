@@ -108,7 +108,8 @@ class Retainer:
         try:
             fault_point("finalize", ctx.rank, iteration)
             policy = replace(self.policy, predicate=None)  # its answers are every rank's, below
-            keep = retained_iterations(inventories, ctx.world_size, policy, metadata)
+            keep = retained_iterations(inventories, ctx.world_size, policy, metadata,
+                                       ctx.erasure)
             keep |= predicate_keeps or set()
             lineage = lineage_keeps(inventories, ctx.world_size, self.policy) \
                 if self.any_world else None

@@ -23,8 +23,10 @@ import logging
 from functools import partial
 from typing import Any
 
+from replication.stripe_plans import missing_parity
+
 from ..control.context import Context
-from ..control.coverage import choose_latest, decode_inventories
+from ..control.coverage import choose_latest, decode_inventories, holders_of
 from ..control.retention import KeepPolicy
 from ..errors import (
     CollectiveTimeoutError,
@@ -86,7 +88,8 @@ class SavePath:
                 assert not isinstance(staged, Exception)
                 box["nbytes"] = agreed.manifest.data_nbytes
                 job = SaveJob(iteration, agreed.manifest, staged.payload, agreed.plan,
-                              metrics=ctx.metrics, wait_steps=agreed.wait_steps)
+                              metrics=ctx.metrics, wait_steps=agreed.wait_steps,
+                              parity=agreed.parity, sizes=agreed.sizes)
                 job.run(ctx)
                 self._finalize_job(job)
                 return None
@@ -221,8 +224,10 @@ class SavePath:
             error: Exception = error_from_failures("save: finalize", outcome.failures)
         else:
             inventories = decode_inventories(outcome.values)  # type: ignore[arg-type]
-            latest = choose_latest(inventories, ctx.world_size)
-            if latest == iteration:
+            latest = choose_latest(inventories, ctx.world_size, ctx.erasure)
+            unprotected = [] if ctx.erasure is None else missing_parity(
+                ctx.erasure, holders_of(inventories, iteration, ctx.world_size))
+            if latest == iteration and not unprotected:
                 self.latest_iteration = iteration
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self.retainer.retain(iteration, inventories, outcome.values)
@@ -235,7 +240,10 @@ class SavePath:
                        if (iteration, inv.rank, ctx.world_size) not in inv.shards]
             error = IncompleteCheckpointError(
                 f"save of iteration {iteration}: expected a shard from every rank, ranks "
-                f"{missing} have none; the latest complete iteration is {latest}")
+                f"{missing} have none; the latest complete iteration is {latest}" if missing
+                else f"save of iteration {iteration}: parity blocks (stripe, block) "
+                f"{unprotected[:8]} were not committed; the latest complete iteration is "
+                f"{latest}")
         # Every rank agreed the save failed: its shards here, replicas included, can go, if
         # this rank passed the agreement (which checked that no complete iteration has this
         # number: what it holds of it was written by this save). A deletion that fails is left

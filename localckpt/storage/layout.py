@@ -1,6 +1,10 @@
 """Where shards live under a node-local root, and what a listing sees (see docs/format.md)::
 
     <root>/<session>/iter_<iteration:010d>/rank_<owner:05d>_of_<world:05d>/
+    <root>/<session>/iter_<iteration:010d>/parity_<stripe:05d>_<block:02d>_of_<world:05d>/
+
+A parity block of an erasure-coded stripe is stored like a shard and listed under its slot
+(:func:`replication.parity_slot`, an owner id below zero).
 
 Only these fixed-width names are committed shards; ``.tmp-*`` and ``.trash-*`` are crash
 leftovers of a writer, ``.quarantine-*`` copies that failed verification. Listing never opens a
@@ -17,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from replication import parity_of_slot, parity_slot
+
 from ..errors import ConfigurationError
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -24,6 +30,7 @@ _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # under a number whose own path (path_of) is another name.
 _ITER_RE = re.compile(r"iter_([0-9]{10})")
 _SHARD_RE = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
+_PARITY_RE = re.compile(r"parity_([0-9]{5})_([0-9]{2})_of_([0-9]{5})")
 #: The directory names have fixed widths (listing matches them exactly): 10 digits of iteration,
 #: 5 of rank and world size.
 MAX_ITERATION = 10**10 - 1
@@ -34,7 +41,8 @@ _DEFAULT_SESSION_DIR = "_default"  # session "" (a leading '_' is not a valid se
 
 @dataclass(frozen=True, order=True)
 class ShardRef:
-    """A committed shard on this node: checkpoint id plus where it lives."""
+    """A committed shard (or parity block: ``owner_rank`` is its slot, below zero) on this node:
+    checkpoint id plus where it lives."""
 
     iteration: int
     owner_rank: int
@@ -55,11 +63,17 @@ def session_dir(root: Path, session_id: str) -> Path:
 
 
 def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
-    """Where shard (iteration, owner, world_size) lives; raises ValueError for numbers that do
-    not fit the fixed-width names (a directory nothing would list, or ever remove)."""
+    """Where shard (iteration, owner, world_size) lives, or the parity block whose slot
+    ``owner`` is; raises ValueError for numbers that do not fit the fixed-width names (a
+    directory nothing would list, or ever remove)."""
     if not 0 <= iteration <= MAX_ITERATION:
         raise ValueError(f"iteration: expected 0 <= iteration <= {MAX_ITERATION} (10 digits in "
                          f"the directory name), got {iteration}")
+    if owner < 0 and 1 <= world_size <= MAX_WORLD_SIZE:
+        stripe, block = parity_of_slot(owner)
+        if stripe < world_size:
+            return (session_dir(root, session_id) / f"iter_{iteration:010d}"
+                    / f"parity_{stripe:05d}_{block:02d}_of_{world_size:05d}")
     if not (1 <= world_size <= MAX_WORLD_SIZE and 0 <= owner < world_size):
         raise ValueError(f"rank {owner} of world size {world_size}: expected a world size of at "
                          f"most {MAX_WORLD_SIZE} (5 digits in the directory name)")
@@ -79,8 +93,8 @@ def list_iterations(root: Path, session_id: str) -> list[int]:
 
 
 def list_shards(root: Path, session_id: str) -> list[ShardRef]:
-    """Committed shards of ``session_id`` under ``root``, sorted. Never raises for a missing root
-    or stray files; ignores temporary and trash directories."""
+    """Committed shards and parity blocks of ``session_id`` under ``root``, sorted. Never raises
+    for a missing root or stray files; ignores temporary and trash directories."""
     out = []
     base = session_dir(root, session_id)
     for it_entry in _scandir(base):
@@ -88,9 +102,13 @@ def list_shards(root: Path, session_id: str) -> list[ShardRef]:
         if not m or not it_entry.is_dir(follow_symlinks=False):
             continue
         for entry in _scandir(Path(it_entry.path)):
-            s = _SHARD_RE.fullmatch(entry.name)
-            if s and entry.is_dir(follow_symlinks=False):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if s := _SHARD_RE.fullmatch(entry.name):
                 out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
+            elif (p := _PARITY_RE.fullmatch(entry.name)) and int(p[1]) < int(p[3]):
+                out.append(ShardRef(int(m[1]), parity_slot(int(p[1]), int(p[2])), int(p[3]),
+                                    Path(entry.path)))
     return sorted(out)
 
 

@@ -5,9 +5,10 @@ of its canonical JSON form, so a flipped byte in the manifest is detected like o
 Format history: version 1; version 2 adds DTensor (``{"DT": ...}``) and Stateful (``{"S": ...}``)
 nodes to the hollow structure; version 3 DTensor nodes whose replicated shard another rank stored
 (``"replica"``); version 4 (this one) numpy, torch.Generator, dataclass and named tuple nodes
-(:mod:`localckpt.leaves`). A writer uses the lowest version that describes the shard; a reader
-reads all four and rejects any other version with :class:`UnsupportedFormatError` rather than
-guessing.
+(:mod:`localckpt.leaves`); version 5 parity blocks of erasure-coded stripes (``"parity"``,
+see :mod:`localckpt.storage.parity_info`). A writer uses the lowest version that describes the
+shard; a reader reads all five and rejects any other version with
+:class:`UnsupportedFormatError` rather than guessing.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from typing import Any
 import crc32c
 import torch
 
+from replication import parity_slot
+
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 from .hollow_check import MAX_HOLLOW_DEPTH, check_hollow, numpy_byte_tensors
+from .parity_info import ParityInfo
 
 __all__ = ["FORMAT_VERSION", "MAX_HOLLOW_DEPTH", "READABLE_VERSIONS", "ShardManifest",
            "TensorEntry", "check_consistent", "check_hollow", "dtype_from_name", "dtype_name",
            "numpy_byte_tensors", "writer_identity"]
 
 FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
@@ -106,6 +110,9 @@ class ShardManifest:
     # metrics=) was given and rank 0's clock, in every shard of the iteration (a key older
     # readers skip: it changes nothing they read)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A parity block's (format version 5): what it is the parity of. Its owner_rank is then
+    # its slot (replication.parity_slot), below zero.
+    parity: ParityInfo | None = None
 
     @property
     def ckpt_id(self) -> tuple[int, int, str]:
@@ -167,6 +174,8 @@ class ShardManifest:
         body["identity"] = self.identity
         if self.metadata:
             body["metadata"] = self.metadata
+        if self.parity is not None:
+            body["parity"] = self.parity.to_json()
         return {"manifest": body, "crc32c": _crc_of(body)}
 
     @classmethod
@@ -222,6 +231,8 @@ class ShardManifest:
                 identity=dict(body.get("identity") or {}),
                 format_version=int(version),
                 metadata=_metadata_of(body.get("metadata", {})),
+                parity=None if "parity" not in body or version < 5 else ParityInfo.from_json(
+                    body["parity"], int(body["world_size"]), where),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
@@ -272,9 +283,14 @@ def check_consistent(m: ShardManifest, where: str) -> None:
     def bad(what: str) -> CorruptShardError:
         return CorruptShardError(f"{where}: inconsistent manifest: {what}")
 
-    if not (m.iteration >= 0 and m.world_size >= 1 and 0 <= m.owner_rank < m.world_size):
+    owner_ok = 0 <= m.owner_rank < m.world_size if m.parity is None else \
+        m.owner_rank == parity_slot(m.parity.stripe, m.parity.block)
+    if not (m.iteration >= 0 and m.world_size >= 1 and owner_ok):
         raise bad(f"iteration {m.iteration}, owner rank {m.owner_rank} of world size "
                   f"{m.world_size}")
+    if m.parity is not None and m.data_nbytes != max(m.parity.sizes):
+        raise bad(f"a parity block of {m.data_nbytes} bytes over members of "
+                  f"{list(m.parity.sizes)} bytes")
     if m.chunk_nbytes < 1 or m.chunk_count < 0 or \
             not 0 <= m.data_nbytes <= m.chunk_nbytes * m.chunk_count:
         raise bad(f"{m.data_nbytes} data bytes do not fit {m.chunk_count} chunks of "

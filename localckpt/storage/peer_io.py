@@ -133,23 +133,24 @@ def exchange_shards(plan: ExchangePlan, group: CheckpointGroup, store: ShardStor
                     world_size: int,
                     source: Callable[[Transfer], tuple[ShardManifest, torch.Tensor]],
                     ring: PieceRing,
-                    received: dict[tuple[int, int], StoreReceiver] | None = None) -> None:
+                    received: dict[tuple[int, int], StoreReceiver] | None = None,
+                    sink: Sink | None = None) -> None:
     """Run this rank's part of ``plan``, sending in-memory shards (``source``); raise the first
     local failure (the caller agrees). Received shards are committed to ``store`` (and listed in
-    ``received``). A failure of the group itself raises CollectiveError (see
-    :func:`run_transfers`)."""
+    ``received``), or go to ``sink`` when one is given. A failure of the group itself raises
+    CollectiveError (see :func:`run_transfers`)."""
     def send(t: Transfer) -> Outgoing:
         fault_point("replica_send", group.rank, t.iteration)
         manifest, payload = source(t)
         return Outgoing.of_tensor(manifest.encoded, payload, piece_nbytes(manifest))
 
-    def sink(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
+    def commit(t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
         receiver = StoreReceiver(store, t, meta, nbytes, world_size, ring)
         if received is not None:
             received[t.shard] = receiver
         return receiver
 
-    failures = run_transfers(plan, group, send, sink)
+    failures = run_transfers(plan, group, send, sink or commit)
     if failures:
         raise failures[0][1]
 

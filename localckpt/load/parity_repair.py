@@ -1,0 +1,80 @@
+"""Folding parity blocks lost with their nodes again after a restore (erasure coding), so the job
+survives the next loss: the last part of the write-back, on its thread and the data group
+(:class:`localckpt.load.write_back.WriteBack`), while training goes on.
+
+1. every rank reports the packed size of each member shard it serves (one exchange; a shard it
+   cannot read is reported, and the blocks over it are left to the next save);
+2. the members' shards stream from their disks to the blocks' holders, which fold and commit
+   each block as at a save (:class:`localckpt.storage.parity_io.ParityFolder`).
+
+A failed transfer or commit is logged, never raised (the next save folds new parity); a failure
+of the data group itself is raised to the write-back, which reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from replication import ExchangePlan, Transfer, schedule
+from replication.executor import Outgoing
+
+from ..control.context import Context
+from ..ops.faults import fault_point
+from ..storage.parity_io import ParityFolder
+from ..storage.peer_io import piece_count, run_transfers
+from ..storage.shard_stream import outgoing_from_disk
+from .rounds import transfer_seconds
+
+logger = logging.getLogger(__name__)
+
+
+def fold_parity(ctx: Context, iteration: int, repairs: tuple[tuple[int, int], ...],
+                plan: ExchangePlan, takes: Callable[[float], None]) -> list[tuple[int, int]]:
+    """This rank's part of folding ``repairs`` ((stripe, block) each) again from the members'
+    shards ``plan`` sends; (stripe, block) of each block this rank committed. ``takes`` is told
+    how long the transfers may take once the sizes are known. Every rank calls it alike."""
+    layout = ctx.erasure
+    assert layout is not None
+
+    def sizes() -> dict[str, Any]:
+        known, failed = {}, []
+        for member in sorted({t.owner for t in plan.transfers if t.src == ctx.rank}):
+            try:
+                m = ctx.store.read_manifest(ctx.store.ref(iteration, member, ctx.world_size))
+            except Exception as exc:  # a later save folds new parity; no block over it now
+                logger.warning("rank %d: folding parity of iteration %d: shard of rank %d "
+                               "unreadable: %s", ctx.rank, iteration, member, exc)
+                failed.append(member)
+                continue
+            known[str(member)] = [m.chunk_count * m.chunk_nbytes,
+                                  piece_count(m.chunk_nbytes, m.chunk_count)]
+        return {"sizes": known, "failed": failed}
+
+    reports = ctx.data_group.exchange(f"parity of iteration {iteration}: sizes", sizes)
+    known = {int(r): v for report in reports for r, v in report["sizes"].items()}
+    failed = {int(r) for report in reports for r in report["failed"]}
+    kept = [(s, j) for s, j in repairs if not failed & set(layout.stripes[s].members)]
+    targets = {(s, layout.stripes[s].parity[j]) for s, j in kept}
+    plan = schedule(t for t in plan.transfers if (layout.stripe_of(t.owner), t.dst) in targets)
+    takes(transfer_seconds(ctx, plan, {f"{iteration}:{r}": v[1] for r, v in known.items()})
+          + 2 * ctx.timeout)
+    mine = [(s, j) for s, j in kept if layout.stripes[s].parity[j] == ctx.rank]
+    folder = ParityFolder(ctx.store, layout, iteration, ctx.rank, ctx.world_size,
+                          {r: v[0] for r, v in known.items()}, ctx.ring, None, mine)
+
+    def source(t: Transfer) -> Outgoing:
+        fault_point("load_write_back", ctx.rank, t.iteration)
+        ref = ctx.store.ref(*t.shard, ctx.world_size)
+        return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
+
+    failures = run_transfers(plan, ctx.data_group, source, folder.sink)
+    if failures or not mine:
+        return []
+    try:
+        return folder.commit()
+    except Exception as exc:
+        logger.error("rank %d: folding parity blocks %s of iteration %d again failed: %s; the "
+                     "next save folds new parity", ctx.rank, mine, iteration, exc)
+        return []

@@ -1,0 +1,193 @@
+"""Rebuilding the lost shards of an erasure-coded iteration: the step a restore takes before its
+round when some owner's shard is held by no node (see :mod:`localckpt.load.restore`).
+
+Two agreed steps, like a round's:
+
+1. **verify**: every rank checks the blocks it serves (manifest, chunk files whole); a copy that
+   fails is quarantined and the restore plans again (the stripe may still rebuild from other
+   blocks, or the iteration is no longer complete and an older one is chosen). Every block
+   reports its save id and each parity block what it was folded over: blocks of different saves,
+   or a parity block laid out otherwise than this job's stripes (saved on another topology),
+   make the iteration unusable, and an older one is chosen, on every rank alike.
+2. **rebuild**: each owner of a lost shard receives its sources
+   (:func:`replication.stripe_plans.rebuild_plan`), streamed from the serving ranks' disks and
+   checked chunk by chunk on arrival, folds each in with its weight, and commits the shard under
+   the manifest a parity block carries, every chunk checked against it
+   (:class:`localckpt.storage.parity_io.ShardRebuilder`).
+
+The restore then lists again and loads as if nothing had been lost; the parity blocks lost with
+the nodes are folded again after the load, by the write-back (:func:`parity_repair`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from replication import ExchangePlan, Transfer, parity_of_slot
+from replication.executor import Outgoing
+from replication.stripe_plans import Rebuild, lost_members, parity_repair_plan, rebuild_plan
+
+from ..control.context import Context
+from ..control.coverage import Inventory, holders_of
+from ..errors import CorruptShardError
+from ..ops.faults import fault_point
+from ..storage.parity_io import ShardRebuilder
+from ..storage.peer_io import piece_count, run_transfers
+from ..storage.shard_stream import outgoing_from_disk
+from .rounds import quarantine, shard_ref, transfer_seconds
+
+
+@dataclass
+class RebuildOutcome:
+    """What every rank agreed: ``bad`` copies quarantined ([file, error, where]), blocks that
+    arrived damaged from copies that read well (``retry``), or why the iteration cannot be
+    rebuilt (``unusable``). All empty: the lost shards are committed on their owners' nodes."""
+
+    bad: list[list[str]] = field(default_factory=list)
+    retry: list[str] = field(default_factory=list)
+    unusable: str | None = None
+
+
+def needs_rebuild(ctx: Context, iteration: int, inventories: list[Inventory]) -> bool:
+    """Whether some owner's shard of ``iteration`` is held by no node (erasure coding only)."""
+    return ctx.erasure is not None and bool(lost_members(
+        ctx.erasure, holders_of(inventories, iteration, ctx.world_size)))
+
+
+def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> RebuildOutcome:
+    """Rebuild every lost shard of ``iteration`` on its owner. Collective (two agreed steps on
+    ``ctx.group``); the outcome is the same on every rank. Raises what a rank's failure other
+    than a damaged copy raises (an I/O error serving a block), on every rank, or
+    CollectiveError."""
+    layout = ctx.erasure
+    assert layout is not None
+    planned = rebuild_plan(layout, iteration, holders_of(inventories, iteration, ctx.world_size))
+    if planned is None:
+        return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks other "
+                                       "ranks than their owners hold")
+    rebuilds, plan = planned
+    step = f"rebuild of iteration {iteration}"
+    verify = ctx.group.exchange(f"{step}: verify blocks", partial(_verify_blocks, ctx, plan))
+    bad = [b for v in verify for b in v["bad"]]
+    if bad:
+        return RebuildOutcome(bad=bad)
+    reports = {int(slot): r for v in verify for slot, r in v["blocks"].items()}
+    reason = _inconsistent(ctx, rebuilds, reports)
+    if reason is not None:
+        return RebuildOutcome(unusable=reason)
+    pieces = {f"{iteration}:{slot}": int(r["pieces"]) for slot, r in reports.items()}
+    done = ctx.group.exchange(f"{step}: fold", partial(_rebuild, ctx, rebuilds, plan, reports),
+                              wait=transfer_seconds(ctx, plan, pieces))
+    return RebuildOutcome([b for v in done for b in v["bad"]],
+                          [r for v in done for r in v["retry"]],
+                          next((v["unusable"] for v in done if v["unusable"]), None))
+
+
+def _verify_blocks(ctx: Context, plan: ExchangePlan) -> dict[str, Any]:
+    """Check every block this rank serves; quarantine the ones that fail. Reports each served
+    block's save id, size and pieces on the wire, and a parity block's layout."""
+    bad, blocks = [], {}
+    for t in plan.transfers:
+        if t.src != ctx.rank or str(t.owner) in blocks:
+            continue
+        fault_point("load_retrieval", ctx.rank, t.iteration)
+        try:
+            m = ctx.store.read_manifest(shard_ref(ctx, t.shard))
+        except CorruptShardError as exc:
+            bad.append(quarantine(ctx, t.shard, exc))
+            continue
+        report: dict[str, Any] = {"save": m.metadata.get("save_id"),
+                                  "nbytes": m.chunk_count * m.chunk_nbytes,
+                                  "pieces": piece_count(m.chunk_nbytes, m.chunk_count)}
+        if m.parity is not None:
+            report["layout"] = [m.parity.k, m.parity.m, list(m.parity.members)]
+            report["sizes"] = list(m.parity.sizes)
+        blocks[str(t.owner)] = report
+    return {"bad": bad, "blocks": blocks}
+
+
+def _inconsistent(ctx: Context, rebuilds: tuple[Rebuild, ...],
+                  reports: dict[int, dict[str, Any]]) -> str | None:
+    """Why the sources of some rebuild do not belong together, or None (pure: the same on
+    every rank)."""
+    layout = ctx.erasure
+    assert layout is not None
+    for r in rebuilds:
+        members = list(layout.stripes[r.stripe].members)
+        slots = [slot for slot, _, _ in r.sources]
+        saves = {reports[slot]["save"] for slot in slots} - {None}
+        if len(saves) > 1:
+            return (f"the blocks of stripe {r.stripe} (members {members}) come from different "
+                    f"saves: {sorted(saves)}")
+        parity = [slot for slot in slots if slot < 0]
+        for slot in parity:
+            if reports[slot].get("layout") != [layout.k, layout.m, members]:
+                stripe, block = parity_of_slot(slot)
+                return (f"parity block {block} of stripe {stripe} was folded over "
+                        f"{reports[slot].get('layout')} ([k, m, members]), this job's stripe is "
+                        f"{[layout.k, layout.m, members]}: saved on another topology")
+        sizes = reports[parity[0]]["sizes"]
+        if any(reports[slot]["sizes"] != sizes for slot in parity) or any(
+                reports[slot]["nbytes"] != sizes[members.index(slot)]
+                for slot in slots if slot >= 0):
+            return f"the blocks of stripe {r.stripe} (members {members}) disagree on its sizes"
+    return None
+
+
+def _rebuild(ctx: Context, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
+             reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """This rank's part: serve its blocks from disk, and rebuild and commit its own shard if it
+    was lost. A served copy that fails its checksums is quarantined (``bad``); a block that
+    arrived damaged is ``retry``; a rebuilt shard that fails its manifest's checksums makes the
+    iteration ``unusable``. Any other failure raises."""
+    mine = next((r for r in rebuilds if r.owner == ctx.rank), None)
+    rebuilder = None
+    if mine is not None:
+        parity = next(slot for slot, _, _ in mine.sources if slot < 0)
+        rebuilder = ShardRebuilder(ctx.store, mine, plan.transfers[0].iteration, ctx.world_size,
+                                   int(reports[parity]["sizes"][mine.index]), ctx.ring)
+
+    def source(t: Transfer) -> Outgoing:
+        fault_point("replica_send", ctx.rank, t.iteration)
+        ref = shard_ref(ctx, t.shard)
+        return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
+
+    def sink(t: Transfer, meta: bytes, nbytes: int) -> Any:
+        if rebuilder is None:
+            raise CorruptShardError(f"rank {t.src} sent block {t.shard} to rank {ctx.rank}, "
+                                    "which rebuilds nothing")
+        return rebuilder.sink(t, meta, nbytes)
+
+    failures = run_transfers(plan, ctx.group, source, sink)
+    bad: list[list[str]] = []
+    retry: list[str] = []
+    for t, error in failures:
+        if t.src == ctx.rank:
+            if not isinstance(error, CorruptShardError):
+                raise error
+            if all(b[0] != str(shard_ref(ctx, t.shard).path) for b in bad):  # sent twice
+                bad.append(quarantine(ctx, t.shard, error))
+        else:  # the sender reports its own copy's failure, if that was it
+            retry.append(f"block {t.shard} from rank {t.src}: {error}")
+    unusable = None
+    if rebuilder is not None and not failures:
+        try:
+            with ctx.timed("rebuild", rebuilder.iteration, len(rebuilder.out)):
+                rebuilder.commit()
+        except CorruptShardError as exc:
+            unusable = f"rank {ctx.rank}'s rebuilt shard failed its checksums: {exc}"
+    return {"bad": bad, "retry": retry, "unusable": unusable}
+
+
+def parity_repair(ctx: Context, iteration: int, inventories: list[Inventory]
+                  ) -> tuple[tuple[tuple[int, int], ...], ExchangePlan] | None:
+    """The parity blocks of ``iteration`` to fold again after a load (their nodes were lost)
+    and the transfers of the members' shards to their holders; None when none is missing or
+    there is no erasure coding (pure)."""
+    if ctx.erasure is None:
+        return None
+    repairs, plan = parity_repair_plan(ctx.erasure, iteration,
+                                       holders_of(inventories, iteration, ctx.world_size))
+    return (repairs, plan) if repairs else None

@@ -1,0 +1,125 @@
+"""Rank functions for the erasure-coding tests: simulated nodes (one root and node id each) on
+real gloo ranks. Shards differ in size from rank to rank, so stripes fold members of unequal
+lengths."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from scenarios import digest, make_state
+
+from localckpt import LocalCheckpointManager
+from localckpt.storage.layout import list_shards
+from replication import ErasureCodingStrategy, Topology
+
+
+def state(rank: int, iteration: int) -> dict[str, Any]:
+    return make_state(rank, iteration, n=2 + rank % 3)
+
+
+def manager(rank: int, base: str, k: int, m: int, per: int, **kwargs: Any
+            ) -> LocalCheckpointManager:
+    node = rank // per
+    return LocalCheckpointManager(Path(base) / f"node{node}", "job",
+                                  ErasureCodingStrategy(k, m), timeout=30, chunk_nbytes=8192,
+                                  node_id=f"node{node}", **kwargs)
+
+
+def expected_holdings(world: int, per: int, k: int, m: int) -> list[list[int]]:
+    """Per node: the owners (ranks) and parity slots its root holds after a save."""
+    topo = Topology.uniform(world // per, per)
+    layout = ErasureCodingStrategy(k, m).stripes(topo)
+    want: list[set[int]] = [set(ranks) for ranks in topo.nodes]
+    for s, j, slot in layout.slots():
+        want[topo.node_of[layout.stripes[s].parity[j]]].add(slot)
+    return [sorted(w) for w in want]
+
+
+def holdings(base: str, nodes: int, iteration: int) -> list[list[int]]:
+    return [sorted(ref.owner_rank for ref in list_shards(Path(base) / f"node{n}", "job")
+                   if ref.iteration == iteration) for n in range(nodes)]
+
+
+def save(rank: int, world: int, base: str, k: int, m: int, per: int,
+         iterations: list[int], keep_last: int = 1, is_async: bool = False) -> None:
+    with manager(rank, base, k, m, per, keep_last=keep_last) as mgr:
+        for it in iterations:
+            request = mgr.save(state(rank, it), it, is_async=is_async)
+            if request is not None:
+                request.async_fn(*request.async_fn_args)
+                for fn in request.finalize_fns:
+                    fn()
+
+
+def load(rank: int, world: int, base: str, k: int, m: int, per: int) -> dict[str, Any]:
+    rebuilt: list[int] = []
+
+    def hook(metric: Any) -> None:
+        if metric.phase == "rebuild":
+            rebuilt.append(metric.nbytes)
+
+    with manager(rank, base, k, m, per, metrics=hook) as mgr:
+        latest = mgr.find_latest()
+        if latest < 0:
+            return {"latest": latest}
+        loaded, (iteration, _, _) = mgr.load()
+    return {"latest": iteration, "found": latest,
+            "ok": digest(loaded) == digest(state(rank, iteration)), "rebuilt": sum(rebuilt)}
+
+
+def every_loss(rank: int, world: int, base: str, k: int, m: int, per: int,
+               iteration: int) -> list[dict[str, Any]]:
+    """Save ``iteration``; then for every combination of m nodes: lose them (their roots
+    wiped), restart (a fresh manager), load, and record what each node holds afterwards.
+    Losses are not cumulative: each combination starts from the full save, copied back."""
+    nodes = world // per
+    save(rank, world, base, k, m, per, [iteration])
+    dist.barrier()
+    pristine = Path(base + "-pristine")
+    if rank == 0:
+        shutil.copytree(base, pristine, symlinks=True)
+    out = []
+    for lost in itertools.combinations(range(nodes), m):
+        dist.barrier()
+        node = rank // per
+        if rank % per == 0:  # the node's first rank puts its root back, or wipes it
+            shutil.rmtree(Path(base) / f"node{node}", ignore_errors=True)
+            if node not in lost:
+                shutil.copytree(pristine / f"node{node}", Path(base) / f"node{node}",
+                                symlinks=True)
+        dist.barrier()
+        result = load(rank, world, base, k, m, per)
+        dist.barrier()
+        if rank == 0:
+            result["held"] = holdings(base, nodes, iteration)
+        out.append({"lost": list(lost), **result})
+    return out
+
+
+def parity_write_fails(rank: int, world: int, base: str, k: int, m: int, per: int,
+                       bad_rank: int) -> dict[str, Any]:
+    """Iteration 1 saves; committing a parity block of iteration 2 on ``bad_rank`` hits
+    ENOSPC. Every rank must get the same error, iteration 2 gone, 1 intact."""
+    with manager(rank, base, k, m, per) as mgr:
+        mgr.save(state(rank, 1), 1)
+        if rank == bad_rank:
+            real = mgr._ctx.store.begin_write
+
+            def full(manifest: Any) -> Any:
+                if manifest.owner_rank < 0:
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return real(manifest)
+            mgr._ctx.store.begin_write = full  # type: ignore[method-assign]
+        try:
+            mgr.save(state(rank, 2), 2)
+            error = None
+        except Exception as exc:
+            error = (type(exc).__name__, str(exc))
+    dist.barrier()
+    return {"error": error, "held": holdings(base, world // per, 2),
+            **load(rank, world, base, k, m, per)}

@@ -1,0 +1,111 @@
+"""Erasure-coded redundancy on real gloo ranks with simulated nodes: the save folds parity on
+the holders, and after losing any m nodes of a stripe the job restarts bit-identical, its lost
+shards rebuilt and its lost parity folded again."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import erasure_scenarios as es
+import pytest
+from dist_harness import run_ranks
+
+from localckpt.storage.layout import list_shards
+from replication import parity_slot
+
+
+def saved(tmp_path: Path, root: Path, k: int, m: int, nodes: int, per: int,
+          iterations: list[int], keep_last: int = 1, is_async: bool = False) -> None:
+    results = run_ranks(es.save, nodes * per, tmp_path, str(root), k, m, per, iterations,
+                        keep_last, is_async)
+    assert all(r.ok for r in results), [r.message for r in results]
+
+
+def loaded(tmp_path: Path, root: Path, k: int, m: int, nodes: int, per: int) -> list[dict]:
+    results = run_ranks(es.load, nodes * per, tmp_path, str(root), k, m, per)
+    assert all(r.ok for r in results), [r.message for r in results]
+    return [r.value for r in results]
+
+
+def block_dir(root: Path, node: int, iteration: int, owner: int, world: int) -> Path:
+    (ref,) = [r for r in list_shards(root / f"node{node}", "job")
+              if r.iteration == iteration and r.owner_rank == owner]
+    assert ref.world_size == world
+    return ref.path
+
+
+@pytest.mark.parametrize("k,m,nodes,per", [(3, 1, 4, 2), (4, 2, 6, 1)])
+def test_every_loss_of_m_nodes_is_rebuilt_bit_identical_with_data_and_parity_back(
+        tmp_path: Path, root: Path, k: int, m: int, nodes: int, per: int) -> None:
+    world = nodes * per
+    results = run_ranks(es.every_loss, world, tmp_path, str(root), k, m, per, 7, deadline=300)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    want = es.expected_holdings(world, per, k, m)
+    assert any(slot < 0 for node in want for slot in node)
+    combos = [row["lost"] for row in results[0].value]
+    assert len(combos) == {(4, 1): 4, (6, 2): 15}[(nodes, m)]
+    for c, lost in enumerate(combos):
+        rows = [r.value[c] for r in results]
+        assert all(row["latest"] == 7 and row["ok"] for row in rows), (lost, rows)
+        # only the lost nodes' ranks rebuilt anything: the others read their own shard
+        assert [row["rebuilt"] > 0 for row in rows] == [r // per in lost for r in range(world)]
+        assert rows[0]["held"] == want, lost  # every lost shard and parity block is back
+
+
+def test_a_parity_write_that_fails_fails_the_save_on_every_rank(tmp_path: Path,
+                                                                 root: Path) -> None:
+    results = run_ranks(es.parity_write_fails, 4, tmp_path, str(root), 3, 1, 1, 3)
+    for r in results:
+        assert r.ok, r.message
+        name, message = r.value["error"]
+        assert name == "RankOSError" and "rank 3" in message and "injected" in message
+        assert r.value["held"] == [[], [], [], []]  # iteration 2 removed on every node
+        assert r.value["latest"] == 1 and r.value["ok"]
+
+
+def test_a_corrupt_surviving_block_is_treated_as_lost(tmp_path: Path, root: Path) -> None:
+    """4+2 on 6 nodes: node 0 lost and member 2's shard corrupt (on node 2): two blocks of the
+    stripe gone, the newest iteration still rebuilds; with node 1 lost too it cannot, and
+    every rank falls back to the older iteration."""
+    saved(tmp_path, root, 4, 2, 6, 1, [5, 7], keep_last=2)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(root, pristine)
+    for lost in ([0], [0, 1]):
+        shutil.rmtree(root)
+        shutil.copytree(pristine, root)
+        for node in lost:
+            shutil.rmtree(root / f"node{node}")
+        chunk = block_dir(root, 2, 7, 2, 6) / "data" / "c" / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[100] ^= 0x01
+        chunk.write_bytes(raw)
+        values = loaded(tmp_path, root, 4, 2, 6, 1)
+        assert all(v["ok"] for v in values), (lost, values)
+        assert [v["latest"] for v in values] == [7 if lost == [0] else 5] * 6
+        quarantined = list((root / "node2" / "job").glob(".quarantine-*"))
+        assert len(quarantined) == 1  # the corrupt copy was set aside, not trusted
+        if lost == [0]:  # rank 2's shard rebuilt too: node 2 holds a good copy again
+            assert (block_dir(root, 2, 7, 2, 6) / "data" / "c" / "0").read_bytes() != raw
+
+
+def test_a_corrupt_parity_block_with_a_lost_node_falls_back_for_m_1(tmp_path: Path,
+                                                                    root: Path) -> None:
+    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
+    shutil.rmtree(root / "node0")
+    chunk = block_dir(root, 3, 7, parity_slot(0, 0), 4) / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[7] ^= 0x80
+    chunk.write_bytes(raw)
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [v["latest"] for v in values] == [5] * 4 and all(v["ok"] for v in values)
+
+
+def test_async_saves_fold_parity_and_survive_a_node_loss(tmp_path: Path, root: Path) -> None:
+    saved(tmp_path, root, 3, 1, 4, 1, [1, 2, 3], is_async=True)
+    assert es.holdings(str(root), 4, 3) == es.expected_holdings(4, 1, 3, 1)
+    assert es.holdings(str(root), 4, 2) == [[]] * 4  # keep_last=1: parity retired too
+    shutil.rmtree(root / "node1")
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [v["latest"] for v in values] == [3] * 4 and all(v["ok"] for v in values)
+    assert [v["rebuilt"] > 0 for v in values] == [False, True, False, False]
