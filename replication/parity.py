@@ -112,16 +112,26 @@ def rebuild_weights(k: int, m: int, sources: tuple[int, ...], member: int) -> tu
     return tuple(rows[member][k:])
 
 
+FOLD_STEP = 1 << 20  # bytes multiplied at a time: the product stays in cache (2x faster here)
+
+
 def fold(out: np.ndarray, offset: int, data: Any, weight: int) -> None:
     """``out[offset:offset + n] ^= weight * data`` in GF(2^8), for the part of ``data`` that
     falls inside ``out`` (a longer block's zero-padded tail beyond it is dropped)."""
     piece = np.frombuffer(data, dtype=np.uint8)[:max(0, len(out) - offset)]
     if not weight or not len(piece):
         return
-    if weight != 1:
-        piece = _times(weight)[piece]  # one table lookup per byte
-    region = out[offset: offset + len(piece)]
-    np.bitwise_xor(region, piece, out=region)
+    if weight == 1:
+        region = out[offset: offset + len(piece)]
+        np.bitwise_xor(region, piece, out=region)
+        return
+    table = _times(weight)
+    product = np.empty(min(FOLD_STEP, len(piece)), dtype=np.uint8)
+    for lo in range(0, len(piece), FOLD_STEP):
+        part = piece[lo: lo + FOLD_STEP]
+        np.take(table, part, out=product[:len(part)])  # one table lookup per byte
+        region = out[offset + lo: offset + lo + len(part)]
+        np.bitwise_xor(region, product[:len(part)], out=region)
 
 
 class ParityAccumulator:

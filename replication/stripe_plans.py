@@ -36,7 +36,8 @@ def parity_save_plan(layout: StripeLayout, iteration: int) -> ExchangePlan:
 @dataclass(frozen=True)
 class Rebuild:
     """``owner`` (member ``index`` of stripe ``stripe``) rebuilds its shard from ``sources``:
-    (slot, serving rank, weight) each, the shard being the XOR of ``weight * block``."""
+    (slot, serving rank, weight) each, the shard being the XOR of ``weight * block``. A source
+    served by ``owner`` itself is read from its own node's root (ranks moved between nodes)."""
 
     stripe: int
     owner: int
@@ -51,11 +52,11 @@ def lost_members(layout: StripeLayout, holders: Holders) -> list[int]:
 
 def rebuild_plan(layout: StripeLayout, iteration: int, holders: Holders
                  ) -> tuple[tuple[Rebuild, ...], ExchangePlan] | None:
-    """The rebuild of every lost member and its transfers; None when some lost member cannot
-    be rebuilt (fewer blocks of its stripe held, by ranks other than its owner, than it has
-    members). Sources: the stripe's held members first (no multiplication for m = 1), then its
-    parity blocks, each served by the holder with the fewest blocks to send so far (ties:
-    the lowest rank), never the owner itself."""
+    """The rebuild of every lost member and its transfers (local reads left out); None when
+    some lost member cannot be rebuilt (fewer blocks of its stripe held than it has members).
+    Sources: the stripe's held members first (no multiplication for m = 1), then its parity
+    blocks, each served by the holder with the fewest blocks to send so far (ties: the lowest
+    rank) other than the owner, or by the owner itself when only its node holds it."""
     k, m = layout.k, layout.m
     load: dict[int, int] = {}
     rebuilds: list[Rebuild] = []
@@ -66,7 +67,8 @@ def rebuild_plan(layout: StripeLayout, iteration: int, holders: Holders
         candidates += [(k + j, parity_slot(s, j)) for j in range(len(stripe.parity))]
         chosen: list[tuple[int, int, int]] = []  # (block number, slot, serving rank)
         for block, slot in candidates:
-            serving = [h for h in holders.get(slot, ()) if h != owner]
+            serving = [h for h in holders.get(slot, ()) if h != owner] or \
+                [h for h in holders.get(slot, ()) if h == owner]
             if serving and len(chosen) < len(stripe.members):
                 src = min(serving, key=lambda h: (load.get(h, 0), h))
                 load[src] = load.get(src, 0) + 1
@@ -80,7 +82,7 @@ def rebuild_plan(layout: StripeLayout, iteration: int, holders: Holders
         rebuilds.append(Rebuild(s, owner, stripe.members.index(owner), tuple(
             (slot, src, w) for (_, slot, src), w in zip(chosen, weights, strict=True))))
     transfers = [Transfer(src, r.owner, iteration, slot)
-                 for r in rebuilds for slot, src, _ in r.sources]
+                 for r in rebuilds for slot, src, _ in r.sources if src != r.owner]
     return tuple(rebuilds), schedule(transfers)
 
 
@@ -91,23 +93,35 @@ def missing_parity(layout: StripeLayout, holders: Holders) -> list[tuple[int, in
             if holder not in holders.get(parity_slot(s, j), ())]
 
 
-def parity_repair_plan(layout: StripeLayout, iteration: int, holders: Holders
-                       ) -> tuple[tuple[tuple[int, int], ...], ExchangePlan]:
+@dataclass(frozen=True)
+class Repair:
+    """Parity blocks to fold again (``blocks``: (stripe, block) each), the members' shards
+    sent to their holders (``plan``) and those a holder reads from its own node (``local``:
+    transfers with src == dst, never in the plan)."""
+
+    blocks: tuple[tuple[int, int], ...]
+    plan: ExchangePlan
+    local: tuple[Transfer, ...] = ()
+
+
+def parity_repair_plan(layout: StripeLayout, iteration: int, holders: Holders) -> Repair:
     """The parity blocks to fold again on their holders ((stripe, block) each) and the
     transfers of the members' shards to them: only blocks whose members are all held (the
-    lost shards are rebuilt first) by ranks other than the block's holder. Each member's shard
-    is served by the member itself when its node holds it, else by its least busy holder."""
+    lost shards are rebuilt first). Each member's shard is served by the member itself when its
+    node holds it, else by its least busy holder; by the block's holder itself (a local read)
+    only when only its node holds it."""
     load: dict[int, int] = {}
     repairs: list[tuple[int, int]] = []
     transfers: list[Transfer] = []
     for s, j in missing_parity(layout, holders):
         stripe, holder = layout.stripes[s], layout.stripes[s].parity[j]
-        serving = [[h for h in holders.get(r, ()) if h != holder] for r in stripe.members]
-        if not all(serving):
+        if not all(holders.get(r) for r in stripe.members):
             continue
         repairs.append((s, j))
-        for member, ranks in zip(stripe.members, serving, strict=True):
+        for member in stripe.members:
+            ranks = [h for h in holders[member] if h != holder] or [holder]
             src = member if member in ranks else min(ranks, key=lambda h: (load.get(h, 0), h))
             load[src] = load.get(src, 0) + 1
             transfers.append(Transfer(src, holder, iteration, member))
-    return tuple(repairs), schedule(transfers)
+    return Repair(tuple(repairs), schedule(transfers),
+                  tuple(t for t in transfers if t.local))

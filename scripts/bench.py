@@ -115,6 +115,12 @@ def main() -> int:
                    help="LocalCheckpointManager(recycle_files=True)")
     p.add_argument("--steps", nargs="+", default=["raw", "localckpt", "baselines"],
                    choices=["raw", "localckpt", "baselines"], help="what to measure")
+    p.add_argument("--erasure-mib", type=int, default=64,
+                   help="MiB per rank of the erasure section's saves and restarts against "
+                        "node_spread (scripts/bench_erasure.py; 0: the section is not run)")
+    p.add_argument("--only-erasure", action="store_true",
+                   help="run the erasure section alone and render the report with the rows "
+                        "of <out>/benchmarks.json")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report-from", metavar="JSON",
                    help="only render the markdown and plot of an earlier run's JSON")
@@ -125,6 +131,17 @@ def main() -> int:
     if a.report_from:
         result = json.loads(Path(a.report_from).read_text())
         result["rows"] = [bench_report.derive(r) for r in result["rows"]]
+        write_report(result, Path(a.out), result.get("command", "python scripts/bench.py"),
+                     a.no_plot)
+        return 0
+    if (a.erasure_mib and not a.quick) or a.only_erasure:  # first: write_report embeds it
+        import bench_erasure  # its smoke test is bench_erasure.py's own
+
+        mib = max(a.erasure_mib, 1)
+        bench_erasure.report(bench_erasure.measure(mib, a.repeats, mib), Path(a.out),
+                             "python scripts/bench.py " + " ".join(sys.argv[1:]))
+    if a.only_erasure:
+        result = json.loads((Path(a.out) / "benchmarks.json").read_text())
         write_report(result, Path(a.out), result.get("command", "python scripts/bench.py"),
                      a.no_plot)
         return 0

@@ -147,6 +147,7 @@ def ci_scenarios() -> list[Scenario]:
     # The durable tier ({work}/shared): the whole job lost (both nodes killed, roots wiped) and
     # restarted on empty nodes from it; a kill or a raise while persisting or committing.
     durable = ("--durable", "{work}/shared", "--step-seconds", "0.05")
+    erasure = ("--repl", "erasure")
     kills += [
         Scenario("whole job lost, restarted on empty nodes from the durable tier", "staging",
                  "job_lost", "staging:kill_node:rank=0:iteration=29;"
@@ -210,6 +211,13 @@ def ci_scenarios() -> list[Scenario]:
                  "local_write:sleep:rank=1:iteration=19:seconds=600"),
         Scenario("crash leftovers at rest are cleaned", "at_rest", "leftovers",
                  damage="leftovers"),
+        Scenario("wipe node lost during the parity fold (erasure)", "replica_receive",
+                 "wipe_node", "replica_receive:kill_node:rank=0:iteration=19", wipe=True,
+                 args=erasure),
+        Scenario("kill rank sending its shard to its parity holder (erasure)", "replica_send",
+                 k, "replica_send:kill:rank=1:iteration=29", args=erasure),
+        Scenario("flip a byte in a primary shard (erasure: rebuilt from parity)", "at_rest",
+                 "flip_byte", damage="flip:primary", args=erasure),
         Scenario("localckpt gc between runs keeps the newest complete", "at_rest", "operator",
                  damage="gc", pre_args=("--keep-last", "3")),
         Scenario("localckpt gc while the job runs is refused", "finalize", "operator",

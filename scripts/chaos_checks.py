@@ -18,6 +18,7 @@ from chaos_job import HERE, NODES, SAVED, events
 
 from localckpt.control.coverage import complete_from_listings
 from localckpt.storage.layout import list_shards
+from replication import parity_slot
 
 SESSION = "demo"
 
@@ -90,8 +91,9 @@ def damage_at_rest(work: Path, what: str) -> str | None:
     how, which = what.split(":")
     shards = list_shards(work / "node0", SESSION)
     newest = max(s.iteration for s in shards)
-    owner = 0 if which == "primary" else 1
-    ref = next(s for s in shards if s.iteration == newest and s.owner_rank == owner)
+    # a replica is rank 1's shard on node 0; a parity block (erasure) the one node 0 keeps
+    ref = next(s for s in shards if s.iteration == newest and (
+        s.owner_rank < 0 if which == "parity" else s.owner_rank == (which != "primary")))
     if how == "forge":
         forge_manifest(ref.path)
         return None
@@ -215,10 +217,13 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
         violations.append(f"iteration {SAVED[-1]} is not complete on disk (newest: {last}) "
                           "although its save did not fail on every rank")
     replicated = "none" not in sc.args
+    erasure = "erasure" in sc.args
     for n in range(NODES):
         held = {s.owner_rank for s in list_shards(work / f"node{n}", SESSION)
                 if s.iteration == last}
-        want = set(range(NODES)) if replicated else {n}
+        want = set(range(NODES)) if replicated and not erasure else {n}
+        if erasure:  # its rank's shard and the parity block of the other node's stripe
+            want.add(parity_slot(1 - n, 0))
         if held != want and not error:
             violations.append(f"node {n} holds shards {sorted(held)} of iteration {last}, "
                               f"expected {sorted(want)}"

@@ -47,6 +47,7 @@ from localckpt import (
     DurableTier,
     LocalCheckpointManager,
 )
+from replication import ErasureCodingStrategy
 
 
 def build_model(seed: int) -> torch.nn.Module:
@@ -97,7 +98,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="localckpt's and the training group's collective timeout")
     parser.add_argument("--repl", default="auto",
-                        help="replication strategy name; auto: node_spread on 2+ nodes")
+                        help="replication strategy name; auto: node_spread on 2+ nodes; "
+                             "erasure: k = nodes - 1, m = 1")
     parser.add_argument("--keep-last", type=int, default=1)
     parser.add_argument("--recycle-files", action="store_true",
                         help="LocalCheckpointManager(recycle_files=True)")
@@ -134,14 +136,17 @@ def main() -> None:
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)  # dropout masks differ per rank, as in real jobs
 
-    repl = ("node_spread" if nodes >= 2 else None) if args.repl == "auto" else args.repl
+    repl: Any = ("node_spread" if nodes >= 2 else None) if args.repl == "auto" else args.repl
+    if repl == "erasure":  # one parity block per stripe of the other nodes' ranks
+        repl = ErasureCodingStrategy(k=max(1, nodes - 1), m=1)
     fetched: list[int] = []
     mgr = LocalCheckpointManager(
         args.root.format(node=node), "demo", repl, keep_last=args.keep_last,
         timeout=args.timeout, node_id=f"node{node}", recycle_files=args.recycle_files,
         durable=DurableTier(args.durable, persist_every=args.persist_every, keep=2)
         if args.durable else None,
-        metrics=lambda m: fetched.append(m.nbytes) if m.phase == "fetch_from_peer" else None)
+        metrics=lambda m: fetched.append(m.nbytes) if m.phase in ("fetch_from_peer", "rebuild")
+        else None)
     queue = AsyncCallsQueue(timeout=args.timeout)
     started = time.monotonic()
     resumed_from = mgr.find_latest()

@@ -123,3 +123,26 @@ def parity_write_fails(rank: int, world: int, base: str, k: int, m: int, per: in
     dist.barrier()
     return {"error": error, "held": holdings(base, world // per, 2),
             **load(rank, world, base, k, m, per)}
+
+
+def durable_save(rank: int, world: int, base: str, durable: str, k: int, m: int, per: int,
+                 iterations: list[int]) -> None:
+    """Saves with erasure coding and a durable tier (every save persisted)."""
+    from localckpt import DurableTier
+
+    with manager(rank, base, k, m, per, durable=DurableTier(durable, keep=2)) as mgr:
+        for it in iterations:
+            mgr.save(state(rank, it), it)
+        assert mgr.wait_for_persist(30)
+
+
+def durable_load(rank: int, world: int, base: str, durable: str, k: int, m: int,
+                 per: int) -> dict[str, Any]:
+    from localckpt import DurableTier
+
+    with manager(rank, base, k, m, per, durable=DurableTier(durable, persist_every=None)) as mgr:
+        mgr.find_latest()
+        loaded, (iteration, _, _) = mgr.load()
+    dist.barrier()
+    return {"latest": iteration, "ok": digest(loaded) == digest(state(rank, iteration)),
+            "held": holdings(base, world // per, iteration) if rank == 0 else None}

@@ -128,8 +128,8 @@ def test_bench_durable_small_writes_report(tmp_path: Path) -> None:
 
 
 def test_bench_erasure_small_writes_report(tmp_path: Path) -> None:
-    proc = run_script("bench_erasure.py", "--mib", "1", "--repeats", "1", "--out",
-                      str(tmp_path), timeout=120)
+    proc = run_script("bench_erasure.py", "--mib", "1", "--e2e-mib", "1", "--repeats", "1",
+                      "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "benchmarks-erasure.json").read_text())
     assert [r["layout"] for r in result["rates"]] == ["3+1", "4+2"]
@@ -138,3 +138,11 @@ def test_bench_erasure_small_writes_report(tmp_path: Path) -> None:
     # 8 nodes of 4 ranks: full replicas keep F shards per own shard; 3+1 and 4+2 keep 1.5
     assert memory == {"node_spread F=2": 8, "node_spread F=3": 12, "erasure 3+1": 6,
                       "erasure 4+2": 6}
+    e2e = {r["layout"]: r for r in result["e2e"]}
+    assert list(e2e) == ["node_spread F=2", "erasure 3+1", "node_spread F=3", "erasure 4+2"]
+    assert all(r["save_s"] > 0 and r["restore_s"] > 0 for r in e2e.values())
+    # on disk, each erasure node root holds less than the replicas' (a shard and a third, or
+    # a shard and a half, against two or three shards)
+    assert e2e["erasure 3+1"]["tmpfs_per_node_mib"] < e2e["node_spread F=2"]["tmpfs_per_node_mib"]
+    assert e2e["erasure 4+2"]["tmpfs_per_node_mib"] < e2e["node_spread F=3"]["tmpfs_per_node_mib"]
+    assert "restart ÷ replicas'" in (tmp_path / "benchmarks-erasure.md").read_text()

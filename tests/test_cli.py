@@ -314,3 +314,44 @@ def test_verify_reports_an_unreadable_shard_and_goes_on(capsys: pytest.CaptureFi
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and "3 shards verified" in out
     assert f"UNREADABLE {first}" in out and out.count("UNREADABLE") == 1
+
+
+def test_ls_verify_and_gc_count_rebuildable_iterations_of_erasure_coding(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """3+1 on 4 nodes, iterations 5 and 7 kept: with node 1 lost, both are still complete (its
+    shards rebuild from parity), so gc --keep-last 1 removes 5 and keeps 7; parity blocks are
+    verified like shards."""
+    import erasure_scenarios
+
+    base = tmp_path / "roots"
+    results = run_ranks(erasure_scenarios.save, 4, tmp_path, str(base), 3, 1, 1, [5, 7], 2)
+    assert all(r.ok for r in results), [r.message for r in results]
+    roots = [base / f"node{n}" for n in range(4)]
+    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 12, "corrupt": []}
+    shutil.rmtree(roots[1])
+    roots[1].mkdir()
+    rows = cli_json(capsys, "ls", *map(str, roots))
+    assert [(r["iteration"], r["complete"], r["missing_owners"]) for r in rows] == [
+        (5, True, [1]), (7, True, [1])]
+    done = cli_json(capsys, "gc", *map(str, roots), "--keep-last", "1")
+    assert {Path(p).parent.name for p in done["removed"]} == {"iter_0000000005"}
+    assert sorted(p.name for p in (roots[3] / "job" / "iter_0000000007").iterdir()) == [
+        "parity_00000_00_of_00004", "rank_00003_of_00004"]
+
+
+def test_a_parity_block_of_another_save_makes_no_iteration_complete_for_gc(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import erasure_scenarios
+
+    for name in ("roots", "other"):
+        results = run_ranks(erasure_scenarios.save, 4, tmp_path, str(tmp_path / name), 3, 1, 1,
+                            [7])
+        assert all(r.ok for r in results), [r.message for r in results]
+    roots = [tmp_path / "roots" / f"node{n}" for n in range(4)]
+    block = "job/iter_0000000007/parity_00000_00_of_00004"
+    shutil.rmtree(roots[3] / block)
+    shutil.copytree(tmp_path / "other" / "node3" / block, roots[3] / block)
+    shutil.rmtree(roots[1])
+    roots[1].mkdir()
+    rows = cli_json(capsys, "ls", *map(str, roots))
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(7, False)]

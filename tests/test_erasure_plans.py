@@ -125,12 +125,13 @@ def test_any_m_lost_nodes_are_rebuilt_and_their_parity_folded_again(topo: Topolo
         # the rebuilt shards are written back; then the lost parity blocks are folded again
         for r in got:
             holders[r] = list(topo.nodes[topo.node_of[r]])
-        repairs, repair = parity_repair_plan(layout, 3, holders)
-        assert sorted(repairs) == sorted(missing_parity(layout, holders))
-        for s, j in repairs:
+        repair = parity_repair_plan(layout, 3, holders)
+        assert sorted(repair.blocks) == sorted(missing_parity(layout, holders))
+        assert repair.local == ()  # every node has its own ranks' shards: all sent
+        for s, j in repair.blocks:
             stripe = layout.stripes[s]
             acc = ParityAccumulator(k, m, j, len(blocks[parity_slot(s, j)]))
-            incoming = [t for t in repair.transfers if t.dst == stripe.parity[j]
+            incoming = [t for t in repair.plan.transfers if t.dst == stripe.parity[j]
                         and t.owner in stripe.members]
             assert sorted(t.owner for t in incoming) == sorted(stripe.members)
             for t in incoming:
@@ -144,7 +145,7 @@ def test_a_stripe_that_lost_more_than_m_blocks_is_not_rebuildable() -> None:
     holders = held_after(layout, topo, {0, 1})
     assert rebuild_plan(layout, 1, holders) is None
     # and nothing is folded again from a stripe with a lost member
-    assert parity_repair_plan(layout, 1, held_after(layout, topo, {0, 3}))[0] == ()
+    assert parity_repair_plan(layout, 1, held_after(layout, topo, {0, 3})).blocks == ()
 
 
 def test_decode_agrees_with_the_folded_rebuild_on_a_short_stripe() -> None:
@@ -160,3 +161,20 @@ def test_decode_agrees_with_the_folded_rebuild_on_a_short_stripe() -> None:
     sizes = [len(data[3]), 0, 0]
     assert np.array_equal(decode({3: blocks[parity_slot(1, 0)], 1: b"", 2: b""}, sizes, 1)[0],
                           data[3])
+
+
+def test_a_block_only_the_owners_node_holds_is_read_there_not_given_up() -> None:
+    """Ranks moved: rank 0 (stripe 0's member) now runs where stripe 0's parity lives, and its
+    old node was lost. The rebuild reads that block from the owner's own node; a repair whose
+    holder's node keeps a member's shard reads it there too."""
+    topo = Topology.uniform(4, 1)
+    layout = stripe_layout(topo, 3, 1)  # stripe 0: members 0, 1, 2, parity on rank 3
+    holders = {1: [1], 2: [2], 3: [3], parity_slot(0, 0): [0], parity_slot(1, 0): [0]}
+    planned = rebuild_plan(layout, 4, holders)
+    assert planned is not None
+    (rebuild,), plan = planned
+    assert (parity_slot(0, 0), 0) in [(slot, src) for slot, src, _ in rebuild.sources]
+    assert all(not t.local for t in plan.transfers)  # the local read is the owner's own
+    repair = parity_repair_plan(layout, 4, {0: [3], 1: [1], 2: [2], 3: [0]})
+    assert repair.blocks == ((0, 0), (1, 0))
+    assert {(t.src, t.dst, t.owner) for t in repair.local} == {(3, 3, 0), (0, 0, 3)}

@@ -109,3 +109,70 @@ def test_async_saves_fold_parity_and_survive_a_node_loss(tmp_path: Path, root: P
     values = loaded(tmp_path, root, 3, 1, 4, 1)
     assert [v["latest"] for v in values] == [3] * 4 and all(v["ok"] for v in values)
     assert [v["rebuilt"] > 0 for v in values] == [False, True, False, False]
+
+
+def test_more_lost_nodes_than_parity_restore_from_the_durable_tier(tmp_path: Path,
+                                                                  root: Path) -> None:
+    """4+2 on 6 nodes, 3 nodes lost (nodes 2-4: stripe 0 lost three blocks): the local tiers
+    cannot rebuild it, the durable tier restores the newest iteration, and the parity blocks
+    the surviving nodes still hold are of that save, so they are kept and the lost ones folded
+    again."""
+    durable = str(tmp_path / "shared")
+    results = run_ranks(es.durable_save, 6, tmp_path, str(root), durable, 4, 2, 1, [5, 7])
+    assert all(r.ok for r in results), [r.message for r in results]
+    for node in (2, 3, 4):
+        shutil.rmtree(root / f"node{node}")
+    results = run_ranks(es.durable_load, 6, tmp_path, str(root), durable, 4, 2, 1)
+    assert all(r.ok for r in results), [r.message for r in results if not r.ok]
+    assert [(r.value["latest"], r.value["ok"]) for r in results] == [(7, True)] * 6
+    assert results[0].value["held"] == es.expected_holdings(6, 1, 4, 2)
+
+
+def test_ranks_moved_onto_the_node_holding_their_stripes_parity(tmp_path: Path,
+                                                                root: Path) -> None:
+    """3+1 on 4 nodes: node 0 lost, and the restart puts rank 0 on node 3's machine (stripe
+    0's parity is there) and rank 3 on an empty one. Rank 0 rebuilds from its own node's
+    parity block; the repair folds stripe 1's parity on node 0 from rank 3's shard there."""
+    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
+    shutil.rmtree(root / "node0")
+    (root / "node3").rename(root / "node0")
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(7, True)] * 4
+    assert values[0]["rebuilt"] > 0
+    held = es.holdings(str(root), 4, 7)
+    want = es.expected_holdings(4, 1, 3, 1)
+    assert all(set(w) <= set(h) for w, h in zip(want, held, strict=True)), (held, want)
+
+
+def test_a_stale_copy_of_a_parity_block_is_set_aside_and_a_good_one_used(tmp_path: Path,
+                                                                         root: Path) -> None:
+    """Stripe 0's parity on node 3 is another save's (iteration 7 saved again elsewhere), a
+    good copy of it on node 2: the rebuild of node 0's shard refuses the stale one (quarantined)
+    and uses the good one, instead of falling back to iteration 5."""
+    other = tmp_path / "other"
+    saved(tmp_path, other, 3, 1, 4, 1, [7])
+    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
+    good = block_dir(root, 3, 7, parity_slot(0, 0), 4)
+    shutil.copytree(good, root / "node2" / "job" / "iter_0000000007" / good.name)
+    shutil.rmtree(good)
+    shutil.copytree(block_dir(other, 3, 7, parity_slot(0, 0), 4), good)
+    shutil.rmtree(root / "node0")
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(7, True)] * 4
+    assert len(list((root / "node3" / "job").glob(".quarantine-*"))) == 1
+    assert es.holdings(str(root), 4, 7)[3] == [parity_slot(0, 0), 3]  # folded again there
+
+
+def test_corrupt_sources_in_several_iterations_fall_back_to_an_intact_one(tmp_path: Path,
+                                                                          root: Path) -> None:
+    """Node 0 lost and rank 1's shard corrupt in iterations 4, 3 and 2: none of them can be
+    rebuilt, and iteration 1 loads (the corrupt copies are not damage in transit)."""
+    saved(tmp_path, root, 3, 1, 4, 1, [1, 2, 3, 4], keep_last=4)
+    shutil.rmtree(root / "node0")
+    for it in (2, 3, 4):
+        chunk = block_dir(root, 1, it, 1, 4) / "data" / "c" / "0"
+        raw = bytearray(chunk.read_bytes())
+        raw[3] ^= 0x08
+        chunk.write_bytes(raw)
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(1, True)] * 4

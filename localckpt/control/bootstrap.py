@@ -147,7 +147,8 @@ def stripes(strategy: ReplicationStrategy | None, topology: Topology, strict: bo
         return strategy.stripes(topology)
     except TopologyError as exc:
         message = (f"replication {strategy!r}: {exc}; saves get no parity, so losing a node "
-                   "loses its shards")
+                   "loses its shards, and parity blocks already on disk (saved on another "
+                   "topology) rebuild nothing")
         if strict:
             raise ConfigurationError(f"{message}; strict=True refuses that") from None
         if rank == 0:

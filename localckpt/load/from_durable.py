@@ -79,9 +79,15 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
     node_of = ctx.topology.node_of
     out = []
     for ref in ctx.store.committed():
+        if ref.iteration != iteration or ref.world_size != world:
+            continue
+        if ref.owner_rank < 0:  # a parity block (erasure), checked by the node's first rank
+            if ctx.topology.leader(ctx.rank) == ctx.rank and \
+                    not _parity_of_committed_save(ctx, tier, ref):
+                out.append(ref)
+            continue
         fetcher = ref.owner_rank if world == ctx.world_size else ref.owner_rank % ctx.world_size
-        if ref.iteration != iteration or ref.world_size != world or \
-                node_of[fetcher] == node_of[ctx.rank]:
+        if node_of[fetcher] == node_of[ctx.rank]:
             continue
         try:
             same = ctx.store.read_manifest(ref) == tier.committed_manifest(iteration,
@@ -91,6 +97,17 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
         if not same:
             out.append(ref)
     return out
+
+
+def _parity_of_committed_save(ctx: Context, tier: DurableStore, ref: ShardRef) -> bool:
+    """Whether the parity block ``ref`` was folded by the save the durable tier committed
+    (the one whose shards are being restored): else a later rebuild would mix two saves."""
+    try:
+        block = ctx.store.read_manifest(ref).metadata.get("save_id")
+        committed = tier.committed_manifest(ref.iteration, 0, ref.world_size)
+    except (OSError, CorruptShardError):
+        return False
+    return block is not None and block == committed.metadata.get("save_id")
 
 
 def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T:

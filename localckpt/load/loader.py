@@ -30,6 +30,7 @@ from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
 from .from_durable import durable_candidates, fetch_from_durable, within
+from .rebuild import needs_rebuild, rebuild_lost
 from .reshard import reshard_restore
 from .restore import find_latest, restore, write_back_after
 from .write_back import WriteBack
@@ -262,6 +263,14 @@ class LoadPath:
                 raise NoCheckpointError(f"load: no complete checkpoint of session "
                                         f"{ctx.session_id!r} is left to load")
             old_world = self._saved_by()
+            if old_world == ctx.world_size and needs_rebuild(ctx, self.latest_iteration, listed):
+                # erasure coding: its lost shards first, on their owners' nodes; list again
+                outcome = rebuild_lost(ctx, self.latest_iteration, listed)
+                if attempt == RESHARD_ATTEMPTS:  # agreed: the outcome is every rank's
+                    raise CorruptShardError(
+                        f"load of iteration {self.latest_iteration}: its lost shards could not "
+                        f"be rebuilt ({outcome.unusable or outcome.retry or outcome.bad})")
+                continue
             try:
                 with ctx.timed("load", self.latest_iteration) as box, gc_paused():
                     manifest, state = reshard_restore(ctx, self.latest_iteration,

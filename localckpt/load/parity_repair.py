@@ -17,10 +17,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from replication import ExchangePlan, Transfer, schedule
+from replication import Transfer, parity_slot, schedule
 from replication.executor import Outgoing
+from replication.stripe_plans import Repair
 
 from ..control.context import Context
+from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.parity_io import ParityFolder
 from ..storage.peer_io import piece_count, run_transfers
@@ -30,17 +32,18 @@ from .rounds import transfer_seconds
 logger = logging.getLogger(__name__)
 
 
-def fold_parity(ctx: Context, iteration: int, repairs: tuple[tuple[int, int], ...],
-                plan: ExchangePlan, takes: Callable[[float], None]) -> list[tuple[int, int]]:
-    """This rank's part of folding ``repairs`` ((stripe, block) each) again from the members'
-    shards ``plan`` sends; (stripe, block) of each block this rank committed. ``takes`` is told
-    how long the transfers may take once the sizes are known. Every rank calls it alike."""
+def fold_parity(ctx: Context, iteration: int, repair: Repair,
+                takes: Callable[[float], None]) -> list[tuple[int, int]]:
+    """This rank's part of folding ``repair.blocks`` again from the members' shards; (stripe,
+    block) of each block this rank committed. ``takes`` is told how long the transfers may take
+    once the sizes are known. Every rank calls it alike."""
     layout = ctx.erasure
     assert layout is not None
+    every = (*repair.plan.transfers, *repair.local)
 
     def sizes() -> dict[str, Any]:
         known, failed = {}, []
-        for member in sorted({t.owner for t in plan.transfers if t.src == ctx.rank}):
+        for member in sorted({t.owner for t in every if t.src == ctx.rank}):
             try:
                 m = ctx.store.read_manifest(ctx.store.ref(iteration, member, ctx.world_size))
             except Exception as exc:  # a later save folds new parity; no block over it now
@@ -55,9 +58,10 @@ def fold_parity(ctx: Context, iteration: int, repairs: tuple[tuple[int, int], ..
     reports = ctx.data_group.exchange(f"parity of iteration {iteration}: sizes", sizes)
     known = {int(r): v for report in reports for r, v in report["sizes"].items()}
     failed = {int(r) for report in reports for r in report["failed"]}
-    kept = [(s, j) for s, j in repairs if not failed & set(layout.stripes[s].members)]
+    kept = [(s, j) for s, j in repair.blocks if not failed & set(layout.stripes[s].members)]
     targets = {(s, layout.stripes[s].parity[j]) for s, j in kept}
-    plan = schedule(t for t in plan.transfers if (layout.stripe_of(t.owner), t.dst) in targets)
+    plan = schedule(t for t in repair.plan.transfers
+                    if (layout.stripe_of(t.owner), t.dst) in targets)
     takes(transfer_seconds(ctx, plan, {f"{iteration}:{r}": v[1] for r, v in known.items()})
           + 2 * ctx.timeout)
     mine = [(s, j) for s, j in kept if layout.stripes[s].parity[j] == ctx.rank]
@@ -69,12 +73,27 @@ def fold_parity(ctx: Context, iteration: int, repairs: tuple[tuple[int, int], ..
         ref = ctx.store.ref(*t.shard, ctx.world_size)
         return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
 
-    failures = run_transfers(plan, ctx.data_group, source, folder.sink)
-    if failures or not mine:
+    errors: list[tuple[tuple[int, int], BaseException]] = []
+    for t in repair.local:  # the holder's own node keeps this member's shard
+        if t.dst == ctx.rank and (layout.stripe_of(t.owner), t.dst) in targets:
+            try:
+                folder.fold_local(ctx.store.ref(*t.shard, ctx.world_size))
+            except Exception as exc:
+                errors.append((t.shard, exc))
+    for t, failure in run_transfers(plan, ctx.data_group, source, folder.sink):
+        if t.src == ctx.rank and isinstance(failure, CorruptShardError):
+            errors.append((t.shard, failure))
+    for shard, error in errors:  # a damaged copy of this rank's is set aside, as a load would
+        moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size)) \
+            if isinstance(error, CorruptShardError) else None
+        logger.warning("rank %d: folding parity of iteration %d: shard %s: %s%s", ctx.rank,
+                       iteration, shard, error, f"; quarantined to {moved}" if moved else "")
+    if not mine:
         return []
     try:
         return folder.commit()
-    except Exception as exc:
-        logger.error("rank %d: folding parity blocks %s of iteration %d again failed: %s; the "
-                     "next save folds new parity", ctx.rank, mine, iteration, exc)
-        return []
+    except Exception as exc:  # blocks whose members all arrived were committed
+        logger.error("rank %d: folding parity blocks %s of iteration %d again: %s; the next "
+                     "save folds new parity", ctx.rank, mine, iteration, exc)
+        return [b for b in mine if ctx.store.ref(iteration, parity_slot(*b),
+                                                 ctx.world_size).path.is_dir()]

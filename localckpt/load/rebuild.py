@@ -27,7 +27,13 @@ from typing import Any
 
 from replication import ExchangePlan, Transfer, parity_of_slot
 from replication.executor import Outgoing
-from replication.stripe_plans import Rebuild, lost_members, parity_repair_plan, rebuild_plan
+from replication.stripe_plans import (
+    Rebuild,
+    Repair,
+    lost_members,
+    parity_repair_plan,
+    rebuild_plan,
+)
 
 from ..control.context import Context
 from ..control.coverage import Inventory, holders_of
@@ -58,45 +64,52 @@ def needs_rebuild(ctx: Context, iteration: int, inventories: list[Inventory]) ->
 
 def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> RebuildOutcome:
     """Rebuild every lost shard of ``iteration`` on its owner. Collective (two agreed steps on
-    ``ctx.group``); the outcome is the same on every rank. Raises what a rank's failure other
-    than a damaged copy raises (an I/O error serving a block), on every rank, or
-    CollectiveError."""
+    ``ctx.group``, a third to quarantine stale blocks); the outcome is the same on every rank.
+    Raises what a rank's failure other than a damaged copy raises (an I/O error serving a
+    block), on every rank, or CollectiveError."""
     layout = ctx.erasure
     assert layout is not None
     planned = rebuild_plan(layout, iteration, holders_of(inventories, iteration, ctx.world_size))
-    if planned is None:
-        return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks other "
-                                       "ranks than their owners hold")
+    if planned is None:  # coverage counts the same blocks: not reached unless they changed
+        return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks held")
     rebuilds, plan = planned
     step = f"rebuild of iteration {iteration}"
-    verify = ctx.group.exchange(f"{step}: verify blocks", partial(_verify_blocks, ctx, plan))
+    verify = ctx.group.exchange(f"{step}: verify blocks",
+                                partial(_verify_blocks, ctx, iteration, rebuilds))
     bad = [b for v in verify for b in v["bad"]]
     if bad:
         return RebuildOutcome(bad=bad)
-    reports = {int(slot): r for v in verify for slot, r in v["blocks"].items()}
-    reason = _inconsistent(ctx, rebuilds, reports)
+    reports = {(int(slot), rank): r for rank, v in enumerate(verify)
+               for slot, r in v["blocks"].items()}
+    reason, stale = _judge(ctx, rebuilds, reports)
+    if stale:  # copies of another save or layout: set aside, then plan again without them
+        set_aside = ctx.group.exchange(f"{step}: stale blocks", partial(
+            _quarantine_stale, ctx, iteration, [s for s in stale if s[1] == ctx.rank], reason))
+        return RebuildOutcome(bad=[b for v in set_aside for b in v])
     if reason is not None:
         return RebuildOutcome(unusable=reason)
-    pieces = {f"{iteration}:{slot}": int(r["pieces"]) for slot, r in reports.items()}
-    done = ctx.group.exchange(f"{step}: fold", partial(_rebuild, ctx, rebuilds, plan, reports),
+    pieces = {f"{iteration}:{slot}": int(r["pieces"]) for (slot, _), r in reports.items()}
+    done = ctx.group.exchange(f"{step}: fold", partial(_rebuild, ctx, iteration, rebuilds, plan,
+                                                       reports),
                               wait=transfer_seconds(ctx, plan, pieces))
     return RebuildOutcome([b for v in done for b in v["bad"]],
                           [r for v in done for r in v["retry"]],
                           next((v["unusable"] for v in done if v["unusable"]), None))
 
 
-def _verify_blocks(ctx: Context, plan: ExchangePlan) -> dict[str, Any]:
-    """Check every block this rank serves; quarantine the ones that fail. Reports each served
-    block's save id, size and pieces on the wire, and a parity block's layout."""
+def _verify_blocks(ctx: Context, iteration: int,
+                   rebuilds: tuple[Rebuild, ...]) -> dict[str, Any]:
+    """Check every block this rank serves (to a peer, or to itself from its own node);
+    quarantine the ones that fail. Reports each one's save id, size and pieces on the wire,
+    and a parity block's layout."""
     bad, blocks = [], {}
-    for t in plan.transfers:
-        if t.src != ctx.rank or str(t.owner) in blocks:
-            continue
-        fault_point("load_retrieval", ctx.rank, t.iteration)
+    fault_point("load_retrieval", ctx.rank, iteration)
+    for slot in sorted({slot for r in rebuilds for slot, src, _ in r.sources
+                        if src == ctx.rank}):
         try:
-            m = ctx.store.read_manifest(shard_ref(ctx, t.shard))
+            m = ctx.store.read_manifest(shard_ref(ctx, (iteration, slot)))
         except CorruptShardError as exc:
-            bad.append(quarantine(ctx, t.shard, exc))
+            bad.append(quarantine(ctx, (iteration, slot), exc))
             continue
         report: dict[str, Any] = {"save": m.metadata.get("save_id"),
                                   "nbytes": m.chunk_count * m.chunk_nbytes,
@@ -104,50 +117,77 @@ def _verify_blocks(ctx: Context, plan: ExchangePlan) -> dict[str, Any]:
         if m.parity is not None:
             report["layout"] = [m.parity.k, m.parity.m, list(m.parity.members)]
             report["sizes"] = list(m.parity.sizes)
-        blocks[str(t.owner)] = report
+        blocks[str(slot)] = report
     return {"bad": bad, "blocks": blocks}
 
 
-def _inconsistent(ctx: Context, rebuilds: tuple[Rebuild, ...],
-                  reports: dict[int, dict[str, Any]]) -> str | None:
-    """Why the sources of some rebuild do not belong together, or None (pure: the same on
-    every rank)."""
+def _judge(ctx: Context, rebuilds: tuple[Rebuild, ...],
+           reports: dict[tuple[int, int], dict[str, Any]]
+           ) -> tuple[str | None, list[tuple[int, int]]]:
+    """Why the sources of some rebuild do not belong together (or None), and the parity copies
+    ((slot, serving rank)) to blame: folded by another save than the stripe's surviving
+    members', or over another layout than this job's. Pure: the same on every rank."""
     layout = ctx.erasure
     assert layout is not None
+    stale: set[tuple[int, int]] = set()
+    reason = None
     for r in rebuilds:
         members = list(layout.stripes[r.stripe].members)
-        slots = [slot for slot, _, _ in r.sources]
-        saves = {reports[slot]["save"] for slot in slots} - {None}
-        if len(saves) > 1:
-            return (f"the blocks of stripe {r.stripe} (members {members}) come from different "
-                    f"saves: {sorted(saves)}")
-        parity = [slot for slot in slots if slot < 0]
-        for slot in parity:
-            if reports[slot].get("layout") != [layout.k, layout.m, members]:
-                stripe, block = parity_of_slot(slot)
-                return (f"parity block {block} of stripe {stripe} was folded over "
-                        f"{reports[slot].get('layout')} ([k, m, members]), this job's stripe is "
-                        f"{[layout.k, layout.m, members]}: saved on another topology")
-        sizes = reports[parity[0]]["sizes"]
-        if any(reports[slot]["sizes"] != sizes for slot in parity) or any(
-                reports[slot]["nbytes"] != sizes[members.index(slot)]
-                for slot in slots if slot >= 0):
-            return f"the blocks of stripe {r.stripe} (members {members}) disagree on its sizes"
-    return None
+        data = {reports[(slot, src)]["save"] for slot, src, _ in r.sources if slot >= 0}
+        truth = next(iter(data)) if len(data) == 1 else None  # the members' save
+        parity = [(slot, src) for slot, src, _ in r.sources if slot < 0]
+        for slot, src in parity:
+            report = reports[(slot, src)]
+            stripe, block = parity_of_slot(slot)
+            if report.get("layout") != [layout.k, layout.m, members]:
+                stale.add((slot, src))
+                reason = (f"parity block {block} of stripe {stripe} was folded over "
+                          f"{report.get('layout')} ([k, m, members]), this job's stripe is "
+                          f"{[layout.k, layout.m, members]}: saved on another topology")
+            elif truth is not None and report["save"] not in (truth, None):
+                stale.add((slot, src))
+                reason = (f"parity block {block} of stripe {stripe} is of save "
+                          f"{report['save']}, its members' of save {truth}")
+        saves = {reports[(slot, src)]["save"] for slot, src, _ in r.sources} - {None}
+        if not stale and len(saves) > 1:
+            reason = (f"the blocks of stripe {r.stripe} (members {members}) come from "
+                      f"different saves: {sorted(saves)}")
+        if not stale and reason is None:
+            sizes = reports[parity[0]]["sizes"]
+            if any(reports[p]["sizes"] != sizes for p in parity) or any(
+                    reports[(slot, src)]["nbytes"] != sizes[members.index(slot)]
+                    for slot, src, _ in r.sources if slot >= 0):
+                reason = f"the blocks of stripe {r.stripe} (members {members}) disagree on " \
+                         "their sizes"
+    return reason, sorted(stale)
 
 
-def _rebuild(ctx: Context, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
-             reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _quarantine_stale(ctx: Context, iteration: int, mine: list[tuple[int, int]],
+                      reason: str | None) -> list[list[str]]:
+    """Set aside this rank's copies of the stale blocks ``mine`` ((slot, this rank) each)."""
+    return [quarantine(ctx, (iteration, slot), CorruptShardError(f"stale parity: {reason}"))
+            for slot, _ in mine]
+
+
+def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
+             reports: dict[tuple[int, int], dict[str, Any]]) -> dict[str, Any]:
     """This rank's part: serve its blocks from disk, and rebuild and commit its own shard if it
     was lost. A served copy that fails its checksums is quarantined (``bad``); a block that
     arrived damaged is ``retry``; a rebuilt shard that fails its manifest's checksums makes the
     iteration ``unusable``. Any other failure raises."""
     mine = next((r for r in rebuilds if r.owner == ctx.rank), None)
     rebuilder = None
+    bad: list[list[str]] = []
     if mine is not None:
-        parity = next(slot for slot, _, _ in mine.sources if slot < 0)
-        rebuilder = ShardRebuilder(ctx.store, mine, plan.transfers[0].iteration, ctx.world_size,
+        parity = next((slot, src) for slot, src, _ in mine.sources if slot < 0)
+        rebuilder = ShardRebuilder(ctx.store, mine, iteration, ctx.world_size,
                                    int(reports[parity]["sizes"][mine.index]), ctx.ring)
+        for slot, src, _ in mine.sources:
+            if src == ctx.rank:  # the owner's new node keeps this block of its stripe
+                try:
+                    rebuilder.fold_local(shard_ref(ctx, (iteration, slot)))
+                except CorruptShardError as exc:
+                    bad.append(quarantine(ctx, (iteration, slot), exc))
 
     def source(t: Transfer) -> Outgoing:
         fault_point("replica_send", ctx.rank, t.iteration)
@@ -161,7 +201,6 @@ def _rebuild(ctx: Context, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
         return rebuilder.sink(t, meta, nbytes)
 
     failures = run_transfers(plan, ctx.group, source, sink)
-    bad: list[list[str]] = []
     retry: list[str] = []
     for t, error in failures:
         if t.src == ctx.rank:
@@ -172,7 +211,7 @@ def _rebuild(ctx: Context, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
         else:  # the sender reports its own copy's failure, if that was it
             retry.append(f"block {t.shard} from rank {t.src}: {error}")
     unusable = None
-    if rebuilder is not None and not failures:
+    if rebuilder is not None and not failures and not bad:
         try:
             with ctx.timed("rebuild", rebuilder.iteration, len(rebuilder.out)):
                 rebuilder.commit()
@@ -181,13 +220,12 @@ def _rebuild(ctx: Context, rebuilds: tuple[Rebuild, ...], plan: ExchangePlan,
     return {"bad": bad, "retry": retry, "unusable": unusable}
 
 
-def parity_repair(ctx: Context, iteration: int, inventories: list[Inventory]
-                  ) -> tuple[tuple[tuple[int, int], ...], ExchangePlan] | None:
+def parity_repair(ctx: Context, iteration: int, inventories: list[Inventory]) -> Repair | None:
     """The parity blocks of ``iteration`` to fold again after a load (their nodes were lost)
-    and the transfers of the members' shards to their holders; None when none is missing or
-    there is no erasure coding (pure)."""
+    and how the members' shards reach their holders; None when none is missing or there is no
+    erasure coding (pure)."""
     if ctx.erasure is None:
         return None
-    repairs, plan = parity_repair_plan(ctx.erasure, iteration,
-                                       holders_of(inventories, iteration, ctx.world_size))
-    return (repairs, plan) if repairs else None
+    repair = parity_repair_plan(ctx.erasure, iteration,
+                                holders_of(inventories, iteration, ctx.world_size))
+    return repair if repair.blocks else None

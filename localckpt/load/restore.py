@@ -273,6 +273,8 @@ def restore(ctx: Context, iteration: int,
         if needs_rebuild(ctx, iteration, inventories):  # erasure coding: lost shards first
             rebuilt = rebuild_lost(ctx, iteration, inventories)
             quarantined += rebuilt.bad
+            if rebuilt.bad:  # plan again without them (not a damage in transit)
+                continue
             if rebuilt.unusable is not None:
                 mixed[iteration] = rebuilt.unusable
             elif rebuilt.retry:

@@ -27,6 +27,7 @@ import time
 from replication import ExchangePlan, Transfer, retrieval_plan
 from replication.executor import Outgoing
 from replication.plans import ShardId
+from replication.stripe_plans import Repair
 
 from ..control.context import Context
 from ..errors import CollectiveError, CollectiveTimeoutError, CorruptShardError
@@ -46,17 +47,15 @@ class WriteBack:
     long the slowest rank may take for one attempt (every piece is bounded by the timeout)."""
 
     def __init__(self, ctx: Context, plan: ExchangePlan, holders: dict[ShardId, list[int]],
-                 iteration: int, seconds: float,
-                 repair: tuple[tuple[tuple[int, int], ...], ExchangePlan] | None = None) -> None:
+                 iteration: int, seconds: float, repair: Repair | None = None) -> None:
         self.ctx = ctx
         self.holders = {s: list(h) for s, h in holders.items()}  # minus quarantined copies
         self.iteration = iteration
         self.seconds = seconds
-        # erasure coding: (stripe, block) of the parity blocks to fold again, and the transfers
-        # of the members' shards to their holders (see fold_parity)
+        # erasure coding: the parity blocks to fold again (see fold_parity)
         self.repair = repair
         self.repair_seconds = 0.0 if repair is None else 2 * ctx.timeout + transfer_seconds(
-            ctx, repair[1], {})  # the pieces on the wire are counted once the sizes are known
+            ctx, repair.plan, {})  # the pieces on the wire are counted once the sizes are known
         self.repaired: list[tuple[int, int]] = []  # parity blocks this rank committed
         self.written: list[tuple[int, int]] = []  # shards this rank committed
         self.failed: list[Transfer] = []  # what still failed after the last attempt (agreed)
@@ -82,7 +81,7 @@ class WriteBack:
             if plan.transfers:
                 self._write_replicas(plan)
             if self.repair is not None:
-                self.repaired = fold_parity(self.ctx, self.iteration, *self.repair,
+                self.repaired = fold_parity(self.ctx, self.iteration, self.repair,
                                             self._repair_takes)
         except Exception as exc:  # the data group failed: nothing more can be sent on it
             self.error = exc

@@ -46,6 +46,7 @@ from ..storage.session_lock import SessionLock
 from ..storage.store import ShardStore
 from . import cli_object
 from .cli_doctor import cmd_doctor
+from .cli_parity import rebuildable_iterations
 
 
 class UsageError(Exception):
@@ -126,7 +127,9 @@ def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
         listings[(session, root)].add((ref.iteration, ref.owner_rank, ref.world_size))
     complete = {(session, world): set(complete_from_listings(
                     [frozenset(s) for (sess, _), s in listings.items() if sess == session], world))
-                for session, _, world in groups}
+                | rebuildable_iterations((r for _, sess, r in shards if sess == session), world,
+                                         _read_manifest)
+                for session, world in {(k[0], k[2]) for k in groups}}
     for (session, world), its in complete.items():  # a durable tier: once committed as a job
         committed = _committed(roots, session, {k[1] for k in groups if k[0] == session}, world)
         if committed is not None:
@@ -302,7 +305,8 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
             continue
         listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
                     for refs in shards.values()]
-        complete = complete_from_listings(listings, world)
+        complete = sorted(set(complete_from_listings(listings, world)) | rebuildable_iterations(
+            (s for refs in shards.values() for s in refs), world, _read_manifest), reverse=True)
         seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
         committed = _committed(roots, session, seen_its, world)
         if committed is not None:  # a durable tier: complete only once committed as a job

@@ -18,7 +18,7 @@ Every arriving chunk is checked against the CRC-32C in its sender's manifest as 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,11 @@ from replication.parity import ParityAccumulator, fold
 from replication.stripe_plans import Rebuild
 
 from ..errors import CorruptShardError
+from .layout import ShardRef
 from .manifest import ShardManifest, TensorEntry, writer_identity
 from .parity_info import PARITY_FORMAT_VERSION, ParityInfo
 from .peer_io import PieceRing, received_manifest
+from .shard_stream import STREAM_PIECE_NBYTES
 from .store import ShardStore, chunking
 from .views import byte_view
 
@@ -75,11 +77,35 @@ class _Incoming:
 
 
 @dataclass
+class _FromDisk:
+    """A block read from this rank's own node root instead of received (its manifest)."""
+
+    manifest: ShardManifest
+    meta: bytes
+    complete: bool = True
+
+
+def fold_from_disk(store: ShardStore, ref: ShardRef, ring: PieceRing,
+                   fold_in: Callable[[int, memoryview], None]) -> _FromDisk:
+    """Read the committed block ``ref`` piece by piece (every chunk checked against its CRC:
+    CorruptShardError) and fold each piece in, as if it had arrived from a peer."""
+    manifest = store.read_manifest(ref)
+    total = manifest.chunk_count * manifest.chunk_nbytes
+    piece = manifest.chunk_nbytes * max(1, STREAM_PIECE_NBYTES // manifest.chunk_nbytes)
+    for index, start in enumerate(range(0, total, piece)):
+        buf = ring.slot(index, min(piece, total - start))
+        store.read_range(ref, manifest, start, buf)
+        fold_in(start, byte_view(buf))
+    return _FromDisk(manifest, manifest.encoded)
+
+
+@dataclass
 class _Block:
     stripe: int
     block: int
     acc: ParityAccumulator
-    arrived: dict[int, _Incoming] = field(default_factory=dict)  # member index -> its stream
+    # member index -> its stream, or its copy read from this node's root
+    arrived: dict[int, _Incoming | _FromDisk] = field(default_factory=dict)
 
 
 class ParityFolder:
@@ -118,25 +144,42 @@ class ParityFolder:
         block.arrived[index] = incoming
         return incoming
 
+    def fold_local(self, ref: ShardRef) -> None:
+        """Fold in member ``ref.owner_rank``'s shard from this node's own root (a repair whose
+        holder's node keeps the member's shard): CorruptShardError for a damaged copy."""
+        s = self.layout.stripe_of(ref.owner_rank)
+        block = self._blocks[s]
+        index = self.layout.stripes[s].members.index(ref.owner_rank)
+        block.arrived[index] = fold_from_disk(
+            self.store, ref, self.ring, lambda start, view: block.acc.add(index, start, view))
+
     def commit(self) -> list[tuple[int, int]]:
-        """Commit every block whose members all arrived whole; (stripe, block) of each. Raises
-        (the first failure) when a block is missing a member: the save fails, on every rank
-        through its finalize."""
-        committed = []
+        """Commit every block whose members all arrived whole; (stripe, block) of each. Then
+        raises when a block is missing a member (the save fails, on every rank through its
+        finalize) or a commit failed (the first error)."""
+        committed: list[tuple[int, int]] = []
+        errors: list[Exception] = []
         for s, b in sorted(self._blocks.items()):
             members = self.layout.stripes[s].members
             if not all(i in b.arrived and b.arrived[i].complete for i in range(len(members))):
-                raise CorruptShardError(
+                errors.append(CorruptShardError(
                     f"parity block {b.block} of stripe {s} (members {list(members)}) of "
-                    f"iteration {self.iteration}: not every member's shard arrived")
+                    f"iteration {self.iteration}: not every member's shard arrived"))
+                continue
             info = ParityInfo(self.layout.k, self.layout.m, s, b.block, members,
                               tuple(self.sizes[r] for r in members),
                               tuple(json.loads(b.arrived[i].meta) for i in range(len(members))))
             metadata = b.arrived[0].manifest.metadata if self.metadata is None \
                 else self.metadata
-            self.store.write(parity_manifest(self.store, self.iteration, self.world_size, info,
-                                             metadata), torch.from_numpy(b.acc.block))
+            try:
+                self.store.write(parity_manifest(self.store, self.iteration, self.world_size,
+                                                 info, metadata), torch.from_numpy(b.acc.block))
+            except Exception as exc:
+                errors.append(exc)
+                continue
             committed.append((s, b.block))
+        if errors:
+            raise errors[0]
         return committed
 
 
@@ -164,7 +207,7 @@ class ShardRebuilder:
         self.world_size, self.ring = world_size, ring
         self.out = np.zeros(nbytes, dtype=np.uint8)
         self._weights = {slot: w for slot, _, w in rebuild.sources}
-        self._arrived: dict[int, _Incoming] = {}
+        self._arrived: dict[int, _Incoming | _FromDisk] = {}
 
     def sink(self, t: Transfer, meta: bytes, nbytes: int) -> _Incoming:
         if t.owner not in self._weights or t.dst != self.rebuild.owner:
@@ -175,6 +218,13 @@ class ShardRebuilder:
                              lambda start, view: fold(out, start, view, weight))
         self._arrived[t.owner] = incoming
         return incoming
+
+    def fold_local(self, ref: ShardRef) -> None:
+        """Fold in source ``ref`` from this node's own root (ranks moved between nodes, and the
+        owner's new node keeps a block of its stripe): CorruptShardError for a damaged copy."""
+        weight, out = self._weights[ref.owner_rank], self.out
+        self._arrived[ref.owner_rank] = fold_from_disk(
+            self.store, ref, self.ring, lambda start, view: fold(out, start, view, weight))
 
     def commit(self) -> ShardManifest:
         """Commit the rebuilt shard under its manifest, taken from a parity block that arrived;
