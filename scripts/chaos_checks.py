@@ -222,8 +222,10 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
         held = {s.owner_rank for s in list_shards(work / f"node{n}", SESSION)
                 if s.iteration == last}
         want = set(range(NODES)) if replicated and not erasure else {n}
-        if erasure:  # its rank's shard and the parity block of the other node's stripe
-            want.add(parity_slot(1 - n, 0))
+        if erasure:  # its rank's shard and the parity block of the other rank's stripe (a
+            # replaced node may run the other rank: torchrun numbers ranks by arrival)
+            rank = n if n in held or 1 - n not in held else 1 - n
+            want = {rank, parity_slot(1 - rank, 0)}
         if held != want and not error:
             violations.append(f"node {n} holds shards {sorted(held)} of iteration {last}, "
                               f"expected {sorted(want)}"
