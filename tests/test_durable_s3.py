@@ -218,7 +218,9 @@ def test_a_store_that_never_answers_costs_a_persist_its_timeout_not_training(
             assert mgr.wait_for_persist(30)
             persister = mgr._save.persister
             assert persister is not None and persister.persisted == []
-            assert [f[0] for f in persister.failures] == [1, 2], persister.failures
+            # 1 failed too, unless it was still waiting when 2 came (requests coalesce: seen
+            # on a loaded machine)
+            assert [f[0] for f in persister.failures] in ([1, 2], [2]), persister.failures
             assert mgr.find_latest() == 2  # the listing gives up; the local tier serves
     finally:
         listener.close()
