@@ -55,8 +55,10 @@ def rebuild_plan(layout: StripeLayout, iteration: int, holders: Holders
     """The rebuild of every lost member and its transfers (local reads left out); None when
     some lost member cannot be rebuilt (fewer blocks of its stripe held than it has members).
     Sources: the stripe's held members first (no multiplication for m = 1), then its parity
-    blocks, each served by the holder with the fewest blocks to send so far (ties: the lowest
-    rank) other than the owner, or by the owner itself when only its node holds it."""
+    blocks. A member's shard is served by the member itself when its node holds it (that copy
+    is the one the member loads: a copy elsewhere may be another save's); otherwise, and for
+    parity, by the holder with the fewest blocks to send so far (ties: the lowest rank) other
+    than the owner, or by the owner itself when only its node holds it."""
     k, m = layout.k, layout.m
     load: dict[int, int] = {}
     rebuilds: list[Rebuild] = []
@@ -69,6 +71,8 @@ def rebuild_plan(layout: StripeLayout, iteration: int, holders: Holders
         for block, slot in candidates:
             serving = [h for h in holders.get(slot, ()) if h != owner] or \
                 [h for h in holders.get(slot, ()) if h == owner]
+            if slot in serving:  # a member serves its own shard
+                serving = [slot]
             if serving and len(chosen) < len(stripe.members):
                 src = min(serving, key=lambda h: (load.get(h, 0), h))
                 load[src] = load.get(src, 0) + 1

@@ -163,13 +163,20 @@ def _e2e_rank(rank: int, world: int, per: int, store_path: str, base: str, name:
         dist.all_gather_object(got, x)
         return got
 
-    saves, loads, healed = [], [], []
+    saves, stalls, loads, healed = [], [], [], []
     with manager() as mgr:
         mgr.reserve(state)
         for it in range(repeats + 1):
             took = timed(lambda it=it: mgr.save(state, it + 1))
             if it:
                 saves.append(took)
+        for it in range(repeats):  # async: what training waits for (the parity is not in it)
+            requests: list[Any] = []
+            stalls.append(timed(lambda it=it, requests=requests: requests.append(
+                mgr.save(state, repeats + 2 + it, is_async=True))))
+            requests[0].async_fn(*requests[0].async_fn_args)
+            for fn in requests[0].finalize_fns:
+                fn()
     dist.barrier()
     held = sum(f.stat().st_size for f in (root / "bench").rglob("*") if f.is_file())
     for _ in range(repeats):
@@ -184,6 +191,7 @@ def _e2e_rank(rank: int, world: int, per: int, store_path: str, base: str, name:
     sizes = _gather(held)
     if rank == 0:
         out.put({"save_s": statistics.median(saves), "save_spread": [min(saves), max(saves)],
+                 "stall_s": statistics.median(stalls),
                  "restore_s": statistics.median(loads), "restore_spread": [min(loads), max(loads)],
                  "redundant_again_s": statistics.median(healed),
                  "tmpfs_per_node_mib": max(sizes) / 2**20})
@@ -282,20 +290,23 @@ def e2e_markdown(result: dict[str, Any]) -> str:
             f"(12 ranks each: 4 nodes of 3, 6 nodes of 2; one I/O thread per rank), "
             f"{result['e2e_mib']} MiB of CPU tensors per rank, medians of "
             f"{result['repeats']} (the slowest rank each time). Save: a synchronous `save` "
-            "(write, replicas or parity, finalize). Restart: the first `lost` nodes' roots "
+            "(write, replicas or parity, finalize); stall: the time `save(is_async=True)` "
+            "blocks training (staging; the replicas or parity are on the save's thread). "
+            "Restart: the first `lost` nodes' roots "
             "wiped, fresh managers, `find_latest` + `load` (their shards fetched from a "
             "replica, or rebuilt from their stripe); redundant again: until the write-back "
             "has put the lost shards and replicas or parity blocks back. tmpfs per node: the "
             "bytes the fullest node root holds after a save.\n\n"
-            "| layout | nodes x ranks | lost | tmpfs per node MiB | save s | restart s | "
-            "redundant again s | save ÷ replicas' | restart ÷ replicas' |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| layout | nodes x ranks | lost | tmpfs per node MiB | save s | stall s | "
+            "restart s | redundant again s | save ÷ replicas' | restart ÷ replicas' |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     for r in rows:
         other = base.get(ref.get(r["layout"], ""))
         ratios = (f"{r['save_s'] / other['save_s']:.2f}x | "
                   f"{r['restore_s'] / other['restore_s']:.2f}x") if other else "- | -"
         text += (f"| {r['layout']} | {r['nodes']} x {r['ranks_per_node']} | {r['lost']} | "
-                 f"{r['tmpfs_per_node_mib']:.0f} | {r['save_s']:.3f} | {r['restore_s']:.3f} | "
+                 f"{r['tmpfs_per_node_mib']:.0f} | {r['save_s']:.3f} | {r['stall_s']:.3f} | "
+                 f"{r['restore_s']:.3f} | "
                  f"{r['redundant_again_s']:.3f} | {ratios} |\n")
     return text
 

@@ -140,7 +140,8 @@ def test_bench_erasure_small_writes_report(tmp_path: Path) -> None:
                       "erasure 4+2": 6}
     e2e = {r["layout"]: r for r in result["e2e"]}
     assert list(e2e) == ["node_spread F=2", "erasure 3+1", "node_spread F=3", "erasure 4+2"]
-    assert all(r["save_s"] > 0 and r["restore_s"] > 0 for r in e2e.values())
+    assert all(r["save_s"] > 0 and r["stall_s"] > 0 and r["restore_s"] > 0
+               for r in e2e.values())
     # on disk, each erasure node root holds less than the replicas' (a shard and a third, or
     # a shard and a half, against two or three shards)
     assert e2e["erasure 3+1"]["tmpfs_per_node_mib"] < e2e["node_spread F=2"]["tmpfs_per_node_mib"]

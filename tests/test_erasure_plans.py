@@ -178,3 +178,23 @@ def test_a_block_only_the_owners_node_holds_is_read_there_not_given_up() -> None
     repair = parity_repair_plan(layout, 4, {0: [3], 1: [1], 2: [2], 3: [0]})
     assert repair.blocks == ((0, 0), (1, 0))
     assert {(t.src, t.dst, t.owner) for t in repair.local} == {(3, 3, 0), (0, 0, 3)}
+
+
+@pytest.mark.parametrize("k,m,nodes,per", [(3, 1, 4, 2), (4, 2, 6, 2)])
+def test_a_member_serves_its_own_shard_when_copies_lie_elsewhere_too(k: int, m: int,
+                                                                     nodes: int,
+                                                                     per: int) -> None:
+    """Copies of a member's shard on other nodes may be another save's (a node that came back,
+    ranks renumbered): the rebuild takes the member's own copy, the one it loads."""
+    topo = Topology.uniform(nodes, per)
+    layout = stripe_layout(topo, k, m)
+    for lost in itertools.combinations(range(nodes), m):
+        holders = held_after(layout, topo, set(lost))
+        everywhere = [r for r in range(topo.world_size) if topo.node_of[r] not in lost]
+        for r in range(topo.world_size):
+            if r in holders:  # a surviving shard: copies on every surviving node as well
+                holders[r] = everywhere
+        planned = rebuild_plan(layout, 1, holders)
+        assert planned is not None
+        for rebuild in planned[0]:
+            assert all(src == slot for slot, src, _ in rebuild.sources if slot >= 0), rebuild

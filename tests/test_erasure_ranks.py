@@ -176,3 +176,20 @@ def test_corrupt_sources_in_several_iterations_fall_back_to_an_intact_one(tmp_pa
         chunk.write_bytes(raw)
     values = loaded(tmp_path, root, 3, 1, 4, 1)
     assert [(v["latest"], v["ok"]) for v in values] == [(1, True)] * 4
+
+
+def test_the_last_copy_of_a_parity_block_is_never_set_aside_as_stale(tmp_path: Path,
+                                                                     root: Path) -> None:
+    """Stripe 0's only parity block is another save's: iteration 7 cannot be rebuilt (every
+    rank falls back to 5), but the block stays where it is: whether it or the members are the
+    stale ones, deleting the last copy could only lose data."""
+    other = tmp_path / "other"
+    saved(tmp_path, other, 3, 1, 4, 1, [7])
+    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
+    block = block_dir(root, 3, 7, parity_slot(0, 0), 4)
+    shutil.rmtree(block)
+    shutil.copytree(block_dir(other, 3, 7, parity_slot(0, 0), 4), block)
+    shutil.rmtree(root / "node0")
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(5, True)] * 4
+    assert not list((root / "node3" / "job").glob(".quarantine-*")) and block.is_dir()

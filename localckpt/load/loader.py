@@ -266,10 +266,11 @@ class LoadPath:
             if old_world == ctx.world_size and needs_rebuild(ctx, self.latest_iteration, listed):
                 # erasure coding: its lost shards first, on their owners' nodes; list again
                 outcome = rebuild_lost(ctx, self.latest_iteration, listed)
-                if attempt == RESHARD_ATTEMPTS:  # agreed: the outcome is every rank's
+                failed = outcome.unusable or outcome.retry  # agreed: every rank's outcome
+                if failed and (outcome.unusable or attempt == RESHARD_ATTEMPTS):
                     raise CorruptShardError(
                         f"load of iteration {self.latest_iteration}: its lost shards could not "
-                        f"be rebuilt ({outcome.unusable or outcome.retry or outcome.bad})")
+                        f"be rebuilt: {failed}")
                 continue
             try:
                 with ctx.timed("load", self.latest_iteration) as box, gc_paused():

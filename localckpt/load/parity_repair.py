@@ -56,8 +56,12 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
         return {"sizes": known, "failed": failed}
 
     reports = ctx.data_group.exchange(f"parity of iteration {iteration}: sizes", sizes)
-    known = {int(r): v for report in reports for r, v in report["sizes"].items()}
+    known: dict[int, list[int]] = {}
     failed = {int(r) for report in reports for r in report["failed"]}
+    for report in reports:
+        for r, v in report["sizes"].items():
+            if known.setdefault(int(r), v) != v:  # two copies of two saves: fold neither
+                failed.add(int(r))
     kept = [(s, j) for s, j in repair.blocks if not failed & set(layout.stripes[s].members)]
     targets = {(s, layout.stripes[s].parity[j]) for s, j in kept}
     plan = schedule(t for t in repair.plan.transfers

@@ -73,6 +73,7 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     if planned is None:  # coverage counts the same blocks: not reached unless they changed
         return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks held")
     rebuilds, plan = planned
+    holders = holders_of(inventories, iteration, ctx.world_size)
     step = f"rebuild of iteration {iteration}"
     verify = ctx.group.exchange(f"{step}: verify blocks",
                                 partial(_verify_blocks, ctx, iteration, rebuilds))
@@ -81,7 +82,7 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
         return RebuildOutcome(bad=bad)
     reports = {(int(slot), rank): r for rank, v in enumerate(verify)
                for slot, r in v["blocks"].items()}
-    reason, stale = _judge(ctx, rebuilds, reports)
+    reason, stale = _judge(ctx, rebuilds, reports, holders)
     if stale:  # copies of another save or layout: set aside, then plan again without them
         set_aside = ctx.group.exchange(f"{step}: stale blocks", partial(
             _quarantine_stale, ctx, iteration, [s for s in stale if s[1] == ctx.rank], reason))
@@ -122,37 +123,45 @@ def _verify_blocks(ctx: Context, iteration: int,
 
 
 def _judge(ctx: Context, rebuilds: tuple[Rebuild, ...],
-           reports: dict[tuple[int, int], dict[str, Any]]
+           reports: dict[tuple[int, int], dict[str, Any]], holders: dict[int, list[int]]
            ) -> tuple[str | None, list[tuple[int, int]]]:
     """Why the sources of some rebuild do not belong together (or None), and the parity copies
-    ((slot, serving rank)) to blame: folded by another save than the stripe's surviving
-    members', or over another layout than this job's. Pure: the same on every rank."""
+    ((slot, serving rank)) to set aside: folded by another save than the one the stripe's
+    members hold on their own nodes (what they load), or over another layout than this job's.
+    A copy is set aside only while another node holds the same block (the next plan takes
+    that one); the last copy never is (the iteration is then unusable, which a restart on the
+    old layout can undo). Pure: the same on every rank."""
     layout = ctx.erasure
     assert layout is not None
+    node_of = ctx.topology.node_of
     stale: set[tuple[int, int]] = set()
     reason = None
     for r in rebuilds:
         members = list(layout.stripes[r.stripe].members)
+        own = {reports[(slot, src)]["save"] for slot, src, _ in r.sources if slot == src}
         data = {reports[(slot, src)]["save"] for slot, src, _ in r.sources if slot >= 0}
-        truth = next(iter(data)) if len(data) == 1 else None  # the members' save
+        truth = next(iter(own or data)) if len(own or data) == 1 else None  # the members'
         parity = [(slot, src) for slot, src, _ in r.sources if slot < 0]
         for slot, src in parity:
             report = reports[(slot, src)]
             stripe, block = parity_of_slot(slot)
             if report.get("layout") != [layout.k, layout.m, members]:
-                stale.add((slot, src))
-                reason = (f"parity block {block} of stripe {stripe} was folded over "
-                          f"{report.get('layout')} ([k, m, members]), this job's stripe is "
-                          f"{[layout.k, layout.m, members]}: saved on another topology")
+                why = (f"parity block {block} of stripe {stripe} was folded over "
+                       f"{report.get('layout')} ([k, m, members]), this job's stripe is "
+                       f"{[layout.k, layout.m, members]}: saved on another topology")
             elif truth is not None and report["save"] not in (truth, None):
+                why = (f"parity block {block} of stripe {stripe} is of save "
+                       f"{report['save']}, its members' of save {truth}")
+            else:
+                continue
+            reason = why
+            if len({node_of[h] for h in holders.get(slot, ())}) > 1:
                 stale.add((slot, src))
-                reason = (f"parity block {block} of stripe {stripe} is of save "
-                          f"{report['save']}, its members' of save {truth}")
         saves = {reports[(slot, src)]["save"] for slot, src, _ in r.sources} - {None}
-        if not stale and len(saves) > 1:
+        if reason is None and len(saves) > 1:
             reason = (f"the blocks of stripe {r.stripe} (members {members}) come from "
                       f"different saves: {sorted(saves)}")
-        if not stale and reason is None:
+        if reason is None:
             sizes = reports[parity[0]]["sizes"]
             if any(reports[p]["sizes"] != sizes for p in parity) or any(
                     reports[(slot, src)]["nbytes"] != sizes[members.index(slot)]
@@ -182,12 +191,6 @@ def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: 
         parity = next((slot, src) for slot, src, _ in mine.sources if slot < 0)
         rebuilder = ShardRebuilder(ctx.store, mine, iteration, ctx.world_size,
                                    int(reports[parity]["sizes"][mine.index]), ctx.ring)
-        for slot, src, _ in mine.sources:
-            if src == ctx.rank:  # the owner's new node keeps this block of its stripe
-                try:
-                    rebuilder.fold_local(shard_ref(ctx, (iteration, slot)))
-                except CorruptShardError as exc:
-                    bad.append(quarantine(ctx, (iteration, slot), exc))
 
     def source(t: Transfer) -> Outgoing:
         fault_point("replica_send", ctx.rank, t.iteration)
@@ -201,6 +204,15 @@ def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: 
         return rebuilder.sink(t, meta, nbytes)
 
     failures = run_transfers(plan, ctx.group, source, sink)
+    # Then the blocks the owner's own node keeps (ranks moved): after the transfers, so that
+    # no peer waits on it, and any error but a damaged copy is raised, agreed by the exchange.
+    local = [slot for slot, src, _ in mine.sources if src == ctx.rank] if mine else []
+    for slot in local:
+        assert rebuilder is not None
+        try:
+            rebuilder.fold_local(shard_ref(ctx, (iteration, slot)))
+        except CorruptShardError as exc:
+            bad.append(quarantine(ctx, (iteration, slot), exc))
     retry: list[str] = []
     for t, error in failures:
         if t.src == ctx.rank:

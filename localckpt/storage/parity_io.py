@@ -150,6 +150,10 @@ class ParityFolder:
         s = self.layout.stripe_of(ref.owner_rank)
         block = self._blocks[s]
         index = self.layout.stripes[s].members.index(ref.owner_rank)
+        manifest = self.store.read_manifest(ref)
+        if manifest.chunk_count * manifest.chunk_nbytes != self.sizes[ref.owner_rank]:
+            raise CorruptShardError(f"{ref.path}: {manifest.chunk_count * manifest.chunk_nbytes}"
+                                    f" bytes, {self.sizes[ref.owner_rank]} were agreed")
         block.arrived[index] = fold_from_disk(
             self.store, ref, self.ring, lambda start, view: block.acc.add(index, start, view))
 
