@@ -22,17 +22,24 @@ def state(rank: int, iteration: int) -> dict[str, Any]:
     return make_state(rank, iteration, n=2 + rank % 3)
 
 
-def manager(rank: int, base: str, k: int, m: int, per: int, **kwargs: Any
+def node_of(rank: int, per: int | list[int]) -> int:
+    """``per`` ranks per node, or ``per[i]`` ranks on node i (unequal nodes)."""
+    if isinstance(per, int):
+        return rank // per
+    return next(i for i in range(len(per)) if rank < sum(per[: i + 1]))
+
+
+def manager(rank: int, base: str, k: int, m: int, per: int | list[int], **kwargs: Any
             ) -> LocalCheckpointManager:
-    node = rank // per
+    node = node_of(rank, per)
     return LocalCheckpointManager(Path(base) / f"node{node}", "job",
                                   ErasureCodingStrategy(k, m), timeout=30, chunk_nbytes=8192,
                                   node_id=f"node{node}", **kwargs)
 
 
-def expected_holdings(world: int, per: int, k: int, m: int) -> list[list[int]]:
+def expected_holdings(world: int, per: int | list[int], k: int, m: int) -> list[list[int]]:
     """Per node: the owners (ranks) and parity slots its root holds after a save."""
-    topo = Topology.uniform(world // per, per)
+    topo = Topology(tuple(f"node{node_of(r, per)}" for r in range(world)))
     layout = ErasureCodingStrategy(k, m).stripes(topo)
     want: list[set[int]] = [set(ranks) for ranks in topo.nodes]
     for s, j, slot in layout.slots():
@@ -45,9 +52,11 @@ def holdings(base: str, nodes: int, iteration: int) -> list[list[int]]:
                    if ref.iteration == iteration) for n in range(nodes)]
 
 
-def save(rank: int, world: int, base: str, k: int, m: int, per: int,
-         iterations: list[int], keep_last: int = 1, is_async: bool = False) -> None:
-    with manager(rank, base, k, m, per, keep_last=keep_last) as mgr:
+def save(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
+         iterations: list[int], keep_last: int = 1, is_async: bool = False,
+         recycle_files: bool = False) -> None:
+    with manager(rank, base, k, m, per, keep_last=keep_last,
+                 recycle_files=recycle_files) as mgr:
         for it in iterations:
             request = mgr.save(state(rank, it), it, is_async=is_async)
             if request is not None:
@@ -56,7 +65,8 @@ def save(rank: int, world: int, base: str, k: int, m: int, per: int,
                     fn()
 
 
-def load(rank: int, world: int, base: str, k: int, m: int, per: int) -> dict[str, Any]:
+def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int]
+         ) -> dict[str, Any]:
     rebuilt: list[int] = []
 
     def hook(metric: Any) -> None:
