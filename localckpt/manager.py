@@ -348,7 +348,8 @@ class LocalCheckpointManager:
         save in flight first.
 
         Lists committed shards (no data is read), all-gathers the inventories and picks the
-        newest iteration whose every owner's shard is held by some rank
+        newest iteration whose every owner's shard is held by some rank (or, with erasure
+        coding, can be rebuilt from the blocks of its stripe)
         (:func:`localckpt.control.coverage.choose_latest`). Shards of another world size are
         reported in a warning and ignored. Checksums are verified by ``load``.
         """

@@ -69,11 +69,11 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     block), on every rank, or CollectiveError."""
     layout = ctx.erasure
     assert layout is not None
-    planned = rebuild_plan(layout, iteration, holders_of(inventories, iteration, ctx.world_size))
+    holders = holders_of(inventories, iteration, ctx.world_size)
+    planned = rebuild_plan(layout, iteration, holders)
     if planned is None:  # coverage counts the same blocks: not reached unless they changed
         return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks held")
     rebuilds, plan = planned
-    holders = holders_of(inventories, iteration, ctx.world_size)
     step = f"rebuild of iteration {iteration}"
     verify = ctx.group.exchange(f"{step}: verify blocks",
                                 partial(_verify_blocks, ctx, iteration, rebuilds))
@@ -90,9 +90,11 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     if reason is not None:
         return RebuildOutcome(unusable=reason)
     pieces = {f"{iteration}:{slot}": int(r["pieces"]) for (slot, _), r in reports.items()}
+    local = sum(int(reports[(slot, src)]["pieces"]) for r in rebuilds
+                for slot, src, _ in r.sources if src == r.owner)  # read by an owner, after
     done = ctx.group.exchange(f"{step}: fold", partial(_rebuild, ctx, iteration, rebuilds, plan,
                                                        reports),
-                              wait=transfer_seconds(ctx, plan, pieces))
+                              wait=transfer_seconds(ctx, plan, pieces) + ctx.timeout * local)
     return RebuildOutcome([b for v in done for b in v["bad"]],
                           [r for v in done for r in v["retry"]],
                           next((v["unusable"] for v in done if v["unusable"]), None))

@@ -7,7 +7,9 @@ it like a replica.
 2. **restore**, in rounds, each one agreed step after another:
 
    a. gather the inventories again and choose the newest complete iteration not newer than
-      asked (a fallback lands here);
+      asked (a fallback lands here); with erasure coding, its lost shards are first rebuilt on
+      their owners from their stripes (:mod:`localckpt.load.rebuild`), and the round lists
+      again;
    b. plan who reads which copy and who receives what (pure, ``replication.retrieval_plan``):
       every rank its own shard, every node the replicas its placement puts on it;
    c. every rank reads and verifies the copies it serves. A copy that fails is quarantined
