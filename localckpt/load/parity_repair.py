@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from replication import Transfer, parity_slot, schedule
+from replication import Transfer, schedule
 from replication.executor import Outgoing
 from replication.stripe_plans import Repair
 
@@ -99,5 +99,4 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
     except Exception as exc:  # blocks whose members all arrived were committed
         logger.error("rank %d: folding parity blocks %s of iteration %d again: %s; the next "
                      "save folds new parity", ctx.rank, mine, iteration, exc)
-        return [b for b in mine if ctx.store.ref(iteration, parity_slot(*b),
-                                                 ctx.world_size).path.is_dir()]
+        return folder.committed

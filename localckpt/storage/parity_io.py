@@ -122,6 +122,7 @@ class ParityFolder:
         self.store, self.layout, self.iteration = store, layout, iteration
         self.world_size, self.ring, self.metadata, self.sizes = world_size, ring, metadata, sizes
         self._blocks: dict[int, _Block] = {}  # by stripe: a rank keeps one block of a stripe
+        self.committed: list[tuple[int, int]] = []  # (stripe, block), by commit
         for s, j in (layout.parity_kept_by(rank) if blocks is None else blocks):
             members = layout.stripes[s].members
             nbytes = max(sizes[r] for r in members)
@@ -160,8 +161,8 @@ class ParityFolder:
     def commit(self) -> list[tuple[int, int]]:
         """Commit every block whose members all arrived whole; (stripe, block) of each. Then
         raises when a block is missing a member (the save fails, on every rank through its
-        finalize) or a commit failed (the first error)."""
-        committed: list[tuple[int, int]] = []
+        finalize) or a commit failed (the first error); :attr:`committed` lists what was committed either way."""
+        committed = self.committed
         errors: list[Exception] = []
         for s, b in sorted(self._blocks.items()):
             members = self.layout.stripes[s].members
