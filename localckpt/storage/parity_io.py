@@ -161,7 +161,8 @@ class ParityFolder:
     def commit(self) -> list[tuple[int, int]]:
         """Commit every block whose members all arrived whole; (stripe, block) of each. Then
         raises when a block is missing a member (the save fails, on every rank through its
-        finalize) or a commit failed (the first error); :attr:`committed` lists what was committed either way."""
+        finalize) or a commit failed (the first error); :attr:`committed` lists what was
+        committed either way."""
         committed = self.committed
         errors: list[Exception] = []
         for s, b in sorted(self._blocks.items()):
