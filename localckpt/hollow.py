@@ -47,7 +47,7 @@ _EXTENDED_TYPES = (np.ndarray, np.generic, torch.Generator, torch.dtype, slice, 
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(p) for p in path) if path else "<root>"
+    return "/".join(map(str, path)) if path else "<root>"
 
 
 def _encode_key(key: Any, path: tuple[Any, ...]) -> JSON:
@@ -140,6 +140,10 @@ class Walk:
 def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
     kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
+        if obj.layout is not torch.strided or obj.is_meta:
+            _check_tensor(obj, path)  # raises, naming the key
+        return {"T": walk.add(obj, path)}
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):
             where = path_str(path)
@@ -157,8 +161,8 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         _check_tensor(obj, path)
         return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
-        items = [[_encode_key(k, path), encode_hollow(v, walk, (*path, k))]
-                 for k, v in obj.items()]
+        items = [[k if type(k) is str else _encode_key(k, path),
+                  encode_hollow(v, walk, (*path, k))] for k, v in obj.items()]
         return {"odict" if kind is OrderedDict else "dict": items}
     if kind is list:
         return [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]

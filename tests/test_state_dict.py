@@ -95,11 +95,12 @@ def test_unsupported_leaf_names_key_path_and_type(leaf: Any, type_name: str) -> 
     assert "model/layers/1" in str(info.value) and type_name in str(info.value)
 
 
-def test_unsupported_tensor_kinds_raise_type_error() -> None:
-    with pytest.raises(TypeError, match="layout"):
-        BasicTensorAwareStateDict({"s": torch.eye(3).to_sparse()})
-    with pytest.raises(TypeError, match="meta"):
-        BasicTensorAwareStateDict({"m": torch.empty(3, device="meta")})
+@pytest.mark.parametrize("wrap", [lambda t: t, torch.nn.Parameter], ids=["tensor", "parameter"])
+def test_unsupported_tensor_kinds_raise_type_error(wrap: Any) -> None:
+    with pytest.raises(TypeError, match="'opt/s'.*layout"):
+        BasicTensorAwareStateDict({"opt": {"s": wrap(torch.eye(3).to_sparse())}})
+    with pytest.raises(TypeError, match="'m'.*meta"):
+        BasicTensorAwareStateDict({"m": wrap(torch.empty(3, device="meta"))})
 
 
 def test_caller_dict_is_not_mutated_and_save_snapshots_cpu_tensors(root: Path) -> None:

@@ -93,13 +93,12 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
               state_dict: Any) -> tuple[ShardManifest, dict[str, Any]]:
     """The manifest of a staged shard and the request its save puts to the agreement."""
     names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
-    entries = tuple(
-        TensorEntry(key_path=path, dtype=names.get(t.dtype) or names.setdefault(
-                        t.dtype, dtype_name(t.dtype)),
-                    shape=tuple(t.shape), offset=off, nbytes=size,
-                    device=names.get(t.device) or names.setdefault(t.device, str(t.device)))
+    entries = tuple([
+        TensorEntry(path, names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)),
+                    tuple(t.shape), off, size,
+                    names.get(t.device) or names.setdefault(t.device, str(t.device)))
         for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
-                                      layout.sizes, strict=True))
+                                      layout.sizes, strict=True)])
     hollow = deduped.hollow
     statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
     if statefuls is None:  # a user's implementation: refuse what no load could decode

@@ -67,11 +67,16 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
     sizes = []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
+    storable: set[torch.dtype] = set()  # checked once per dtype: 7,500 tensors take 0.5 us each
     for i, t in enumerate(tensors):
-        dtype_name(t.dtype)  # raises TypeError for a dtype we cannot store
-        if t.is_quantized:
-            raise TypeError("quantized tensors are not supported: dequantize them before saving")
-        size = t.numel() * t.element_size()
+        dtype = t.dtype
+        if dtype not in storable:
+            dtype_name(dtype)  # raises TypeError for a dtype we cannot store
+            if t.is_quantized:
+                raise TypeError("quantized tensors are not supported: dequantize them before "
+                                "saving")
+            storable.add(dtype)
+        size = t.nbytes
         sizes.append(size)
         if _gatherable(t, size):
             groups.setdefault((t.device, t.dtype), []).append(i)
@@ -224,16 +229,19 @@ class StagingArena:
 def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: PackedLayout,
                buf: torch.Tensor) -> None:
     base = buf.data_ptr()
+    offsets, sizes, memmove = layout.offsets, layout.sizes, ctypes.memmove
     for i in indices:
         t = tensors[i]
-        size = layout.sizes[i]
+        size = sizes[i]
         # A conjugate or negative view's memory is not its value, and an efficient zero tensor
         # has none (data_ptr 0): only torch's copy resolves them.
-        src = t.data_ptr() if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() else 0
-        if src and not (t.is_conj() or t.is_neg()):
-            ctypes.memmove(base + layout.offsets[i], src, size)
-        elif size:
-            tensor_view(buf, layout.offsets[i], size, t.dtype, t.shape).copy_(t.detach())
+        if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            src = t.data_ptr()
+            if src:
+                memmove(base + offsets[i], src, size)
+                continue
+        if size:
+            tensor_view(buf, offsets[i], size, t.dtype, t.shape).copy_(t.detach())
 
 
 def unpack(buffer: torch.Tensor,
