@@ -97,9 +97,9 @@ def test_unsupported_leaf_names_key_path_and_type(leaf: Any, type_name: str) -> 
 
 @pytest.mark.parametrize("wrap", [lambda t: t, torch.nn.Parameter], ids=["tensor", "parameter"])
 def test_unsupported_tensor_kinds_raise_type_error(wrap: Any) -> None:
-    with pytest.raises(TypeError, match="'opt/s'.*layout"):
+    with pytest.raises(TypeError, match=r"'opt/s'.*layout"):
         BasicTensorAwareStateDict({"opt": {"s": wrap(torch.eye(3).to_sparse())}})
-    with pytest.raises(TypeError, match="'m'.*meta"):
+    with pytest.raises(TypeError, match=r"'m'.*meta"):
         BasicTensorAwareStateDict({"m": wrap(torch.empty(3, device="meta"))})
 
 

@@ -403,3 +403,37 @@ def test_a_process_level_error_is_not_taken_for_corruption(store: ShardStore,
     with pytest.raises(OSError) as info:
         store.read(ref)
     assert not isinstance(info.value, CorruptShardError)
+
+
+def test_a_manifest_read_from_disk_sends_the_bytes_it_was_verified_from(root: Path) -> None:
+    """``encoded`` of a manifest read back is the file's span (no second encoding on a restore's
+    serving rank): it parses to the same manifest, and a file whose span is not that JSON (a
+    forged duplicate key) gives bytes every reader refuses, never another manifest."""
+    writer = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        _, path = _write(writer, 1)
+        ref = writer.committed()[0]
+    finally:
+        writer.close()
+    reader = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        manifest = reader.read_manifest(ref)
+        data = (path / "zarr.json").read_bytes()
+        assert data.find(manifest.encoded) > 0
+        again = ShardManifest.from_json_bytes(manifest.encoded, "peer")
+        assert again.to_json_dict() == manifest.to_json_dict()
+
+        # A second "localckpt" key: json takes the last one, the span holds both.
+        (path / "zarr.json").write_bytes(
+            b'{"zarr_format": 3, "node_type": "group", "attributes": {"localckpt": '
+            + manifest.encoded + b', "localckpt": ' + manifest.encoded + b"}}")
+        odd = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+        try:
+            seen = odd.read_manifest(ref)
+            assert seen.to_json_dict() == manifest.to_json_dict()
+            with pytest.raises(CorruptShardError, match="unreadable manifest"):
+                ShardManifest.from_json_bytes(seen.encoded, "peer")
+        finally:
+            odd.close()
+    finally:
+        reader.close()

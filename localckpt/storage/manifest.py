@@ -40,6 +40,10 @@ __all__ = ["FORMAT_VERSION", "MAX_HOLLOW_DEPTH", "READABLE_VERSIONS", "ShardMani
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
+# A shard group's zarr.json as localckpt writes it: this, the manifest's ``encoded`` bytes, "}}".
+GROUP_PREFIX = b'{"zarr_format": 3, "node_type": "group", "attributes": {"localckpt": '
+GROUP_SUFFIX = b"}}"
+
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -85,6 +85,16 @@ class _FromDisk:
     complete: bool = True
 
 
+def _manifest_doc(meta: bytes, owner: int) -> Any:
+    """A member's encoded manifest as JSON (verified where it was parsed; a copy read from a
+    forged zarr.json may hold no JSON at all: CorruptShardError)."""
+    try:
+        return json.loads(meta)
+    except ValueError as exc:
+        raise CorruptShardError(
+            f"the manifest of rank {owner}'s shard is no JSON ({exc})") from None
+
+
 def fold_from_disk(store: ShardStore, ref: ShardRef, ring: PieceRing,
                    fold_in: Callable[[int, memoryview], None]) -> _FromDisk:
     """Read the committed block ``ref`` piece by piece (every chunk checked against its CRC:
@@ -172,12 +182,13 @@ class ParityFolder:
                     f"parity block {b.block} of stripe {s} (members {list(members)}) of "
                     f"iteration {self.iteration}: not every member's shard arrived"))
                 continue
-            info = ParityInfo(self.layout.k, self.layout.m, s, b.block, members,
-                              tuple(self.sizes[r] for r in members),
-                              tuple(json.loads(b.arrived[i].meta) for i in range(len(members))))
             metadata = b.arrived[0].manifest.metadata if self.metadata is None \
                 else self.metadata
             try:
+                info = ParityInfo(self.layout.k, self.layout.m, s, b.block, members,
+                                  tuple(self.sizes[r] for r in members),
+                                  tuple(_manifest_doc(b.arrived[i].meta, members[i])
+                                        for i in range(len(members))))
                 self.store.write(parity_manifest(self.store, self.iteration, self.world_size,
                                                  info, metadata), torch.from_numpy(b.acc.block))
             except Exception as exc:

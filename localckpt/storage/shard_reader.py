@@ -18,7 +18,7 @@ import crc32c
 
 from ..errors import CorruptShardError
 from .device_reader import DeviceScatter
-from .manifest import ShardManifest
+from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
 _WINDOW = 1 << 20  # bytes read and checksummed at a time (well inside a core's L2 cache)
@@ -130,14 +130,24 @@ def unreadable(path: Path, exc: OSError, what: str) -> OSError:
 
 
 def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
-    """The manifest in the attributes of a shard group's zarr.json ``data`` read from ``where``."""
+    """The manifest in the attributes of a shard group's zarr.json ``data`` read from ``where``.
+
+    When ``data`` is laid out as localckpt writes it, the manifest's JSON is the span between
+    GROUP_PREFIX and GROUP_SUFFIX: that span becomes its ``encoded`` bytes (what a peer or the
+    durable tier is sent), instead of encoding the manifest again (about 35 ms for 10,000
+    tensors, on the serving rank's path of a restore). The file parsed with that span as the
+    manifest's value, so the span is either exactly the JSON just verified or, in a file forged
+    with a duplicate key, no JSON at all: every reader of ``encoded`` parses and verifies it."""
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:  # nesting deeper than the parser's stack
         raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
-    return ShardManifest.from_json_dict(
+    manifest = ShardManifest.from_json_dict(
         attrs.get("localckpt") if isinstance(attrs, dict) else None, where)
+    if data.startswith(GROUP_PREFIX) and data.endswith(GROUP_SUFFIX):
+        manifest.__dict__["encoded"] = bytes(data[len(GROUP_PREFIX):-len(GROUP_SUFFIX)])
+    return manifest
 
 
 def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,

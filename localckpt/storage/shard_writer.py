@@ -24,7 +24,7 @@ from ..errors import CorruptShardError, InsufficientSpaceError
 from ..ops.faults import fault_point
 from . import fsutil
 from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
-from .manifest import ShardManifest
+from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 from .recycle import FilePool
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ def array_metadata(chunk_nbytes: int, chunk_count: int) -> dict[str, Any]:
 
 def group_metadata(manifest: ShardManifest) -> bytes:
     """The group's zarr.json: the manifest under ``attributes["localckpt"]``."""
-    return (b'{"zarr_format": 3, "node_type": "group", "attributes": {"localckpt": '
-            + manifest.encoded + b"}}")
+    return GROUP_PREFIX + manifest.encoded + GROUP_SUFFIX
 
 
 def _write_all(fd: int, view: memoryview) -> None:
