@@ -189,7 +189,7 @@ def restore_devices(tensors: Sequence[torch.Tensor], devices: Sequence[str],
     out = list(tensors)
     batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (t, recorded) in enumerate(zip(tensors, devices, strict=True)):
-        if i in skip or not t.is_cpu:
+        if recorded == "cpu" or i in skip or not t.is_cpu:  # CPU first: nothing to move
             continue
         device = resolve_device(recorded, cache)
         if device.type == "cuda" and 0 < t.numel() * t.element_size() <= GATHER_MAX_NBYTES:

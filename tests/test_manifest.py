@@ -9,9 +9,11 @@ import pytest
 from localckpt.errors import CorruptShardError, UnsupportedFormatError
 from localckpt.storage.manifest import (
     FORMAT_VERSION,
+    MAX_HOLLOW_DEPTH,
     READABLE_VERSIONS,
     ShardManifest,
     TensorEntry,
+    check_hollow,
 )
 
 
@@ -121,3 +123,26 @@ def test_a_damaged_version_or_number_is_corruption_not_another_format() -> None:
 def test_an_unknown_device_string_is_inconsistent() -> None:
     with pytest.raises(CorruptShardError, match="bogus:0"):
         ShardManifest.from_json_dict(_edited(_set(0, device="bogus:0")), "shard-x")
+
+
+@pytest.mark.parametrize("hollow, error", [
+    # a tensor leaf one level too deep, as a dict item (the checker's inline case) and in a list
+    ({"dict": [["k", {"T": 0}]]}, "nests deeper"),
+    ([{"T": 0}], "nests deeper"),
+    # a dict item naming a tensor out of range, or one already a DTensor's shard
+    (None, "refers to tensor 5 of 1"),
+    ("dt-then-plain", "refers to tensor 0"),
+])
+def test_hollow_check_refuses_what_decoding_could_not_rebuild(hollow: object, error: str) -> None:
+    if hollow is None:
+        hollow = {"dict": [["w", {"T": 5}]]}
+    elif hollow == "dt-then-plain":
+        layout = {"global_shape": [4], "global_stride": [1], "mesh_shape": [2],
+                  "mesh_dim_names": None, "placements": ["S(0)"], "coordinate": [0],
+                  "offset": [0]}
+        hollow = {"tuple": [{"dict": [["w", {"T": 0}]]}, {"DT": {"T": 0, "layout": layout}}]}
+    else:
+        for _ in range(MAX_HOLLOW_DEPTH):
+            hollow = [hollow]
+    with pytest.raises(CorruptShardError, match=error):
+        check_hollow(hollow, 1, "m")
