@@ -45,6 +45,7 @@ import bench_report
 import benchlib
 import torch
 
+from localckpt.storage import checksum
 from localckpt.storage.io_sizing import usable_cores
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -188,7 +189,7 @@ def main() -> int:
         "python": sys.version.split()[0], "root_fs": benchlib.SHM, "repeats": a.repeats,
         "memory_gib": round(available()[0] / GiB, 1), "case_args": case_args,
         "io_threads": a.io_threads or f"default ({usable_cores()[0]} usable cores)",
-        "recycle_files": a.recycle_files,
+        "recycle_files": a.recycle_files, "crc32c": checksum.IMPLEMENTATION,
         "date": time.strftime("%Y-%m-%d"), "wall_s": time.perf_counter() - started,
         "rows": [bench_report.derive(r) for r in rows], "skipped": skipped,
     }

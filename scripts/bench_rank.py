@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import bench_cases
-import crc32c
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from localckpt import AsyncCallsQueue, LocalCheckpointManager, PhaseMetric
+from localckpt.storage.checksum import crc32c
 from replication import (
     Topology,
     make_strategy,
@@ -107,7 +107,7 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
     plan = save_plan(placement, topology, 0) if placement is not None else None
     for _ in range(repeats):
         timer.run("memcpy", lambda: dst.copy_(src))
-        timer.run("crc32c", lambda: crc32c.crc32c(src_mv))
+        timer.run("crc32c", lambda: crc32c(src_mv))
         timer.run("tmpfs_write_fresh", lambda: raw_write(path, src_mv),
                   lambda: path.unlink(missing_ok=True))
         fd = os.open(path, os.O_WRONLY)

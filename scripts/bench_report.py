@@ -150,7 +150,8 @@ def markdown(r: dict[str, Any], cmd: str, plot: Path | None) -> str:
     out = [f"""# Benchmarks
 
 Measured by `{cmd}` on {r['date']}: {r['machine']}, {r['cpus']} cores, {r['memory_gib']} GiB
-available, torch {r['torch']}, scratch on `{r['root_fs']}`; {r['wall_s'] / 60:.0f} minutes.
+available, torch {r['torch']}, CRC-32C by {r.get('crc32c', 'crc32c')}, scratch on `{r['root_fs']}`;
+{r['wall_s'] / 60:.0f} minutes.
 Each configuration is a fresh job of gloo ranks on 2 simulated nodes (loopback, one tmpfs root
 per node). Every figure is the median of {r['repeats']} runs of an operation done by **all ranks at
 once** (time of the slowest rank), and is compared with the raw limit measured the same way, in

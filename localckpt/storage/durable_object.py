@@ -32,10 +32,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import crc32c
 import torch
 
 from ..errors import ConfigurationError, CorruptShardError
+from .checksum import crc32c
 from .layout import session_dir, shard_path
 from .manifest import ShardManifest
 from .shard_writer import array_metadata, group_metadata
@@ -263,7 +263,7 @@ class ObjectBackend:
         def put_chunk(index: int, buf: torch.Tensor) -> None:  # buf: chunk_nbytes + 4 bytes
             fill(index, buf[:size])
             body = byte_view(buf)
-            crc = crc32c.crc32c(body[:size])
+            crc = crc32c(body[:size])
             if manifest.chunk_crc32c and crc != manifest.chunk_crc32c[index]:
                 raise CorruptShardError(f"shard {key}: chunk {index} changed since it was "
                                         f"verified (crc32c {crc:#010x}, manifest says "
@@ -283,7 +283,7 @@ class ObjectBackend:
         size = manifest.chunk_nbytes
         name = f"{key}/data/c/{index}"
         data = self._fetch(name, expect_size=size + 4)
-        crc = crc32c.crc32c(data[:size])
+        crc = crc32c(data[:size])
         stored = int.from_bytes(data[size:], "little")
         if crc != stored or crc != manifest.chunk_crc32c[index]:
             raise CorruptShardError(

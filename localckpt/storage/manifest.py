@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import crc32c
 import torch
 
 from replication import parity_slot
@@ -30,6 +29,7 @@ from replication import parity_slot
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
+from .checksum import crc32c
 from .hollow_check import MAX_HOLLOW_DEPTH, check_hollow, numpy_byte_tensors
 from .parity_info import ParityInfo
 
@@ -370,4 +370,4 @@ def writer_identity() -> dict[str, Any]:
 
 def _crc_of(body: dict[str, Any]) -> int:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return int(crc32c.crc32c(canonical.encode("utf-8")))
+    return int(crc32c(canonical.encode("utf-8")))

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 
@@ -31,6 +30,7 @@ from replication.parity import ParityAccumulator, fold
 from replication.stripe_plans import Rebuild
 
 from ..errors import CorruptShardError
+from .checksum import crc32c
 from .layout import ShardRef
 from .manifest import ShardManifest, TensorEntry, writer_identity
 from .parity_info import PARITY_FORMAT_VERSION, ParityInfo
@@ -62,7 +62,7 @@ class _Incoming:
                                     f"whole {size}-byte chunks")
         view = byte_view(self._current)
         for j, chunk in enumerate(range(start // size, end // size)):
-            got = crc32c.crc32c(view[j * size: (j + 1) * size])
+            got = crc32c(view[j * size: (j + 1) * size])
             if got != m.chunk_crc32c[chunk]:
                 raise CorruptShardError(
                     f"{self._where}: chunk {chunk} failed its checksum on arrival (computed "

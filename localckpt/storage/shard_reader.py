@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-import crc32c
-
 from ..errors import CorruptShardError
+from .checksum import crc32c
 from .device_reader import DeviceScatter
 from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 
@@ -81,7 +80,7 @@ def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
                 if n != hi - lo:
                     break
                 for piece in pieces:
-                    crc = crc32c.crc32c(piece, crc)
+                    crc = crc32c(piece, crc)
             trailer = os.pread(fd, 5, size)
         except OSError as exc:
             raise unreadable(path, exc, "chunk file") from exc

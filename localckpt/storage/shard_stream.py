@@ -14,13 +14,13 @@ import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import crc32c
 import torch
 
 from replication import Transfer
 from replication.executor import Outgoing
 
 from ..errors import CorruptShardError
+from .checksum import crc32c
 from .layout import ShardRef
 from .manifest import ShardManifest
 from .peer_io import PieceRing, received_manifest
@@ -153,7 +153,7 @@ class TensorReceiver:
         while pos < end:
             chunk = pos // size
             stop = min((chunk + 1) * size, end)
-            self._crc[chunk] = crc32c.crc32c(view[pos - start : stop - start], self._crc[chunk])
+            self._crc[chunk] = crc32c(view[pos - start : stop - start], self._crc[chunk])
             self._done[chunk] += stop - pos
             if self._done[chunk] == size and self._crc[chunk] != m.chunk_crc32c[chunk]:
                 raise CorruptShardError(

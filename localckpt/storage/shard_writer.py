@@ -18,11 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
 from ..errors import CorruptShardError, InsufficientSpaceError
 from ..ops.faults import fault_point
 from . import fsutil
+from .checksum import crc32c
 from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
 from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 from .recycle import FilePool
@@ -80,7 +79,7 @@ def _write_chunk(path: Path, chunk: memoryview, files: FilePool | None) -> int:
     try:
         for start in range(0, len(chunk), _CRC_WINDOW):
             block = chunk[start: start + _CRC_WINDOW]
-            crc = crc32c.crc32c(block, crc)
+            crc = crc32c(block, crc)
             _write_all(fd, block)
         _write_all(fd, memoryview(crc.to_bytes(4, "little")))
         if reused:  # a retired file may have been longer
