@@ -42,3 +42,8 @@ def test_the_fallback_is_taken_on_request() -> None:
                          env={**os.environ, "LOCALCKPT_CRC32C": "crc32c"}).stdout
     assert out.split() == ["crc32c", str(0xE3069283)]  # the check value of CRC-32C
     assert checksum.crc32c(np.frombuffer(b"123456789", dtype=np.uint8)) == 0xE3069283
+
+
+def test_text_is_refused_whichever_implementation() -> None:
+    with pytest.raises(TypeError, match="expected a bytes-like object, got str"):
+        checksum.crc32c("123456789")
