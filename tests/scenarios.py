@@ -206,8 +206,10 @@ def replica_receive_fails_on(rank: int, world: int, base: str, bad_rank: int) ->
             error = None
         except Exception as exc:
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
+    # Visible entries only: the other rank of the node may still be removing its ``.trash-*``.
     return {"error": error,
-            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()),
+            "iters": sorted(p.name for p in (Path(base) / f"node{rank // 2}" / "job").iterdir()
+                            if not p.name.startswith(".")),
             **replicated_load(rank, world, base, "node_spread", {}, 2)}
 
 
