@@ -108,6 +108,9 @@ def every_loss(rank: int, world: int, base: str, k: int, m: int, per: int,
         if rank == 0:
             result["held"] = holdings(base, nodes, iteration)
         out.append({"lost": list(lost), **result})
+    dist.barrier()
+    if rank == 0:  # beside the root, so the root's fixture does not remove it
+        shutil.rmtree(pristine)
     return out
 
 
