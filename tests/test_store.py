@@ -436,3 +436,32 @@ def test_a_manifest_read_from_disk_sends_the_bytes_it_was_verified_from(root: Pa
     seen = fresh_read(first)
     sent = ShardManifest.from_json_bytes(seen.encoded, "peer")  # JSON, not the odd span
     assert sent.to_json_dict() == seen.to_json_dict() == manifest.to_json_dict()
+
+
+def test_a_manifest_file_with_more_than_its_checksum_covers_is_sent_as_verified(
+        root: Path) -> None:
+    """Only what the manifest's checksum covers is sent on: a key beside the manifest in its
+    envelope is dropped (the manifest encoded again); nesting too deep for the encoder is a
+    CorruptShardError, not a RecursionError."""
+    store = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        _, path = _write(store, 1)
+        ref, = store.committed()
+        encoded = store.read_manifest(ref).encoded
+    finally:
+        store.close()
+    prefix = b'{"zarr_format": 3, "node_type": "group", "attributes": {"localckpt": '
+    (path / "zarr.json").write_bytes(prefix + encoded[:-1] + b', "unverified": [1, 2]}' + b"}}")
+    fresh = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        sent = fresh.read_manifest(ref).encoded
+    finally:
+        fresh.close()
+    assert b"unverified" not in sent
+    ShardManifest.from_json_bytes(sent, "peer")
+
+    nested: list[object] = []
+    for _ in range(5000):  # parsed, but too deep for the encoder the checksum is taken with
+        nested = [nested]
+    with pytest.raises(CorruptShardError, match="cannot be checked"):
+        ShardManifest.from_json_dict({"manifest": {"x": nested}, "crc32c": 0}, "peer")

@@ -198,7 +198,8 @@ class ShardManifest:
             raise CorruptShardError(f"{where}: manifest is {type(body).__name__}, expected object")
         try:
             crc = _crc_of(body)
-        except (TypeError, ValueError) as exc:  # e.g. a number damaged into inf
+        except (TypeError, ValueError, RecursionError) as exc:  # a number damaged into inf,
+            # nesting deeper than the encoder's stack
             raise CorruptShardError(f"{where}: manifest cannot be checked ({exc})") from exc
         if crc != doc["crc32c"]:
             raise CorruptShardError(f"{where}: manifest checksum mismatch")

@@ -86,8 +86,8 @@ class _FromDisk:
 
 
 def _manifest_doc(meta: bytes, owner: int) -> Any:
-    """A member's encoded manifest as JSON (verified where it was parsed; a copy read from a
-    forged zarr.json may hold no JSON at all: CorruptShardError)."""
+    """A member's encoded manifest as JSON (verified where it was parsed; CorruptShardError
+    should it not parse, rather than an error the fold does not expect)."""
     try:
         return json.loads(meta)
     except ValueError as exc:
