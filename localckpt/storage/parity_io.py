@@ -85,16 +85,6 @@ class _FromDisk:
     complete: bool = True
 
 
-def _manifest_doc(meta: bytes, owner: int) -> Any:
-    """A member's encoded manifest as JSON (verified where it was parsed; CorruptShardError
-    should it not parse, rather than an error the fold does not expect)."""
-    try:
-        return json.loads(meta)
-    except ValueError as exc:
-        raise CorruptShardError(
-            f"the manifest of rank {owner}'s shard is no JSON ({exc})") from None
-
-
 def fold_from_disk(store: ShardStore, ref: ShardRef, ring: PieceRing,
                    fold_in: Callable[[int, memoryview], None]) -> _FromDisk:
     """Read the committed block ``ref`` piece by piece (every chunk checked against its CRC:
@@ -187,7 +177,7 @@ class ParityFolder:
             try:
                 info = ParityInfo(self.layout.k, self.layout.m, s, b.block, members,
                                   tuple(self.sizes[r] for r in members),
-                                  tuple(_manifest_doc(b.arrived[i].meta, members[i])
+                                  tuple(json.loads(b.arrived[i].meta)
                                         for i in range(len(members))))
                 self.store.write(parity_manifest(self.store, self.iteration, self.world_size,
                                                  info, metadata), torch.from_numpy(b.acc.block))

@@ -394,15 +394,12 @@ def fresh_or_given(manifest: ShardManifest,
     on ``device`` for a non-empty entry saved from it (None: every fresh one on the CPU)."""
     given = into(manifest) if into is not None else [None] * len(manifest.tensors)
     cache: dict[str, torch.device] = {}
-    dtypes: dict[str, torch.dtype] = {}  # looked up once per name: 7,500 entries on a load
-    empty = torch.empty
     out = []
     for e, t in zip(manifest.tensors, given, strict=True):
         if t is None:
-            dtype = dtypes.get(e.dtype) or dtypes.setdefault(e.dtype, dtype_from_name(e.dtype))
             here = device if (device is not None and e.nbytes and e.device.startswith("cuda")
                               and resolve_device(e.device, cache) == device) else None
-            t = empty(e.shape, dtype=dtype, device=here)
+            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
         out.append(t)
     return out
 
