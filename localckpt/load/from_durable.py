@@ -78,13 +78,16 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
     theirs to check. Reads only: the caller deletes them, once it knows it still wants to."""
     node_of = ctx.topology.node_of
     out = []
+    committed_save: list[str | None] = []  # the committed save's id, read once if needed
     for ref in ctx.store.committed():
         if ref.iteration != iteration or ref.world_size != world:
             continue
         if ref.owner_rank < 0:  # a parity block (erasure), checked by the node's first rank
-            if ctx.topology.leader(ctx.rank) == ctx.rank and \
-                    not _parity_of_committed_save(ctx, tier, ref):
-                out.append(ref)
+            if ctx.topology.leader(ctx.rank) == ctx.rank:
+                if not committed_save:
+                    committed_save.append(_committed_save_id(tier, iteration, world))
+                if not _folded_by(ctx, ref, committed_save[0]):
+                    out.append(ref)
             continue
         fetcher = ref.owner_rank if world == ctx.world_size else ref.owner_rank % ctx.world_size
         if node_of[fetcher] == node_of[ctx.rank]:
@@ -99,15 +102,22 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
     return out
 
 
-def _parity_of_committed_save(ctx: Context, tier: DurableStore, ref: ShardRef) -> bool:
-    """Whether the parity block ``ref`` was folded by the save the durable tier committed
-    (the one whose shards are being restored): else a later rebuild would mix two saves."""
+def _committed_save_id(tier: DurableStore, iteration: int, world: int) -> str | None:
+    """The save id of the save the durable tier committed for ``iteration`` (None: unreadable)."""
+    try:
+        return tier.committed_manifest(iteration, 0, world).metadata.get("save_id")
+    except (OSError, CorruptShardError):
+        return None
+
+
+def _folded_by(ctx: Context, ref: ShardRef, save_id: str | None) -> bool:
+    """Whether the parity block ``ref`` was folded by the save ``save_id`` (the one whose
+    shards are being restored): else a later rebuild would mix two saves."""
     try:
         block = ctx.store.read_manifest(ref).metadata.get("save_id")
-        committed = tier.committed_manifest(ref.iteration, 0, ref.world_size)
     except (OSError, CorruptShardError):
         return False
-    return block is not None and block == committed.metadata.get("save_id")
+    return block is not None and block == save_id
 
 
 def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T:

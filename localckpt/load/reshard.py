@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..control.collectives import collective_error
 from ..control.context import Context
-from ..control.coverage import Inventory
+from ..control.coverage import Inventory, holders_of
 from ..control.reshard import OldShard, Piece, Want, choose_servers, plain_owner, plan_reshard
 from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
@@ -78,12 +78,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     the failing rank's error while reading (CorruptShardError) or building, CollectiveError."""
     rank, world = ctx.rank, ctx.world_size
     step = f"load of iteration {iteration} (saved by {old_world} ranks)"
-    holders: dict[int, list[int]] = defaultdict(list)
-    for inv in inventories:
-        for it, owner, w in inv.shards:
-            if it == iteration and w == old_world:
-                holders[owner].append(inv.rank)
-    servers = choose_servers(holders, old_world)
+    servers = choose_servers(holders_of(inventories, iteration, old_world), old_world)
     target = Into(into)
 
     def checked(owner: int, read: Any) -> Any:
