@@ -287,8 +287,8 @@ def test_verify_tells_a_damaged_version_from_another_format(capsys: pytest.Captu
     root = tmp_path / "node0"
     meta = _shard(root, 1, 0, 1) / "zarr.json"
     text = meta.read_text()
-    assert f'"format_version": {FORMAT_VERSION}' in text
-    meta.write_text(text.replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 7'))
+    assert f'"format_version":{FORMAT_VERSION}' in text
+    meta.write_text(text.replace(f'"format_version":{FORMAT_VERSION}', '"format_version":7'))
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and "CORRUPT" in out and "checksum mismatch" in out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -146,3 +147,51 @@ def test_hollow_check_refuses_what_decoding_could_not_rebuild(hollow: object, er
             hollow = [hollow]
     with pytest.raises(CorruptShardError, match=error):
         check_hollow(hollow, 1, "m")
+
+
+def test_the_manifest_is_written_canonical_and_verified_without_encoding_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``encoded`` is the manifest in the form its checksum is taken over, so a reader checks the
+    bytes as they are; a nested "crc32c" key inside the manifest does not confuse where the
+    envelope's own checksum starts."""
+    from localckpt.storage import manifest as mod
+
+    m = dataclasses.replace(_manifest(), metadata={"custom": {"crc32c": 7, "k": ',"crc32c":1}'}})
+    body = m.to_json_dict()["manifest"]
+    assert m.encoded == b'{"manifest":' + mod._canonical(body) + \
+        b',"crc32c":' + str(mod._crc_of(body)).encode() + b"}"
+
+    def never(body: object) -> bytes:
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(mod, "_canonical", never)
+    back = ShardManifest.from_json_bytes(m.encoded, "peer")
+    assert back == m and back.encoded == m.encoded
+
+
+def test_an_earlier_writers_spaced_manifest_is_still_read() -> None:
+    """Before the canonical layout the envelope was spaced and its checksum taken over a
+    re-encoding: such bytes, received or in a file, are verified that way."""
+    from localckpt.storage.manifest import GROUP_PREFIX, GROUP_SUFFIX
+    from localckpt.storage.shard_reader import parse_manifest_file
+
+    m = _manifest()
+    spaced = json.dumps(m.to_json_dict()).encode()
+    assert spaced != m.encoded
+    assert ShardManifest.from_json_bytes(spaced, "peer") == m
+    read = parse_manifest_file(GROUP_PREFIX + spaced + GROUP_SUFFIX, "zarr.json")
+    assert read == m and read.encoded == spaced
+    with pytest.raises(CorruptShardError, match="manifest checksum mismatch"):
+        ShardManifest.from_json_bytes(spaced.replace(b"model/w", b"model/v"), "peer")
+
+
+@pytest.mark.parametrize("span", [b'{"created_unix":NaN}', b'{"x":Infinity}', b"[1,2]", b'{"a":'])
+def test_a_canonical_span_with_a_matching_checksum_must_still_be_a_plain_manifest(
+        span: bytes) -> None:
+    """Bytes whose checksum matches are still refused when they are no JSON object of finite
+    numbers (a forger, or a writer bug): as when they are encoded again to be checked."""
+    from localckpt.storage.checksum import crc32c
+
+    data = b'{"manifest":' + span + b',"crc32c":' + str(crc32c(span)).encode() + b"}"
+    with pytest.raises(CorruptShardError, match="peer"):
+        ShardManifest.from_json_bytes(data, "peer")

@@ -166,7 +166,9 @@ def test_damaged_or_missing_manifest_is_corruption(store: ShardStore) -> None:
     _write(store, 1)
     ref = store.committed()[0]
     meta = ref.path / "zarr.json"
-    meta.write_bytes(meta.read_bytes().replace(b'"iteration": 1', b'"iteration": 2'))
+    data = meta.read_bytes()
+    assert b'"iteration":1,' in data
+    meta.write_bytes(data.replace(b'"iteration":1,', b'"iteration":2,'))
     with pytest.raises(CorruptShardError, match=r"zarr\.json"):
         store.read(ref)
     meta.unlink()

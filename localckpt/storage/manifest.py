@@ -148,14 +148,21 @@ class ShardManifest:
     @functools.cached_property
     def encoded(self) -> bytes:
         """``to_json_dict()`` as JSON bytes, built once per manifest: the commit writes these
-        bytes and replication sends them (tens of ms each for 10,000 tensors)."""
+        bytes and replication sends them (tens of ms each for 10,000 tensors). The manifest is
+        written in the canonical form its checksum is taken over (sorted keys, no spaces), so a
+        reader verifies the bytes as they are, without encoding them again
+        (:meth:`from_canonical_envelope`)."""
         with gc_paused():
-            return json.dumps(self.to_json_dict(), allow_nan=False).encode()
+            canonical = _canonical(self._body())
+        return b"".join((_HEAD, canonical, _MARK, str(crc32c(canonical)).encode(), b"}"))
 
     @classmethod
     def from_json_bytes(cls, data: bytes, where: str) -> ShardManifest:
         """:meth:`from_json_dict` of JSON ``data`` as produced by :attr:`encoded` (a received
         manifest); ``data`` becomes the result's ``encoded``."""
+        manifest = cls.from_canonical_envelope(data, where)
+        if manifest is not None:
+            return manifest
         try:
             doc = json.loads(data)
         except (ValueError, RecursionError) as exc:
@@ -165,7 +172,39 @@ class ShardManifest:
         manifest.__dict__["encoded"] = bytes(data)
         return manifest
 
+    @classmethod
+    def from_canonical_envelope(cls, data: bytes, where: str) -> ShardManifest | None:
+        """The manifest of ``data`` laid out as :attr:`encoded` writes it, its checksum taken
+        over the manifest's bytes as they are (parsing 10,000 tensors' manifest without
+        encoding it again saves about 16 ms), with ``data`` as its ``encoded``; None when
+        ``data`` is laid out otherwise or its checksum does not match those bytes (an older
+        writer's spacing, or damage: parse it whole, :meth:`from_json_dict`, which says which).
+        Raises as :meth:`from_json_dict` does for a verified manifest it cannot use."""
+        if not (data.startswith(_HEAD) and data.endswith(b"}")):
+            return None
+        mark = data.rfind(_MARK)  # the envelope's own: after it come only digits and "}"
+        digits = data[mark + len(_MARK) : -1]
+        if mark < 0 or not (digits.isdigit() and len(digits) <= 10):
+            return None
+        span = data[len(_HEAD) : mark]
+        if crc32c(span) != int(digits):
+            return None
+        try:  # the bytes the writer took the checksum over: plain JSON, no NaN or Infinity
+            with gc_paused():
+                body = json.loads(span, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
+        if type(body) is not dict:
+            raise CorruptShardError(f"{where}: manifest is {type(body).__name__}, expected object")
+        manifest = cls._from_verified(body, where)
+        manifest.__dict__["encoded"] = bytes(data)
+        return manifest
+
     def to_json_dict(self) -> dict[str, Any]:
+        body = self._body()
+        return {"manifest": body, "crc32c": int(crc32c(_canonical(body)))}
+
+    def _body(self) -> dict[str, Any]:
         # Built by hand: dataclasses.asdict deep-copies the hollow structure and every entry
         # (1.5 s for 10,000 tensors).
         body = {name: getattr(self, name) for name in _SCALAR_FIELDS}
@@ -181,7 +220,7 @@ class ShardManifest:
             body["metadata"] = self.metadata
         if self.parity is not None:
             body["parity"] = self.parity.to_json()
-        return {"manifest": body, "crc32c": _crc_of(body)}
+        return body
 
     @classmethod
     def from_json_dict(cls, doc: Any, where: str) -> ShardManifest:
@@ -203,6 +242,12 @@ class ShardManifest:
             raise CorruptShardError(f"{where}: manifest cannot be checked ({exc})") from exc
         if crc != doc["crc32c"]:
             raise CorruptShardError(f"{where}: manifest checksum mismatch")
+        return cls._from_verified(body, where)
+
+    @classmethod
+    def _from_verified(cls, body: dict[str, Any], where: str) -> ShardManifest:
+        """The manifest of a ``body`` whose checksum matched: its version readable, its fields
+        well formed and consistent (CorruptShardError, UnsupportedFormatError)."""
         version = body.get("format_version")
         if version not in READABLE_VERSIONS:
             raise UnsupportedFormatError(
@@ -369,6 +414,18 @@ def writer_identity() -> dict[str, Any]:
             "localckpt": __version__}
 
 
+# The envelope as ``encoded`` writes it: _HEAD, the canonical manifest, _MARK, its CRC-32C, "}".
+_HEAD, _MARK = b'{"manifest":', b',"crc32c":'
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    """The bytes a manifest's checksum is taken over (the same in every format version)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
 def _crc_of(body: dict[str, Any]) -> int:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return int(crc32c(canonical.encode("utf-8")))
+    return int(crc32c(_canonical(body)))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest holds")
