@@ -185,13 +185,54 @@ def test_an_earlier_writers_spaced_manifest_is_still_read() -> None:
         ShardManifest.from_json_bytes(spaced.replace(b"model/w", b"model/v"), "peer")
 
 
-@pytest.mark.parametrize("span", [b'{"created_unix":NaN}', b'{"x":Infinity}', b"[1,2]", b'{"a":'])
-def test_a_canonical_span_with_a_matching_checksum_must_still_be_a_plain_manifest(
-        span: bytes) -> None:
-    """Bytes whose checksum matches are still refused when they are no JSON object of finite
-    numbers (a forger, or a writer bug): as when they are encoded again to be checked."""
+def _enveloped(span: bytes, digits: bytes | None = None) -> bytes:
     from localckpt.storage.checksum import crc32c
 
-    data = b'{"manifest":' + span + b',"crc32c":' + str(crc32c(span)).encode() + b"}"
+    return b'{"manifest":' + span + b',"crc32c":' + (digits or str(crc32c(span)).encode()) + b"}"
+
+
+def _body_with(**edits: object) -> bytes:
+    from localckpt.storage.manifest import _canonical
+
+    body = _manifest().to_json_dict()["manifest"]
+    text = _canonical(body)
+    for key, raw in edits.items():  # a number as a forger writes it, not as json.dumps would
+        value = json.dumps(body[key], separators=(",", ":")).encode()
+        text = text.replace(b'"%s":%s' % (key.encode(), value), b'"%s":%s' % (key.encode(),
+                                                                              str(raw).encode()))
+        assert str(raw).encode() in text
+    return text
+
+
+@pytest.mark.parametrize("span", [
+    b'{"created_unix":NaN}', b'{"x":Infinity}', b"[1,2]", b'{"a":',
+    _body_with(created_unix="1e400"), _body_with(iteration="1e400"),
+    _body_with(created_unix=10**400), "\ufeff".encode() + _body_with(),
+    _body_with().decode().encode("utf-16-le"), b" " + _body_with() + b" "])
+def test_a_span_with_a_matching_checksum_must_still_be_a_plain_manifest(span: bytes) -> None:
+    """Bytes whose checksum matches them as they are (a forger's, a foreign writer's) are still
+    refused unless they are one UTF-8 JSON object of finite numbers, which every reader and
+    zarr can parse again: a CorruptShardError, as when they are encoded again to be checked,
+    never another exception (an OverflowError would stop a restore instead of quarantining)."""
     with pytest.raises(CorruptShardError, match="peer"):
-        ShardManifest.from_json_bytes(data, "peer")
+        ShardManifest.from_json_bytes(_enveloped(span), "peer")
+
+
+def test_the_envelopes_checksum_must_be_written_as_json_writes_it() -> None:
+    """A checksum with a leading zero is no JSON number: the bytes are not sent on as they are."""
+    from localckpt.storage.checksum import crc32c
+
+    span = _body_with()
+    digits = b"0" + str(crc32c(span)).encode()
+    with pytest.raises(CorruptShardError, match="peer: unreadable manifest"):
+        ShardManifest.from_json_bytes(_enveloped(span, digits), "peer")
+
+
+def test_a_huge_number_in_a_spaced_manifest_is_corruption() -> None:
+    """The old path too: an integer too large for a float is corrupt, not an OverflowError."""
+    from localckpt.storage.manifest import _crc_of
+
+    body = _manifest().to_json_dict()["manifest"]
+    body["created_unix"] = 10**400
+    with pytest.raises(CorruptShardError, match="shard-x"):
+        ShardManifest.from_json_dict({"manifest": body, "crc32c": _crc_of(body)}, "shard-x")

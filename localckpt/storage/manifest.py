@@ -179,23 +179,30 @@ class ShardManifest:
         encoding it again saves about 16 ms), with ``data`` as its ``encoded``; None when
         ``data`` is laid out otherwise or its checksum does not match those bytes (an older
         writer's spacing, or damage: parse it whole, :meth:`from_json_dict`, which says which).
-        Raises as :meth:`from_json_dict` does for a verified manifest it cannot use."""
+        CorruptShardError for matching bytes that are not one UTF-8 JSON object of finite
+        numbers; otherwise raises as :meth:`from_json_dict` does."""
         if not (data.startswith(_HEAD) and data.endswith(b"}")):
             return None
         mark = data.rfind(_MARK)  # the envelope's own: after it come only digits and "}"
         digits = data[mark + len(_MARK) : -1]
-        if mark < 0 or not (digits.isdigit() and len(digits) <= 10):
+        # As json.dumps writes them: the bytes are sent on as they are, and must stay JSON.
+        if mark < 0 or not (digits.isdigit() and len(digits) <= 10) or \
+                digits != str(int(digits)).encode():
             return None
         span = data[len(_HEAD) : mark]
         if crc32c(span) != int(digits):
             return None
-        try:  # the bytes the writer took the checksum over: plain JSON, no NaN or Infinity
+        # The bytes the writer took the checksum over. Matching them proves no damage, not a
+        # well-behaved writer: they must still be one UTF-8 JSON object of finite numbers (as
+        # re-encoding them would require), which any reader can parse again.
+        if not (span.startswith(b"{") and span.endswith(b"}")):
+            raise CorruptShardError(f"{where}: unreadable manifest (not one JSON object)")
+        try:
             with gc_paused():
-                body = json.loads(span, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
+                body = json.loads(span.decode("utf-8"), parse_constant=_no_constant,
+                                  parse_float=_finite_float)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError included
             raise CorruptShardError(f"{where}: unreadable manifest ({exc})") from exc
-        if type(body) is not dict:
-            raise CorruptShardError(f"{where}: manifest is {type(body).__name__}, expected object")
         manifest = cls._from_verified(body, where)
         manifest.__dict__["encoded"] = bytes(data)
         return manifest
@@ -278,7 +285,7 @@ class ShardManifest:
                 parity=None if "parity" not in body or version < 5 else ParityInfo.from_json(
                     body["parity"], int(body["world_size"]), where),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # float(10**400)
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
         check_consistent(manifest, where)
         return manifest
@@ -429,3 +436,10 @@ def _crc_of(body: dict[str, Any]) -> int:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number a manifest holds")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: the encoder the checksum is taken with refuses it
+        raise ValueError(f"{text} is not a number a manifest holds")
+    return value
