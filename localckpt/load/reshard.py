@@ -97,15 +97,16 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
                      list(t.layout.offset), list(t.tensor.shape)]
                  for p, t in (target.paths() or {}).items() if t.layout is not None}
-        manifests = {str(o): checked(o, ctx.store.read_manifest).to_json_dict()
+        # As the verified bytes, not a dict: no rank encodes a manifest again to check it.
+        manifests = {str(o): checked(o, ctx.store.read_manifest).encoded.decode()
                      for o, server in servers.items() if server == rank}
         return {"wants": wants, "manifests": manifests}
 
     started = time.monotonic()
     described = ctx.group.exchange(f"{step}: layouts", describe)
     laid_out = time.monotonic()
-    manifests = {int(o): ShardManifest.from_json_dict(doc, f"shard {o} of {step}")
-                 for d in described for o, doc in d["manifests"].items()}
+    manifests = {int(o): ShardManifest.from_json_bytes(text.encode(), f"shard {o} of {step}")
+                 for d in described for o, text in d["manifests"].items()}
     _check_one_save(manifests, step)
     old: dict[str, list[OldShard]] = defaultdict(list)
     for o, m in sorted(manifests.items()):
