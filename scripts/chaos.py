@@ -39,9 +39,10 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -115,12 +116,15 @@ def ci_scenarios() -> list[Scenario]:
     ]
     # A raise on one rank must fail that save on every rank alike, and training goes on. One in
     # retention (finalize) fails nothing: the save had already been agreed complete.
-    raises = [Scenario(f"raise on one rank at {point}", point, "raise",
-                       f"{point}:raise:rank={rank}:iteration=19", expect_restart=False,
-                       expect_failed=() if point == "finalize" else (19,))
-              for point, rank in (("staging", 1), ("local_write", 0), ("before_commit", 1),
-                                  ("replica_send", 0), ("replica_receive", 1),
-                                  ("after_commit", 0), ("finalize", 1))]
+    # Three to a job, one save each (a raise restarts nothing, so one job tries several): the
+    # saves of 9, 19 and 29 fail in turn, and 39 must still be complete everywhere.
+    raises = [Scenario(f"raise on one rank at {', '.join(p for p, _, _ in group)}", group[0][0],
+                       "raise", ";".join(f"{p}:raise:rank={r}:iteration={it}"
+                                         for p, r, it in group), expect_restart=False,
+                       expect_failed=tuple(it for p, _, it in group if p != "finalize"))
+              for group in ((("staging", 1, 9), ("local_write", 0, 19), ("before_commit", 1, 29)),
+                            (("replica_send", 0, 9), ("replica_receive", 1, 19),
+                             ("after_commit", 0, 29), ("finalize", 1, 39)))]
     raises += [  # at start-up every rank raises alike; the job restarts again and resumes
         Scenario("raise in find_latest after a restart", "find_latest", "raise",
                  "staging:kill:rank=1:iteration=29;find_latest:raise:rank=1:attempt=1"),
@@ -249,8 +253,31 @@ def random_scenarios(n: int, seed: int) -> list[Scenario]:
     return out
 
 
-def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
-                 deadline: float) -> Outcome:
+def first_run_of(sc: Scenario) -> tuple[tuple[str, ...], int] | None:
+    """The first run a scenario starts from (its arguments, its steps: to iteration 29 before
+    damage at rest, or to the end), or None."""
+    if not (sc.damage or sc.pre_args):
+        return None
+    return sc.args + sc.pre_args, SAVED[2] + 1 if sc.damage else STEPS
+
+
+def shareable(first: tuple[tuple[str, ...], int]) -> bool:
+    """A fault-free first run whose state at rest any scenario may copy: none of its arguments
+    names the scenario's own directory or bucket prefix."""
+    return not any("{" in a for a in first[0])
+
+
+def run_first(first: tuple[tuple[str, ...], int], work: Path, timeout: float,
+              deadline: float) -> str | None:
+    """Run a fault-free first run into ``work``; what went wrong, or None."""
+    work.mkdir(parents=True, exist_ok=True)
+    args = tuple(substitute(a, work) for a in first[0])
+    return Job(work, first[1], timeout, args=args).run(deadline, wipe_lost=False)
+
+
+def run_scenario(sc: Scenario, base: Path, reference: Future[str], timeout: float,
+                 deadline: float, shared: dict[Any, tuple[Path, Future[str | None]]]) -> Outcome:
+    """Run one scenario (after its first run: shared and copied, or its own) and judge it."""
     work = base / f"scn-{abs(hash(sc.name)) % 10**8}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -258,11 +285,16 @@ def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
     pre = None
     error = None
     args = tuple(substitute(a, work) for a in sc.args)
-    if sc.damage or sc.pre_args:  # a first run, to iteration 29 (damage) or to the end
-        pre_steps = SAVED[2] + 1 if sc.damage else STEPS
-        error = Job(work, pre_steps, timeout, args=args + sc.pre_args).run(
-            deadline, wipe_lost=False)
-        pre = sc.expect_resume if sc.expect_resume is not None else pre_steps - 1
+    first = first_run_of(sc)
+    if first is not None:
+        if first in shared:  # the same fault-free state at rest: a copy of it
+            ready, done = shared[first]
+            error = done.result()
+            if error is None:
+                shutil.copytree(ready, work, symlinks=True, dirs_exist_ok=True)
+        else:
+            error = run_first(first, work, timeout, deadline)
+        pre = sc.expect_resume if sc.expect_resume is not None else first[1] - 1
         if error is None and sc.damage:
             error = damage_at_rest(work, sc.damage)
     job = Job(work, STEPS, timeout, sc.faults, args=args)
@@ -276,7 +308,7 @@ def run_scenario(sc: Scenario, base: Path, reference: str, timeout: float,
     if watcher is not None:
         watcher.join()
         error = error or (during[0] if during else "the operator never ran gc")
-    outcome = check(sc, work, reference, pre, error, started)
+    outcome = check(sc, work, reference.result(), pre, error, started)
     outcome.relaunches = job.relaunches
     return outcome
 
@@ -304,19 +336,37 @@ def main() -> int:
 
         server = S3Server((BUCKET,))
         os.environ.update(server.env)  # every job's ranks reach it
+    print(f"chaos: {len(scenarios)} scenarios, {NODES} nodes x 1 rank, {STEPS} steps, "
+          f"async save every {SAVE_EVERY} with node_spread F=2, timeout {a.timeout:g}s")
     try:
         ref_work = base / "reference"
-        ref_work.mkdir(parents=True, exist_ok=True)
-        error = Job(ref_work, STEPS, a.timeout).run(a.deadline, wipe_lost=False)
-        if error:
-            print(f"the fault-free reference run failed: {error}")
-            return 1
-        reference = json.loads((ref_work / "out" / "rank0.json").read_text())["digest"]
-        print(f"chaos: {len(scenarios)} scenarios, {NODES} nodes x 1 rank, {STEPS} steps, "
-              f"async save every {SAVE_EVERY} with node_spread F=2, timeout {a.timeout:g}s")
+
+        def reference_run() -> str:
+            error = run_first(((), STEPS), ref_work, a.timeout, a.deadline)
+            if error:
+                raise RuntimeError(f"the fault-free reference run failed: {error}")
+            return str(json.loads((ref_work / "out" / "rank0.json").read_text())["digest"])
+
+        # The pool takes work in order: the reference and the shared first runs start before
+        # any scenario that waits for them, and the longest scenarios before the short ones.
         with ThreadPoolExecutor(a.jobs) as pool:
-            outcomes = list(pool.map(lambda s: run_scenario(s, base, reference, a.timeout,
-                                                            a.deadline), scenarios))
+            reference = pool.submit(reference_run)
+            firsts = [f for f in map(first_run_of, scenarios) if f is not None]
+            shared = {}
+            for i, first in enumerate(dict.fromkeys(f for f in firsts if shareable(f))):
+                if firsts.count(first) > 1:
+                    ready = base / f"first-{i}"
+                    shared[first] = (ready, pool.submit(run_first, first, ready, a.timeout,
+                                                        a.deadline))
+            ordered = sorted(scenarios, key=lambda s: (s.kind != "slow_rank",
+                                                       first_run_of(s) is None))
+            futures = {s.name: pool.submit(run_scenario, s, base, reference, a.timeout,
+                                           a.deadline, shared) for s in ordered}
+            try:
+                outcomes = [futures[s.name].result() for s in scenarios]
+            except RuntimeError as exc:
+                print(exc)
+                return 1
     finally:
         if server is not None:
             server.stop()
