@@ -9,7 +9,7 @@ rm -rf .whl && mkdir .whl
 PY=.venv/bin/python
 pins=$("$PY" - <<'PY'
 from importlib.metadata import version
-names = ["zarr", "numcodecs", "donfig", "google-crc32c", "crc32c", "awscrt", "nvidia-ml-py",
+names = ["zarr", "numcodecs", "donfig", "google-crc32c", "crc32c", "crc32c-rs", "nvidia-ml-py",
          "pyyaml", "typing_extensions", "packaging", "pytest", "pluggy", "iniconfig"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY

@@ -35,13 +35,50 @@ def test_same_value_as_the_crc32c_package_whole_and_continued(name: str) -> None
     assert checksum.crc32c(data[half:], checksum.crc32c(data[:half])) == whole  # type: ignore[index]
 
 
-def test_the_fallback_is_taken_on_request() -> None:
+def _run_with(name: str) -> subprocess.CompletedProcess[str]:
     code = ("from localckpt.storage import checksum; "
             "print(checksum.IMPLEMENTATION, checksum.crc32c(b'123456789'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "LOCALCKPT_CRC32C": "crc32c"}).stdout
-    assert out.split() == ["crc32c", str(0xE3069283)]  # the check value of CRC-32C
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "LOCALCKPT_CRC32C": name})
+
+
+@pytest.mark.parametrize("name", checksum.CANDIDATES)
+def test_each_installed_implementation_is_taken_on_request(name: str) -> None:
+    if name != "crc32c" and checksum._load(name) is None:
+        pytest.skip(f"{name} is not installed here")
+    out = _run_with(name)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [name, str(0xE3069283)]  # the check value of CRC-32C
     assert checksum.crc32c(np.frombuffer(b"123456789", dtype=np.uint8)) == 0xE3069283
+
+
+def test_an_unknown_implementation_is_a_clear_error() -> None:
+    out = _run_with("zlib")
+    assert out.returncode != 0
+    assert "LOCALCKPT_CRC32C: expected one of crc32c_rs, awscrt, crc32c" in out.stderr
+    assert "got 'zlib'" in out.stderr
+
+
+def test_an_implementation_that_disagrees_or_fails_is_passed_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate whose values differ from the package's on any length (a broken build, an
+    API that changed) is not used: the next one is."""
+    import types
+
+    def wrong_on_long(data: object, value: int = 0) -> int:
+        v = package.crc32c(data, value)
+        return v ^ 1 if len(data) > 4096 else v  # type: ignore[arg-type]
+
+    def raises(data: object, value: int = 0) -> int:
+        raise TypeError("value must be keyword")
+
+    assert checksum._agrees(package.crc32c)
+    assert not checksum._agrees(wrong_on_long) and not checksum._agrees(raises)
+    for bad in (wrong_on_long, raises):
+        monkeypatch.setitem(sys.modules, "crc32c_rs", types.SimpleNamespace(crc32c=bad))
+        monkeypatch.setitem(sys.modules, "awscrt.checksums", None)  # as if not installed
+        monkeypatch.delenv("LOCALCKPT_CRC32C", raising=False)
+        assert checksum._choose()[0] == "crc32c"
 
 
 def test_text_is_refused_whichever_implementation() -> None:
