@@ -72,9 +72,17 @@ def test_an_implementation_that_disagrees_or_fails_is_passed_over(
     def raises(data: object, value: int = 0) -> int:
         raise TypeError("value must be keyword")
 
+    def wrong_on_a_window(data: object, value: int = 0) -> int:
+        v = package.crc32c(data, value)
+        return v ^ 1 if len(data) >= 1 << 20 else v  # type: ignore[arg-type]
+
+    def numpy_ints(data: object, value: int = 0) -> int:
+        return np.uint32(package.crc32c(data, value))  # type: ignore[return-value]
+
     assert checksum._agrees(package.crc32c)
-    assert not checksum._agrees(wrong_on_long) and not checksum._agrees(raises)
-    for bad in (wrong_on_long, raises):
+    bad_ones = (wrong_on_long, raises, wrong_on_a_window, numpy_ints)
+    assert not any(map(checksum._agrees, bad_ones))
+    for bad in bad_ones:
         monkeypatch.setitem(sys.modules, "crc32c_rs", types.SimpleNamespace(crc32c=bad))
         monkeypatch.setitem(sys.modules, "awscrt.checksums", None)  # as if not installed
         monkeypatch.delenv("LOCALCKPT_CRC32C", raising=False)
