@@ -62,14 +62,18 @@ are those of 4 processes on 2 cores, noisier and lower per rank than for 2.
 - **`load(into=...)`** reads into the caller's tensors (a restart that built its model first),
   against a raw read into preallocated memory on one thread. It also checks every chunk's CRC-32C,
   a 1 MiB window at a time while the window is in the cache. On one core (every rank here has
-  about one) that costs read + checksum: with awscrt's CRC-32C (25 GB/s on a core here) about
-  1.3x a read, with the crc32c package's (16 GB/s) 1.45x (both measured interleaved in the same
-  two processes: 1.26x and 1.45x). 1.2 needs a checksum about twice as fast again, or cores the
-  reads do not use. Against `load` into fresh tensors it saves the page faults of a second copy.
+  about one) that costs read + checksum. A 1 MiB window in the cache is checked at 85 GB/s by
+  crc32c-rs, 64 by awscrt, 32 by the crc32c package (one core here); two processes loading
+  256 MiB each at once took 1.15-1.17x a raw read with crc32c-rs, 1.23-1.24x with awscrt,
+  1.45x with the crc32c package (interleaved in the same two processes). Run to run, this
+  machine's raw reads vary by more than that difference (the bench's steps at 64 and 256 MiB,
+  run twice with each implementation: the same within their spread). Small shards pay fixed
+  costs (the manifest, the plan) that no checksum removes. Against `load` into fresh tensors it
+  saves the page faults of a second copy.
 - **Many small tensors** cost Python work per tensor, not bandwidth: about 1.5 µs to stage one
   (a memmove each), 1.2 µs to walk the state dict, 1 µs to describe it in the manifest; a load
-  parses 3-4 µs of manifest JSON per tensor (the manifest's own CRC-32C is over its canonical
-  JSON) and allocates one tensor each.
+  parses about 2.5 µs of manifest JSON per tensor (its CRC-32C is checked over the bytes as
+  written, no longer over a second encoding) and allocates one tensor each.
 """
 
 
