@@ -17,6 +17,7 @@ from typing import Any
 from chaos_job import HERE, NODES, SAVED, events
 
 from localckpt.control.coverage import complete_from_listings
+from localckpt.ops.faults import fired_marker
 from localckpt.ops.faults import parse as parse_faults
 from localckpt.storage.layout import list_shards
 from replication import parity_slot
@@ -236,8 +237,8 @@ def check(sc: Any, work: Path, reference: str, pre_iteration: int | None,
             sc.args[sc.args.index("--durable") + 1], work))
     # Every fault the scenario armed fired (its once-per-job marker): a scenario whose fault
     # never fired would pass without having tried anything.
-    silent = [f"{f.point}:{f.action}" for f in parse_faults(sc.faults) if not (
-        work / f"fired-{f.point}-{f.action}-{f.rank}-{f.iteration}-{f.attempt}").exists()]
+    silent = [f"{f.point}:{f.action}" for f in parse_faults(sc.faults)
+              if not (work / fired_marker(f)).exists()]
     if silent and not error:
         violations.append(f"armed faults that never fired: {silent}")
     return Outcome(sc.name, sc.point, sc.kind, expected, resumed, identical, round(recovery, 2),

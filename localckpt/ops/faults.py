@@ -131,12 +131,16 @@ def fault_point(point: str, rank: int, iteration: int | None = None) -> None:
             return
 
 
+def fired_marker(fault: Fault) -> str:
+    """The name of the file that says ``fault`` fired, in ``LOCALCKPT_FAULTS_ONCE_DIR``."""
+    return f"fired-{fault.point}-{fault.action}-{fault.rank}-{fault.iteration}-{fault.attempt}"
+
+
 def _first_in_job(fault: Fault) -> bool:
     once_dir = os.environ.get("LOCALCKPT_FAULTS_ONCE_DIR")
     if not once_dir:
         return True
-    marker = os.path.join(once_dir, f"fired-{fault.point}-{fault.action}-{fault.rank}-"
-                                    f"{fault.iteration}-{fault.attempt}")
+    marker = os.path.join(once_dir, fired_marker(fault))
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

@@ -24,6 +24,7 @@ from typing import Any
 import crc32c as _package
 
 CANDIDATES = ("crc32c_rs", "awscrt", "crc32c")  # fastest first
+_MODULES = {"crc32c_rs": "crc32c_rs", "awscrt": "awscrt.checksums"}  # each one's crc32c
 
 
 def _load(name: str) -> Callable[[Any, int], int] | None:
@@ -31,8 +32,7 @@ def _load(name: str) -> Callable[[Any, int], int] | None:
     if name == "crc32c":
         return _package.crc32c
     try:
-        module = importlib.import_module("crc32c_rs" if name == "crc32c_rs" else
-                                         "awscrt.checksums")
+        module = importlib.import_module(_MODULES[name])
     except Exception:  # not installed, or a native module that fails to load: the next one
         return None
     f = getattr(module, "crc32c", None)

@@ -209,7 +209,7 @@ class ShardManifest:
 
     def to_json_dict(self) -> dict[str, Any]:
         body = self._body()
-        return {"manifest": body, "crc32c": int(crc32c(_canonical(body)))}
+        return {"manifest": body, "crc32c": _crc_of(body)}
 
     def _body(self) -> dict[str, Any]:
         # Built by hand: dataclasses.asdict deep-copies the hollow structure and every entry
