@@ -355,3 +355,17 @@ def test_a_parity_block_of_another_save_makes_no_iteration_complete_for_gc(
     roots[1].mkdir()
     rows = cli_json(capsys, "ls", *map(str, roots))
     assert [(r["iteration"], r["complete"]) for r in rows] == [(7, False)]
+
+
+def test_a_forged_deeply_nested_manifest_is_one_line_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    root = tmp_path / "node0"
+    _shard(root, 1, 0, 1)
+    forged = _shard(root, 2, 0, 1)
+    (forged / "zarr.json").write_text("[" * 200_000 + "]" * 200_000)
+    code, _, err = run_cli(capsys, "inspect", str(forged))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and str(forged) in err
+    code, out, _ = run_cli(capsys, "ls", str(root))  # the listing goes on without its metrics
+    assert code == 0 and [line.split()[1] for line in out.splitlines()[1:]] == ["1", "2"]
+    code, out, _ = run_cli(capsys, "gc", "--dry-run", "--keep-last", "1", str(root))
+    assert code == 0

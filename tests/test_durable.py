@@ -574,3 +574,24 @@ def test_a_fetch_given_up_never_commits_later(root: Path, tmp_path: Path,
         release.set()
         tier.close()
         fresh.close()
+
+
+def test_a_forged_deeply_nested_record_is_corrupt_not_a_recursion_error(
+        root: Path, tmp_path: Path) -> None:
+    from localckpt.errors import CorruptShardError
+    from localckpt.storage.durable import PROGRESS_DIR, commit_path
+
+    with LocalCheckpointManager(root, durable=DurableTier(tmp_path / "d")) as mgr:
+        mgr.save({"w": torch.ones(2)}, 1)
+        assert mgr.wait_for_persist(30)
+    tier = DurableStore(tmp_path / "d", "", 0)
+    try:
+        deep = "[" * 200_000 + "]" * 200_000
+        commit_path(tmp_path / "d", "", 1, 1).write_text(deep)
+        with pytest.raises(CorruptShardError, match="no valid commit record"):
+            tier.commit_record(1, 1)
+        tier.mark_progress(0, "run", 1)
+        (tmp_path / "d" / "_default" / PROGRESS_DIR / "rank_00000.json").write_text(deep)
+        assert tier.progress(0, "run") == -1
+    finally:
+        tier.close()

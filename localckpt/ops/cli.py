@@ -43,6 +43,7 @@ from ..storage.layout import (
 )
 from ..storage.manifest import ShardManifest
 from ..storage.session_lock import SessionLock
+from ..storage.shard_reader import parse_manifest_file
 from ..storage.store import ShardStore
 from . import cli_object
 from .cli_doctor import cmd_doctor
@@ -72,13 +73,14 @@ def _size(path: Path) -> int:
 
 
 def _read_manifest(shard: Path) -> ShardManifest:
+    """The shard's manifest, read and verified as a load reads it; raises UsageError for a
+    missing or unreadable file, CorruptShardError for anything else wrong with it."""
+    path = shard / "zarr.json"
     try:
-        doc = json.loads((shard / "zarr.json").read_text())
-    except (OSError, ValueError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise UsageError(f"{shard}: not a localckpt shard (no readable zarr.json: {exc})") from exc
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
-    return ShardManifest.from_json_dict(attrs.get("localckpt") if isinstance(attrs, dict)
-                                        else None, str(shard / "zarr.json"))
+    return parse_manifest_file(data, str(path))
 
 
 def _bucket(roots: Sequence[str]) -> str | None:

@@ -313,7 +313,7 @@ class DurableStore:
         (no record, or another run's)."""
         try:
             doc = json.loads(self.backend.read(f"{PROGRESS_DIR}/rank_{rank:05d}.json"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # nesting deeper than the parser's stack
             return -1
         ok = isinstance(doc, dict) and doc.get("run") == run and type(doc.get("iteration")) is int
         return int(doc["iteration"]) if ok else -1
@@ -367,7 +367,7 @@ class DurableStore:
         key = _commit_key(iteration, world_size)
         try:
             doc = json.loads(self.backend.read(key))
-        except (FileNotFoundError, ValueError) as exc:  # the store's other errors: as they are
+        except (FileNotFoundError, ValueError, RecursionError) as exc:  # others: as they are
             raise CorruptShardError(f"{self.root}/{key}: no valid commit record: "
                                     f"{exc}") from exc
         if not (isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT
