@@ -109,9 +109,39 @@ def test_gc_removes_other_world_sizes_when_asked(capsys: pytest.CaptureFixture[s
                                                  root: Path) -> None:
     with LocalCheckpointManager(root) as mgr:
         mgr.save(make_state(0, 1), 1)
-    assert cli_json(capsys, "gc", str(root), "--session", "", "--world-size", "4")["removed"] == [
+    for owner in (0, 1):  # the job at its new world size saved iteration 2
+        _shard(root, 2, owner, 2, session="")
+    assert cli_json(capsys, "gc", str(root), "--session", "", "--world-size", "2")["removed"] == [
         str(root / "_default" / "iter_0000000001" / "rank_00000_of_00001")]
-    assert main(["ls", str(root)]) == 2  # nothing left: a clear error, not an empty table
+    assert [(r["iteration"], r["world_size"]) for r in cli_json(capsys, "ls", str(root))] == [
+        (2, 2)]
+
+
+@pytest.mark.parametrize("world", ["4", "0", "-1"])
+def test_gc_world_size_without_a_complete_iteration_of_it_removes_nothing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, world: str) -> None:
+    """A typo in --world-size must not take the session's only checkpoints with it (a job of
+    another world size can still load them, resharded)."""
+    root = tmp_path / "node0"
+    for it in (100, 200):
+        for owner in (0, 1):
+            _shard(root, it, owner, 2)
+    code, _, err = run_cli(capsys, "gc", str(root), "--session", "job", "--world-size", world)
+    assert code == 2 and "--world-size" in err and "nothing removed" in err, err
+    assert [r["iteration"] for r in cli_json(capsys, "ls", str(root))] == [100, 200]
+
+
+def test_gc_world_size_keeps_what_is_newer_than_that_world_size_has(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    root = tmp_path / "node0"
+    _shard(root, 1, 0, 1)
+    _shard(root, 3, 0, 1)  # newer than anything of world size 2: maybe what a job goes back to
+    for owner in (0, 1):
+        _shard(root, 2, owner, 2)
+    assert cli_json(capsys, "gc", str(root), "--session", "job", "--world-size", "2")[
+        "removed"] == [str(root / "job" / "iter_0000000001" / "rank_00000_of_00001")]
+    assert [(r["iteration"], r["world_size"]) for r in cli_json(capsys, "ls", str(root))] == [
+        (2, 2), (3, 1)]
 
 
 def test_doctor_reports_storage_gpus_versions_and_warns_on_small_roots(
@@ -243,13 +273,14 @@ def test_gc_world_size_is_scoped_to_one_session(capsys: pytest.CaptureFixture[st
     """Two jobs share a root: removing one job's old world size must not touch the other's."""
     root = tmp_path / "node0"
     _shard(root, 1, 0, 2, session="old")
+    _shard(root, 2, 0, 1, session="old")
     _shard(root, 5, 0, 1, session="other")
     code, _, err = run_cli(capsys, "gc", str(root), "--world-size", "1")
     assert code == 2 and "--session" in err
     assert cli_json(capsys, "gc", str(root), "--session", "old", "--world-size", "1")[
         "removed"] == [str(root / "old" / "iter_0000000001" / "rank_00000_of_00002")]
     assert [(r["session"], r["iteration"]) for r in cli_json(capsys, "ls", str(root))] == [
-        ("other", 5)]
+        ("old", 2), ("other", 5)]
 
 
 @pytest.mark.parametrize("argv", [["--keep-last", "0"], ["--keep-last", "-1"]])

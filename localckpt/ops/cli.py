@@ -299,20 +299,23 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
              dry_run: bool) -> list[Path]:
     """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``)."""
     shards = {root: list_shards(root, session) for root in roots}
+    worlds = sorted({s.world_size for refs in shards.values() for s in refs})
+    complete_of = {world: _complete(roots, session, shards, world) for world in worlds}
     doomed: list[tuple[Path, ShardRef]] = []
-    for world in sorted({s.world_size for refs in shards.values() for s in refs}):
+    if world_size is not None:
+        newest = max(complete_of.get(world_size, []), default=None)
+        if newest is None:  # a typo must not take the only checkpoints (loadable resharded)
+            seen = ", ".join(f"{w} (complete: {complete_of[w][:3] or 'none'})" for w in worlds)
+            raise UsageError(f"--world-size {world_size}: session {session!r} has no complete "
+                             f"iteration of that world size in view (world sizes: "
+                             f"{seen or 'none'}); nothing removed")
+        # another world size's shards go once that world size has a newer complete iteration
+        doomed += [(root, s) for root, refs in shards.items() for s in refs
+                   if s.world_size != world_size and s.iteration < newest]
+    for world in worlds:
         if world_size is not None and world != world_size:
-            doomed += [(root, s) for root, refs in shards.items() for s in refs
-                       if s.world_size == world]
             continue
-        listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
-                    for refs in shards.values()]
-        complete = sorted(set(complete_from_listings(listings, world)) | rebuildable_iterations(
-            (s for refs in shards.values() for s in refs), world, _read_manifest), reverse=True)
-        seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
-        committed = _committed(roots, session, seen_its, world)
-        if committed is not None:  # a durable tier: complete only once committed as a job
-            complete = [it for it in complete if it in committed]
+        complete = complete_of[world]
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
             meta = _metadata(shards, world) if policy.needs_metadata else {}
@@ -340,6 +343,21 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
             finally:
                 store.close()
     return leftovers + [ref.path for _, ref in doomed]
+
+
+def _complete(roots: list[Path], session: str, shards: dict[Path, list[ShardRef]],
+              world: int) -> list[int]:
+    """The iterations of ``world`` complete across ``roots`` (held or rebuildable from parity
+    blocks; with a durable tier, committed there too), newest first."""
+    listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
+                for refs in shards.values()]
+    complete = sorted(set(complete_from_listings(listings, world)) | rebuildable_iterations(
+        (s for refs in shards.values() for s in refs), world, _read_manifest), reverse=True)
+    seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
+    committed = _committed(roots, session, seen_its, world)
+    if committed is not None:  # a durable tier: complete only once committed as a job
+        complete = [it for it in complete if it in committed]
+    return complete
 
 
 def _metadata(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
@@ -383,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only this session ('' is the default session); required with "
                          "--world-size")
     gc.add_argument("--world-size", type=int, default=None,
-                    help="also remove shards of the session written by a job of another world "
-                         "size")
+                    help="also remove the session's shards of other world sizes that are older "
+                         "than its newest iteration complete at this world size")
     gc.add_argument("--dry-run", action="store_true")
     doc = sub.add_parser("doctor", help="check the node: storage, GPUs, versions")
     doc.add_argument("--root", default="/dev/shm")
