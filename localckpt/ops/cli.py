@@ -305,10 +305,10 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
     if world_size is not None:
         newest = max(complete_of.get(world_size, []), default=None)
         if newest is None:  # a typo must not take the only checkpoints (loadable resharded)
-            seen = ", ".join(f"{w} (complete: {complete_of[w][:3] or 'none'})" for w in worlds)
+            found = ", ".join(f"{w} (complete: {complete_of[w][:3] or 'none'})" for w in worlds)
             raise UsageError(f"--world-size {world_size}: session {session!r} has no complete "
                              f"iteration of that world size in view (world sizes: "
-                             f"{seen or 'none'}); nothing removed")
+                             f"{found or 'none'}); nothing removed")
         # another world size's shards go once that world size has a newer complete iteration
         doomed += [(root, s) for root, refs in shards.items() for s in refs
                    if s.world_size != world_size and s.iteration < newest]
