@@ -64,3 +64,39 @@ def test_gc_keep_every_matches_the_library(capsys: pytest.CaptureFixture[str],
     cli_json(capsys, "gc", str(node0), str(node1), "--keep-last", "1", "--keep-every", "4")
     assert sorted({it for it, _ in _present(node0, node1)}) == [4, 8]
     assert KeepPolicy(1, 4).keep(range(1, 9)) == {4, 8}
+
+
+@pytest.mark.parametrize("stray", ["rank_00003_of_00001", "rank_00000_of_00000"])
+def test_a_stray_shard_name_no_job_could_write_does_not_stop_retention(root: Path,
+                                                                       stray: str) -> None:
+    with LocalCheckpointManager(root, keep_last=1) as mgr:
+        mgr.save({"w": torch.ones(4)}, 1)
+        (root / "_default" / "iter_0000000001" / stray).mkdir()
+        for it in range(2, 5):
+            mgr.save({"w": torch.full((4,), float(it))}, it)
+    shards = sorted(p.relative_to(root / "_default").as_posix()
+                    for p in root.glob("_default/iter_*/rank_*"))
+    assert shards == [f"iter_0000000001/{stray}", "iter_0000000004/rank_00000_of_00001"]
+    with LocalCheckpointManager(root) as mgr:
+        assert mgr.find_latest() == 4
+
+
+def test_one_shard_that_cannot_be_deleted_does_not_keep_the_others(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from localckpt.storage.store import ShardStore
+
+    real = ShardStore.delete
+
+    def busy_for_1(self: ShardStore, ref: object, background: bool = False) -> None:
+        if getattr(ref, "iteration", None) == 1:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real(self, ref, background)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShardStore, "delete", busy_for_1)
+    with LocalCheckpointManager(root, keep_last=1) as mgr:
+        for it in range(1, 5):
+            mgr.save({"w": torch.full((4,), float(it))}, it)
+    assert sorted(p.name for p in root.glob("_default/iter_*")) == [
+        "iter_0000000001", "iter_0000000004"]

@@ -115,8 +115,12 @@ class Retainer:
                 if self.any_world else None
             for it, owner, world in shards_to_delete(inventories[ctx.rank], keep,
                                                      ctx.world_size, lineage):
-                ctx.store.delete(ctx.store.ref(it, owner, world),
-                                 background=True)
+                try:  # one shard that cannot go (EBUSY, EACCES) must not keep the others
+                    ctx.store.delete(ctx.store.ref(it, owner, world), background=True)
+                except Exception:
+                    logger.exception("rank %d: deleting shard (iteration %d, owner %d, world "
+                                     "%d) failed; retried after the next save", ctx.rank, it,
+                                     owner, world)
             ctx.store.remove_leftovers(background=True)
         except Exception:
             logger.exception("rank %d: retention after a finalized save failed; it is retried "

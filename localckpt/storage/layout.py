@@ -75,8 +75,8 @@ def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_si
             return (session_dir(root, session_id) / f"iter_{iteration:010d}"
                     / f"parity_{stripe:05d}_{block:02d}_of_{world_size:05d}")
     if not (1 <= world_size <= MAX_WORLD_SIZE and 0 <= owner < world_size):
-        raise ValueError(f"rank {owner} of world size {world_size}: expected a world size of at "
-                         f"most {MAX_WORLD_SIZE} (5 digits in the directory name)")
+        raise ValueError(f"rank {owner} of world size {world_size}: expected 0 <= rank < world "
+                         f"size <= {MAX_WORLD_SIZE} (5 digits in the directory name)")
     return (session_dir(root, session_id) / f"iter_{iteration:010d}"
             / f"rank_{owner:05d}_of_{world_size:05d}")
 
@@ -94,7 +94,8 @@ def list_iterations(root: Path, session_id: str) -> list[int]:
 
 def list_shards(root: Path, session_id: str) -> list[ShardRef]:
     """Committed shards and parity blocks of ``session_id`` under ``root``, sorted. Never raises
-    for a missing root or stray files; ignores temporary and trash directories."""
+    for a missing root or stray files; ignores temporary and trash directories, and names no job
+    writes (a rank not below its world size: nothing could address, or remove, it)."""
     out = []
     base = session_dir(root, session_id)
     for it_entry in _scandir(base):
@@ -104,7 +105,7 @@ def list_shards(root: Path, session_id: str) -> list[ShardRef]:
         for entry in _scandir(Path(it_entry.path)):
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            if s := _SHARD_RE.fullmatch(entry.name):
+            if (s := _SHARD_RE.fullmatch(entry.name)) and int(s[1]) < int(s[2]):
                 out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
             elif (p := _PARITY_RE.fullmatch(entry.name)) and int(p[1]) < int(p[3]):
                 out.append(ShardRef(int(m[1]), parity_slot(int(p[1]), int(p[2])), int(p[3]),
