@@ -503,3 +503,27 @@ def test_a_replicating_strategy_on_one_machine_warns_and_saves_without_replicas(
         loaded, ckpt = mgr.load()
     assert ckpt[0] == 1 and digest(loaded) == digest(make_state(0, 1))
     assert "needs 2 nodes, the job has 1" in caplog.text and "losing it loses" in caplog.text
+
+
+def test_a_manager_starting_beside_a_live_one_leaves_its_writes_alone(root: Path) -> None:
+    """A second process of the session on this node (an evaluation job that loads the latest
+    checkpoint) must not remove a live writer's temporary directory: that writer would then
+    commit a shard whose chunk files are gone."""
+    from localckpt.storage.layout import session_dir
+    from localckpt.storage.session_lock import SessionLock
+
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(make_state(0, 1), 1)
+    it = root / "s" / "iter_0000000002"
+    live = it / ".tmp-rank_00000_of_00001-w00000-0123456789ab"
+    (live / "data" / "c").mkdir(parents=True)
+    (live / "data" / "c" / "0").write_bytes(b"x")
+    holder = SessionLock(session_dir(root, "s"), exclusive=False)  # the live job's manager
+    try:
+        with LocalCheckpointManager(root, "s") as second:
+            assert (live / "data" / "c" / "0").exists()
+            assert second.find_latest() == 1
+    finally:
+        holder.release()
+    with LocalCheckpointManager(root, "s"):  # alone again: the leftover goes
+        assert not live.exists()

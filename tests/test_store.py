@@ -467,3 +467,23 @@ def test_a_manifest_file_with_more_than_its_checksum_covers_is_sent_as_verified(
         nested = [nested]
     with pytest.raises(CorruptShardError, match="cannot be checked"):
         ShardManifest.from_json_dict({"manifest": {"x": nested}, "crc32c": 0}, "peer")
+
+
+def test_a_shard_whose_chunk_files_vanished_while_written_is_not_committed(
+        store: ShardStore, root: Path) -> None:
+    from localckpt.errors import CorruptShardError
+
+    chunk_nbytes, count = chunking(20_000, store.chunk_nbytes)
+    manifest = ShardManifest(store.session_id, 4, 0, 1, (), {"dict": []}, "plain", 20_000,
+                             chunk_nbytes, count, ())
+    payload = torch.zeros(chunk_nbytes * count, dtype=torch.uint8)
+    writer = store.begin_write(manifest)
+    view = memoryview(payload.numpy())
+    for i in range(count):
+        writer.submit_chunk(i, view[i * chunk_nbytes : (i + 1) * chunk_nbytes])
+    writer.wait_chunk(count - 1)
+    writer.wait_chunk(1)
+    (writer.tmp / "data" / "c" / "1").unlink()  # another process's cleanup got to it
+    with pytest.raises(CorruptShardError, match="chunk files"):
+        store.commit(writer)
+    assert list_shards(root, "sess") == [] and not writer.tmp.exists()

@@ -25,7 +25,7 @@ from replication import (
     owners_without_remote_copy,
 )
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SessionInUseError
 from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
 from ..storage.layout import remove_leftovers, session_dir
 from ..storage.session_lock import SessionLock
@@ -42,9 +42,10 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
     chunk files too, unless this job ``recycle``s: its first save then writes over them).
     Returns what the other ranks need to know (node name, identity of the root) and the lock.
 
-    Removing any writer's leftovers is safe only here: no rank of this job writes before this
-    exchange completes, and ranks move between nodes when a node is replaced, so a leftover's
-    writer may now live elsewhere.
+    Removing any writer's leftovers is safe only here, and only alone: no rank of this job
+    writes before this exchange completes, ranks move between nodes when a node is replaced (a
+    leftover's writer may now live elsewhere), but another live process of the session (an
+    evaluation job loading the latest) may be writing now.
     """
     try:
         make_private_dirs(root)
@@ -57,9 +58,20 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
     session = session_dir(root, session_id)
     make_private_dir(session)
     check_safe_dir(session, "session directory", allow_unsafe)
-    lock = SessionLock(session, exclusive=False, wait=lock_wait)
+    try:  # alone in the session on this node: no other process can be writing in it
+        lock = SessionLock(session, exclusive=True)
+    except SessionInUseError:  # a live manager (node mate, another job) or gc: its writes stay
+        lock = SessionLock(session, exclusive=False, wait=lock_wait)
+        logger.info("%s is in use by another process: crash leftovers are left to a start "
+                    "alone in it, or to localckpt gc", session)
+    else:
+        try:
+            remove_leftovers(session, None, keep_recycled=recycle)
+            lock.share()
+        except BaseException:
+            lock.release()
+            raise
     try:
-        remove_leftovers(session, None, keep_recycled=recycle)
         st = os.stat(root)
     except BaseException:
         lock.release()

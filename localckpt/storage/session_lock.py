@@ -38,11 +38,18 @@ class SessionLock:
                     self.release()
                     holder = ("a running job (a LocalCheckpointManager of this session is live "
                               "on this node)" if exclusive else
-                              "an operator command (localckpt gc) that is deleting in it")
+                              "an operator command (localckpt gc) that is deleting in it, "
+                              "or a starting manager removing crash leftovers")
                     raise SessionInUseError(
                         f"session directory {session_path} is in use by {holder}; try again "
                         "when it has finished") from None
                 time.sleep(0.05)
+
+    def share(self) -> None:
+        """Turn an exclusive lock into a shared one (another start waiting for a shared lock
+        may get in first: flock converts by releasing, then taking)."""
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self._fd is not None:

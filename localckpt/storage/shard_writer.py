@@ -185,6 +185,7 @@ class ShardWriter:
             if crcs != manifest.chunk_crc32c:
                 manifest = replace(manifest, chunk_crc32c=crcs)
             tmp = self.tmp
+            self._check_chunk_files()
             _write_file(tmp / "data" / "zarr.json",
                         json.dumps(array_metadata(manifest.chunk_nbytes,
                                                   manifest.chunk_count)).encode())
@@ -202,6 +203,17 @@ class ShardWriter:
             raise
         self.manifest = manifest
         return self.final
+
+    def _check_chunk_files(self) -> None:
+        """Every chunk file written is still there, and nothing else: another process's cleanup
+        (a second manager of the session on this node) must never make a shard with holes."""
+        names = set(os.listdir(self.tmp / "data" / "c"))
+        count = self.manifest.chunk_count
+        if len(names) != count or names != {str(i) for i in range(count)}:
+            raise CorruptShardError(
+                f"{self.final}: {len(names & {str(i) for i in range(count)})} of {count} chunk "
+                f"files are in {self.tmp / 'data' / 'c'} (removed while written?); not "
+                "committed")
 
     def abort(self) -> None:
         for f in self._futures.values():
