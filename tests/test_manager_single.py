@@ -435,6 +435,27 @@ def test_the_receive_ring_is_reserved_whole() -> None:
                for k in range(ring.slots))
 
 
+def test_reserving_the_ring_never_writes_into_a_buffer_already_handed_out() -> None:
+    """``reserve`` may run while a load's write-back receives into the ring on its thread: a
+    buffer that thread was given must never be zeroed under it (a chunk checksummed, then
+    zeroed, then written would commit zeros under a matching trailer)."""
+    from localckpt.storage.peer_io import PieceRing
+
+    taken: list[torch.Tensor] = []
+
+    class Interleaved(PieceRing):
+        def slot(self, index: int, nbytes: int) -> torch.Tensor:
+            buf = super().slot(index, nbytes)
+            if not taken:  # the write-back thread takes the slot right now
+                taken.append(super().slot(index, nbytes).fill_(7))
+            return buf
+
+    ring = Interleaved(slots=1)
+    ring.reserve(4096)
+    assert all(bool((b == 7).all()) for b in taken)
+    assert ring.slot(0, 4096).numel() == 4096
+
+
 class BlockedDeletions:
     """The reaper's rmtree, held until :meth:`release` (or a safety timer) lets it go."""
 

@@ -58,12 +58,14 @@ class PieceRing:
         self._buffers = []
 
     def reserve(self, nbytes: int) -> None:
-        """Every slot at least ``nbytes`` now, its pages touched."""
+        """Every slot at least ``nbytes`` now, its pages touched. Safe beside a thread using
+        the ring (a load's write-back): a buffer is touched before it is put in its slot, and
+        one already handed out is never written here."""
         for k in range(self.slots):
-            before = self._buffers[k].numel() if k < len(self._buffers) else 0
-            buf = self.slot(k, nbytes)
-            if before < nbytes:
-                buf.zero_()
+            while len(self._buffers) <= k:
+                self._buffers.append(torch.empty(0, dtype=torch.uint8))
+            if self._buffers[k].numel() < nbytes:
+                self._buffers[k] = torch.zeros(nbytes, dtype=torch.uint8)
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         k = index % self.slots
