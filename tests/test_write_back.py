@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
 import write_back_scenarios as wb
 from dist_harness import run_ranks
 
@@ -92,3 +94,94 @@ def test_a_data_group_lost_in_the_write_back_fails_the_next_call_at_once(
         assert r.value["ok"]  # the load itself went well
         _, bases, msg = r.value["error"]
         assert "CollectiveError" in bases and "write-back of iteration 3" in msg, msg
+
+
+# ------------------------------------------------------------------ one rank, a fake context
+
+class _Group:
+    def __init__(self) -> None:
+        self.broken: BaseException | None = None
+
+    def exchange(self, step: str, local: Any, wait: float | None = None) -> list[Any]:
+        return [local()]  # a world of one answers for everyone
+
+    def mark_broken(self, exc: BaseException) -> None:
+        self.broken = exc
+
+
+class _Store:
+    def __init__(self, fail_quarantine: bool = False) -> None:
+        self.quarantined: list[Any] = []
+        self.fail_quarantine = fail_quarantine
+
+    def ref(self, it: int, owner: int, world: int) -> tuple[int, int, int]:
+        return (it, owner, world)
+
+    def quarantine(self, ref: Any) -> str:
+        if self.fail_quarantine:
+            raise PermissionError(13, "Permission denied")
+        self.quarantined.append(ref)
+        return f"/q/{ref}"
+
+
+def _ctx(store: _Store | None = None) -> Any:
+    import types
+    return types.SimpleNamespace(rank=0, world_size=2, timeout=1.0, store=store or _Store(),
+                                 ring=None, data_group=_Group(), group=_Group(),
+                                 topology=types.SimpleNamespace(same_node=lambda a, b: a == b))
+
+
+def test_a_shard_whose_only_copy_was_quarantined_is_reported_not_restored(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import localckpt.load.write_back as wbm
+    from localckpt.errors import CorruptShardError
+    from replication import schedule
+
+    calls: list[Any] = []
+
+    def corrupt_at_rank_0(plan: Any, group: Any, source: Any, sink: Any) -> list[Any]:
+        calls.append(plan.transfers)
+        return [(t, CorruptShardError("bad chunk")) for t in plan.transfers if t.src == 0]
+
+    monkeypatch.setattr(wbm, "run_transfers", corrupt_at_rank_0)
+    ctx = _ctx()
+    w = wbm.WriteBack(ctx, schedule([Transfer(0, 1, 3, 1)]), {(3, 1): [0]}, 3, 1.0)
+    w.wait()
+    assert ctx.store.quarantined == [(3, 1, 2)]
+    assert w.failed == [Transfer(0, 1, 3, 1)] and len(calls) == 1  # no holder left to try
+    assert "not restored" in caplog.text
+
+
+def test_a_base_exception_on_the_write_back_thread_is_not_taken_for_success(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import localckpt.load.write_back as wbm
+    from localckpt.errors import CollectiveError
+    from replication import schedule
+
+    def interrupted(plan: Any, group: Any, source: Any, sink: Any) -> list[Any]:
+        raise SystemExit("injected")
+
+    monkeypatch.setattr(wbm, "run_transfers", interrupted)
+    ctx = _ctx()
+    w = wbm.WriteBack(ctx, schedule([Transfer(0, 1, 3, 1)]), {(3, 1): [0]}, 3, 1.0)
+    with pytest.raises(CollectiveError, match="write-back of iteration 3"):
+        w.wait()
+    assert ctx.group.broken is not None
+
+
+def test_a_quarantine_that_fails_on_one_rank_still_agrees_with_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import localckpt.load.write_back as wbm
+    from localckpt.errors import CorruptShardError
+    from replication import schedule
+
+    agreed: list[str] = []
+    monkeypatch.setattr(wbm, "run_transfers", lambda plan, group, source, sink: [
+        (t, CorruptShardError("bad chunk")) for t in plan.transfers if t.src == 0])
+    ctx = _ctx(_Store(fail_quarantine=True))
+    real = ctx.data_group.exchange
+    ctx.data_group.exchange = lambda step, local, wait=None: (agreed.append(step),
+                                                              real(step, local, wait))[1]
+    w = wbm.WriteBack(ctx, schedule([Transfer(0, 1, 3, 1)]), {(3, 1): [0, 2]}, 3, 1.0)
+    w.wait()  # the local failure is logged; the retry from rank 2 is agreed as usual
+    assert w.error is None and w.failed == [] and len(agreed) == 2

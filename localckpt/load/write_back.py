@@ -83,8 +83,8 @@ class WriteBack:
             if self.repair is not None:
                 self.repaired = fold_parity(self.ctx, self.iteration, self.repair,
                                             self._repair_takes)
-        except Exception as exc:  # the data group failed: nothing more can be sent on it
-            self.error = exc
+        except BaseException as exc:  # the data group failed: nothing more can be sent on it
+            self.error = exc  # (SystemExit too: wait() must not take it for success)
             logger.error("rank %d: write-back of iteration %d failed: %s", self.ctx.rank,
                          self.iteration, exc)
         finally:
@@ -100,9 +100,14 @@ class WriteBack:
             corrupt = [t.shard for t, exc in failures
                        if t.src == ctx.rank and isinstance(exc, CorruptShardError)]
             for shard, exc in ((t.shard, e) for t, e in failures if t.shard in corrupt):
-                moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size))
-                logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
-                               ctx.rank, exc, moved)
+                try:  # a local failure here must not skip the agreement below
+                    moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size))
+                except Exception as qexc:
+                    logger.error("rank %d: write-back: %s; quarantining this copy failed: %s",
+                                 ctx.rank, exc, qexc)
+                else:
+                    logger.warning("rank %d: write-back: %s; this copy was quarantined to %s",
+                                   ctx.rank, exc, moved)
             mine = {"failed": [[t.src, t.dst, t.iteration, t.owner] for t in sorted(bad)],
                     "corrupt": [list(s) for s in corrupt]}
             agreed = ctx.data_group.exchange(
@@ -118,12 +123,18 @@ class WriteBack:
                 return
             shown = ", ".join(f"{t.shard} to rank {t.dst}" for t in self.failed[:6])
             if attempt < ATTEMPTS:
+                # from another holder where a copy was quarantined (pure: same everywhere)
+                retry = retrieval_plan([(t.dst, t.shard) for t in self.failed], self.holders)
+                if retry.missing:  # no copy left anywhere: retrying them cannot help
+                    logger.error("rank %d: write-back of iteration %d: no copy of %s is left "
+                                 "to send; they are not restored", ctx.rank, it,
+                                 list(retry.missing))
+                    if not retry.exchange.transfers:
+                        return
                 logger.warning("rank %d: write-back of iteration %d: %d transfers failed "
                                "(%s); trying them again", ctx.rank, it, len(self.failed),
                                shown)
-                # from another holder where a copy was quarantined (pure: same everywhere)
-                plan = retrieval_plan([(t.dst, t.shard) for t in self.failed],
-                                      self.holders).exchange
+                plan = retry.exchange
         logger.error("rank %d: write-back of iteration %d gave up after %d attempts: %s are "
                      "not restored; the next save brings redundancy back for the new "
                      "iteration", ctx.rank, it, ATTEMPTS, shown)
