@@ -192,3 +192,21 @@ def test_the_queue_never_reports_success_for_a_save_back_pressure_found_failed(
             q.maybe_finalize_async_calls(blocking=True)
         assert mgr.find_latest() == 1
     q.close()
+
+
+def test_add_finalize_fn_adds_in_place_as_megatrons_request_does() -> None:
+    """Megatron-LM calls ``request.add_finalize_fn(fn)`` and ignores what it returns (its own
+    request adds in place): the function must still run once the call is finalized."""
+    log: list[str] = []
+    q = AsyncCallsQueue(timeout=30)
+    request = AsyncRequest(log.append, ("a",))
+    request.add_finalize_fn(lambda: log.append("f"))
+    q.schedule_async_request(request)
+    request.add_finalize_fn(lambda: log.append("late"))  # scheduled requests are frozen copies
+    assert q.maybe_finalize_async_calls(blocking=True) == [0]
+    assert log == ["a", "f"]
+    q.close()
+    frozen = request.freeze()
+    with pytest.raises(RuntimeError, match="frozen"):
+        frozen.add_finalize_fn(lambda: None)
+    assert len(frozen.finalize_fns) == 2 and frozen.is_frozen and not request.is_frozen

@@ -37,14 +37,16 @@ from ..errors import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class AsyncRequest:
     """What to run in the background and what to run once every rank finished it.
 
     ``preload_fn`` runs in the main thread when the request is scheduled (e.g. device-to-host
-    staging). ``add_finalize_fn`` returns a new request (requests are immutable; ``freeze`` is
-    kept for compatibility and returns the request itself). ``_fields`` and ``_asdict`` are
-    those of a named tuple, so Megatron's AsyncCallsQueue takes the request as one of its own.
+    staging). As Megatron's request: ``add_finalize_fn`` adds in place (and returns the request,
+    so ``request = request.add_finalize_fn(fn)`` works too), ``freeze`` returns a copy that
+    refuses more (RuntimeError), and a queue runs the frozen copy it makes when the request is
+    scheduled. ``_fields`` and ``_asdict`` are those of a named tuple, so Megatron's
+    AsyncCallsQueue takes the request as one of its own.
     """
 
     _fields: ClassVar[tuple[str, ...]] = ("async_fn", "async_fn_args", "finalize_fns",
@@ -55,12 +57,21 @@ class AsyncRequest:
     finalize_fns: Sequence[Callable[[], Any]] = ()
     async_fn_kwargs: dict[str, Any] = field(default_factory=dict)
     preload_fn: Callable[[], Any] | None = None
+    is_frozen: bool = False
+
+    def __post_init__(self) -> None:
+        self.finalize_fns = list(self.finalize_fns)  # its own: added to in place
 
     def add_finalize_fn(self, fn: Callable[[], Any]) -> AsyncRequest:
-        return replace(self, finalize_fns=(*self.finalize_fns, fn))
+        if self.is_frozen:
+            raise RuntimeError("Cannot add finalize functions to a frozen AsyncRequest "
+                               "(a scheduled request, or one freeze() returned)")
+        assert isinstance(self.finalize_fns, list)
+        self.finalize_fns.append(fn)
+        return self
 
     def freeze(self) -> AsyncRequest:
-        return self
+        return replace(self, is_frozen=True)
 
     def _asdict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._fields}
@@ -149,6 +160,7 @@ class AsyncCallsQueue:
         index. Does not block on earlier calls."""
         if self._closed:
             raise ConfigurationError("AsyncCallsQueue: schedule_async_request after close()")
+        request = request.freeze()  # what runs is what was scheduled
         if request.preload_fn is not None:
             request.preload_fn()
         call = _Call(self._next, request)
