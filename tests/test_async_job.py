@@ -4,6 +4,7 @@ the exit, a failed thread start fails the save on every rank instead of leaving 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -61,10 +62,31 @@ def test_a_forked_waiter_never_hangs_the_exit(tmp_path: Path, delay: float) -> N
         mp.get_context("fork").Process(target=waiter, args=req.async_fn_args).start()
         sys.exit(0)  # the script ends with the save in flight
     """)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list((tmp_path / "root").glob("*/iter_0000000001/rank_*"))  # committed at exit
+    assert list(tmp.iterdir()) == []  # the signal files went once the waiter was joined
+
+
+def test_a_process_leaves_no_signal_files_behind(tmp_path: Path) -> None:
+    """Every async save makes a signal file for waiters in other processes; a process that
+    exits with saves still referenced must not leave them (and their directory) in /tmp."""
+    code = textwrap.dedent(f"""
+        import torch
+        from localckpt import LocalCheckpointManager
+        mgr = LocalCheckpointManager({str(tmp_path / "root")!r}, timeout=30)
+        requests = [mgr.save({{"w": torch.arange(10.0)}}, it, is_async=True) for it in (1, 2)]
+        mgr.close()  # the requests (their signals) are still referenced at exit
+    """)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(tmp.iterdir()) == []
 
 
 def test_a_save_thread_that_cannot_start_fails_that_save_not_the_manager(

@@ -13,10 +13,11 @@ another process, as Megatron's queue runs a request.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
+import multiprocessing.util
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -53,8 +54,8 @@ class DoneSignal:
     ``async_fn`` in a forked process, or a spawned persistent worker). Those watch for a file
     that :meth:`set` creates in a directory of this process under the temporary directory
     (made then: building a signal touches no file system, so it cannot fail on one rank). The
-    file goes when the signal is collected in this process, not at exit: a child may still be
-    watching for it then (the directory goes at exit when it is empty)."""
+    file goes when the signal is collected in this process, and the directory with every file
+    left in it when the process exits."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -129,7 +130,10 @@ def _signal_dir() -> str:
                 base = "/tmp"
             _dir = (os.getpid(), os.path.join(
                 base, f"localckpt-signals-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-            atexit.register(_remove_dir_if_empty, _dir[1], os.getpid())
+            # After multiprocessing joined this process's children at exit (a forked waiter
+            # may still be watching for a file), not before: a finalizer of lower priority.
+            multiprocessing.util.Finalize(None, _remove_dir, args=(_dir[1], os.getpid()),
+                                          exitpriority=-1)
         return _dir[1]
 
 
@@ -139,10 +143,12 @@ def _remove(path: str, pid: int) -> None:
             os.unlink(path)
 
 
-def _remove_dir_if_empty(path: str, pid: int) -> None:
+def _remove_dir(path: str, pid: int) -> None:
+    """At this process's exit: its signal files go with their directory. A waiter in another
+    process then stops watching as the owner is gone (RemoteDone.wait); what it is told does
+    not matter, the save's outcome is the finalize step's to report."""
     if os.getpid() == pid:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def wait_for_save(done: DoneSignal | RemoteDone) -> None:
