@@ -400,3 +400,12 @@ def test_a_forged_deeply_nested_manifest_is_one_line_not_a_traceback(
     assert code == 0 and [line.split()[1] for line in out.splitlines()[1:]] == ["1", "2"]
     code, out, _ = run_cli(capsys, "gc", "--dry-run", "--keep-last", "1", str(root))
     assert code == 0
+
+
+def test_shard_names_in_a_bucket_are_read_as_strictly_as_on_disk() -> None:
+    from localckpt.ops.cli_object import _worlds
+
+    names = ["rank_0_001_of_00002", "rank_00001XXXX00002", "rank_0000x_of_00002",
+             "rank_\u0660\u0660\u0660\u0660\u0661_of_00002", "rank_00003_of_00002",
+             "rank_00001_of_00002", "COMMITTED-00002.json"]
+    assert _worlds(names) == {2: [1]}

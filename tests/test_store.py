@@ -487,3 +487,18 @@ def test_a_shard_whose_chunk_files_vanished_while_written_is_not_committed(
     with pytest.raises(CorruptShardError, match="chunk files"):
         store.commit(writer)
     assert list_shards(root, "sess") == [] and not writer.tmp.exists()
+
+
+def test_leftover_cleanup_never_follows_a_linked_iteration_directory(root: Path,
+                                                                     tmp_path: Path) -> None:
+    from localckpt.storage.layout import remove_leftovers, session_dir
+
+    victim = tmp_path / "victim"
+    (victim / ".tmp-results").mkdir(parents=True)
+    (victim / ".trash-old").mkdir()
+    session = session_dir(root, "sess")
+    session.mkdir(parents=True)
+    (session / "iter_0000000009").symlink_to(victim)
+    assert find_leftovers(session) == []
+    remove_leftovers(session, None)
+    assert (victim / ".tmp-results").is_dir() and (victim / ".trash-old").is_dir()

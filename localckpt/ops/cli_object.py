@@ -15,8 +15,7 @@ from typing import Any
 from ..control.retention import KeepPolicy
 from ..errors import CheckpointingError, UnsupportedFormatError
 from ..storage.durable import DurableStore, commit_name
-
-_SHARD_PREFIX = "rank_"
+from ..storage.layout import parse_shard_name
 
 
 def _stores(url: str, session: str | None) -> list[DurableStore]:
@@ -34,10 +33,8 @@ def _worlds(names: list[str]) -> dict[int, list[int]]:
     """World size -> owners with a shard among ``names`` (an iteration's entries)."""
     out: dict[int, list[int]] = {}
     for name in names:
-        if name.startswith(_SHARD_PREFIX) and len(name) == 19:  # rank_XXXXX_of_XXXXX
-            owner, world = int(name[5:10]), int(name[14:19])
-            if owner < world:  # else no shard of a job: not listed, as the library does
-                out.setdefault(world, []).append(owner)
+        if shard := parse_shard_name(name):  # else no shard of a job: not listed, as locally
+            out.setdefault(shard[1], []).append(shard[0])
     return {w: sorted(o) for w, o in out.items()}
 
 
@@ -62,8 +59,7 @@ def rows(url: str) -> list[dict[str, Any]]:
                         "missing_owners": sorted(set(range(world)) - set(owners)),
                         "copies_min": 1 if len(owners) == world else 0, "copies_max": 1,
                         "bytes": sum(v for k, v in sizes.items()
-                                     if k.startswith(_SHARD_PREFIX) and k.endswith(
-                                         f"_of_{world:05d}")),
+                                     if (shard := parse_shard_name(k)) and shard[1] == world),
                         "holders": {str(o): [url] for o in owners}, "metrics": metrics})
         finally:
             tier.close()

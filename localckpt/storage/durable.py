@@ -36,7 +36,7 @@ import torch
 from ..errors import CorruptShardError
 from .durable_dir import DirectoryBackend
 from .durable_object import ObjectBackend, is_object_url, shard_key
-from .layout import iteration_dir
+from .layout import iteration_dir, parse_shard_name
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
 from .store import ShardStore
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 COMMIT_FORMAT = 1
 PROGRESS_DIR = ".persisting"  # per rank: the iteration it copies (rank 0 reads it)
-_SHARD_OF = re.compile(r"rank_([0-9]{5})_of_([0-9]{5})")
 _COMMIT = re.compile(r"COMMITTED-([0-9]{5})\.json")
 
 
@@ -298,9 +297,8 @@ class DurableStore:
 
     def shards_present(self, iteration: int, world_size: int) -> list[int]:
         """Owners with a shard of ``iteration`` here (one listing; possibly still written)."""
-        return sorted(int(m[1]) for name in self.backend.names(iteration)
-                      if (m := _SHARD_OF.fullmatch(name)) and int(m[2]) == world_size
-                      and int(m[1]) < world_size)
+        return sorted(shard[0] for name in self.backend.names(iteration)
+                      if (shard := parse_shard_name(name)) and shard[1] == world_size)
 
     def mark_progress(self, rank: int, run: str, iteration: int) -> None:
         """Record that ``rank`` of the job run ``run`` now copies ``iteration`` (each rank

@@ -50,6 +50,14 @@ class ShardRef:
     path: Path
 
 
+def parse_shard_name(name: str) -> tuple[int, int] | None:
+    """(owner, world size) of a shard directory's (or object prefix's) name as a job writes it,
+    ``rank_<owner:05d>_of_<world:05d>`` with ASCII digits and owner < world; else None."""
+    if (m := _SHARD_RE.fullmatch(name)) and int(m[1]) < int(m[2]):
+        return int(m[1]), int(m[2])
+    return None
+
+
 def session_dir(root: Path, session_id: str) -> Path:
     """``root/<session>``; raises ConfigurationError for a session id that is not a safe name."""
     if session_id == "":
@@ -105,8 +113,8 @@ def list_shards(root: Path, session_id: str) -> list[ShardRef]:
         for entry in _scandir(Path(it_entry.path)):
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            if (s := _SHARD_RE.fullmatch(entry.name)) and int(s[1]) < int(s[2]):
-                out.append(ShardRef(int(m[1]), int(s[1]), int(s[2]), Path(entry.path)))
+            if shard := parse_shard_name(entry.name):
+                out.append(ShardRef(int(m[1]), *shard, Path(entry.path)))
             elif (p := _PARITY_RE.fullmatch(entry.name)) and int(p[1]) < int(p[3]):
                 out.append(ShardRef(int(m[1]), parity_slot(int(p[1]), int(p[2])), int(p[3]),
                                     Path(entry.path)))
@@ -150,6 +158,7 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
                        if e.name.startswith(".")]
     return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
                          if _ITER_RE.fullmatch(it_entry.name)
+                         and it_entry.is_dir(follow_symlinks=False)  # never out of the root
                          for entry in _scandir(Path(it_entry.path))
                          if entry.name.startswith((".tmp-", ".trash-")) and tag in entry.name]
 
