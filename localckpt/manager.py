@@ -12,6 +12,7 @@ This module is the facade: arguments, bootstrap, and the verbs. The save path is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -214,32 +215,40 @@ class LocalCheckpointManager:
             data_group.close()
             group.close()
             raise
-        self._lock = locks[0]
-        self._run = str(started[0]["run"])  # this job run's id: rank 0's
-        self.topology = topology
-        # Recorded in every manifest; a shard written under another layout is warned about.
-        self._job_identity = {"world_size": self.world_size, "nodes": topology.num_nodes,
-                              "topology_crc32": zlib.crc32("\n".join(names).encode())}
-        self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
-                            data_group, topology, placement, store, metrics_,
-                            self._job_identity, erasure=layout)
-        self._save = SavePath(self._ctx, keep, busy)
-        self._save.agreement.any_world = reshard
-        self._save.retainer.any_world = reshard
-        self._save.dedupe_replicated = dedupe_replicated
-        self.reshard = reshard
-        self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
-        self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
-        self.durable = durable
-        if durable is not None:  # no request made yet: an unreachable store fails no rank here
-            tier = tiers[0]
-            self._load.durable = tier
-            persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
-                                  durable.commit_timeout or self.timeout, self._run,
-                                  interval=durable.persist_interval,
-                                  keep_every=durable.keep_every, any_world=reshard)
-            self._save.persister = persister
-            self._save.retainer.pinned = persister.pinned
+        try:
+            self._lock = locks[0]
+            self._run = str(started[0]["run"])  # this job run's id: rank 0's
+            self.topology = topology
+            # Recorded in every manifest; a shard written under another layout is warned about.
+            self._job_identity = {"world_size": self.world_size, "nodes": topology.num_nodes,
+                                  "topology_crc32": zlib.crc32("\n".join(names).encode())}
+            self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
+                                data_group, topology, placement, store, metrics_,
+                                self._job_identity, erasure=layout)
+            self._save = SavePath(self._ctx, keep, busy)
+            self._save.agreement.any_world = reshard
+            self._save.retainer.any_world = reshard
+            self._save.dedupe_replicated = dedupe_replicated
+            self.reshard = reshard
+            self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
+            self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
+            self.durable = durable
+            if durable is not None:  # no request made yet: an unreachable store fails no rank here
+                tier = tiers[0]
+                self._load.durable = tier
+                persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
+                                      durable.commit_timeout or self.timeout, self._run,
+                                      interval=durable.persist_interval,
+                                      keep_every=durable.keep_every, any_world=reshard)
+                self._save.persister = persister
+                self._save.retainer.pinned = persister.pinned
+        except BaseException:  # a setting refused here (preemption_signals...): nothing held
+            made = [self._save.close] if hasattr(self, "_save") else []
+            for release in (*made, store.close, *(t.close for t in tiers), data_group.close,
+                            group.close, locks[0].release):
+                with contextlib.suppress(Exception):
+                    release()
+            raise
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -548,3 +548,15 @@ def test_a_manager_starting_beside_a_live_one_leaves_its_writes_alone(root: Path
         holder.release()
     with LocalCheckpointManager(root, "s"):  # alone again: the leftover goes
         assert not live.exists()
+
+
+@pytest.mark.parametrize("signals", ["SIGTERM", [99999]])
+def test_a_refused_preemption_setting_leaves_nothing_held(root: Path, signals: Any) -> None:
+    from localckpt.errors import ConfigurationError
+    from localckpt.storage.layout import session_dir
+    from localckpt.storage.session_lock import SessionLock
+
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match="preemption_signals"):
+            LocalCheckpointManager(root, "s", preemption_signals=signals)
+    SessionLock(session_dir(root, "s"), exclusive=True).release()  # gc could go in
