@@ -130,3 +130,37 @@ def test_a_preemption_finalizes_the_async_save_in_flight_first(root: Path) -> No
         assert mgr._save._inflight is None and mgr.latest_iteration == 1
         mgr.save({"w": torch.zeros(4)}, 2, force=True)
         assert mgr.iterations() == [1, 2]
+
+
+def test_watches_closed_in_any_order_hand_the_signal_back(root: Path) -> None:
+    """Two managers watching one signal, closed in the order they were made: the handler left
+    installed is the first one's, which must pass the signal on to what was there before."""
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        first = LocalCheckpointManager(root, "a", preemption_signals=[signal.SIGUSR1])
+        second = LocalCheckpointManager(root, "b", preemption_signals=[signal.SIGUSR1])
+        first.close()
+        second.close()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_process_forked_from_a_watching_one_still_dies_of_the_signal(root: Path) -> None:
+    """Megatron runs an async save's work in a forked process: it inherits the handler, but a
+    preemption notice is its parent's, and SIGTERM must still end it."""
+    import multiprocessing as mp
+
+    with LocalCheckpointManager(root, preemption_signals=[signal.SIGTERM]):
+        child = mp.get_context("fork").Process(target=time.sleep, args=(30,))
+        child.start()
+        time.sleep(0.2)
+        child.terminate()
+        child.join(10)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+    assert not alive and child.exitcode == -signal.SIGTERM

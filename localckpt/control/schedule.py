@@ -11,6 +11,7 @@ the flags. Which ranks call what: see :class:`localckpt.LocalCheckpointManager`.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -69,7 +70,10 @@ class PreemptionWatch:
     is called after ours when it is Python code; the default action (SIGTERM's: exit) is not,
     since it would end the process before the save; SIG_IGN is honoured by noting nothing.
     Installed from the main thread only (Python's rule); :meth:`close` puts the previous
-    handlers back."""
+    handlers back. Where ours stays installed after :meth:`close` (another watch was installed
+    over it and closed later) or runs in a forked child (Megatron's async worker), it notes
+    nothing and hands the signal to the previous handler, the default action included: a
+    preemption notice is the watching process's alone."""
 
     def __init__(self, signals: Sequence[int]) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -78,6 +82,8 @@ class PreemptionWatch:
         self._event = threading.Event()
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
+        self._closed = False
         try:
             for sig in dict.fromkeys(signals):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -88,6 +94,9 @@ class PreemptionWatch:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum)
+        if self._closed or os.getpid() != self._pid:
+            _pass_on(signum, frame, previous)
+            return
         if previous is signal.SIG_IGN:
             return
         self.received = signum
@@ -100,10 +109,19 @@ class PreemptionWatch:
         return self._event.is_set()
 
     def close(self) -> None:
+        self._closed = True
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous)
-        self._previous = {}
+
+
+def _pass_on(signum: int, frame: FrameType | None, previous: Any) -> None:
+    """What ``previous`` (a handler signal.signal returned) does with ``signum``."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous is not signal.SIG_IGN:  # the default action (None: not set from Python)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 class Schedule:
