@@ -325,8 +325,12 @@ class LocalCheckpointManager:
         save's shards are removed only when every rank agreed it failed; nothing committed
         earlier is touched.
         """
-        if self._schedule.policy is not None and not force and type(iteration) is int and \
-                iteration >= 0 and not self._schedule.should_save(iteration):
+        schedule = self._schedule
+        # A bad iteration is every rank's error: inside the policy's exchange when it has one,
+        # else in the save's own agreement (asking the policy alone would leave this rank out).
+        if schedule.policy is not None and not force and (
+                schedule.collective or (type(iteration) is int and iteration >= 0)) and \
+                not schedule.should_save(iteration, "iteration", InvalidIterationError):
             return None
         self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()

@@ -81,6 +81,45 @@ def test_time_and_preemption_decisions_are_agreed_across_ranks(tmp_path: Path) -
         [r.message for r in results]
 
 
+def _one_rank_wrong(rank: int, world: int, base: str, what: str) -> dict[str, Any]:
+    """Rank 1 alone gets something wrong in a collective schedule call: every rank must raise
+    the same error, and the group must stay usable (a save right after works)."""
+    def predicate(step: int) -> bool:
+        if rank == 1:
+            raise ValueError("the predicate failed")
+        return False
+
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", node_id=f"node{rank}",
+                                timeout=20, save_policy=SavePolicy(every_seconds=3600,
+                                                                   predicate=predicate)) as mgr:
+        try:
+            if what == "predicate":
+                mgr.should_save(1)
+            elif what == "metadata":
+                mgr.metadata(5 if rank == 0 else "5")  # type: ignore[arg-type]
+            else:
+                mgr.save({"w": torch.ones(2)}, 3 if rank == 0 else "3")  # type: ignore[arg-type]
+        except Exception as exc:
+            error = [type(exc).__name__, str(exc)]
+        else:
+            error = None
+        mgr.save({"w": torch.ones(2)}, 5, force=True)
+        return {"error": error, "latest": mgr.find_latest()}
+
+
+@pytest.mark.parametrize("what", ["predicate", "iteration", "metadata"])
+def test_a_schedule_call_wrong_on_one_rank_is_the_same_error_on_every_rank(
+        tmp_path: Path, what: str) -> None:
+    results = run_ranks(_one_rank_wrong, 2, tmp_path, str(tmp_path / "roots"), what)
+    assert all(r.ok for r in results), [r.message for r in results]
+    errors = [r.value["error"] for r in results]
+    assert errors[0] is not None and errors[0][0] == errors[1][0], errors
+    assert errors[0][0] == ("RankValueError" if what == "predicate" else
+                            "InvalidIterationError"), errors
+    assert what != "metadata" or "got str '5'" in errors[0][1], errors
+    assert [r.value["latest"] for r in results] == [5, 5]
+
+
 def _losses(path: Path) -> list[tuple[int, float]]:
     return [(d["step"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
 

@@ -139,12 +139,21 @@ class Schedule:
     def saved(self) -> None:
         self._last_save = time.monotonic()
 
-    def _agree(self, step: Any) -> tuple[bool, float]:
-        """(whether any rank noticed a preemption, rank 0's seconds since its last save)."""
+    @property
+    def collective(self) -> bool:
+        """Whether :meth:`should_save` exchanges (a clock or preemption flags to agree on)."""
+        return self.policy is not None and (self.policy.every_seconds is not None
+                                            or self.watch is not None)
+
+    def _agree(self, step: Any, due: Callable[[], bool] = lambda: False
+               ) -> tuple[bool, bool, float]:
+        """(whether ``due()`` said so on any rank, whether any rank noticed a preemption, rank
+        0's seconds since its last save). ``due`` runs inside the exchange: what it raises on
+        one rank is every rank's error, and the group stays usable."""
         watch = self.watch
 
         def local() -> dict[str, Any]:
-            return {"step": step if type(step) is int else repr(step),
+            return {"step": step if type(step) is int else repr(step), "due": due(),
                     "preempted": watch is not None and watch.noticed,
                     "since": time.monotonic() - self._last_save}
 
@@ -153,24 +162,34 @@ class Schedule:
         if len(steps) > 1:
             raise ConfigurationError(f"every rank must ask about the same step, got "
                                      f"{ {r: s['step'] for r, s in enumerate(seen)} }")
-        return any(s["preempted"] for s in seen), float(seen[0]["since"])
+        return (any(s["due"] for s in seen), any(s["preempted"] for s in seen),
+                float(seen[0]["since"]))
 
-    def should_save(self, step: int) -> bool:
-        if self.policy is None:
+    def should_save(self, step: int, what: str = "should_save: step",
+                    error: type[Exception] = ConfigurationError) -> bool:
+        """See LocalCheckpointManager.should_save; ``what`` and ``error`` name a bad ``step``
+        (``save`` asks with its iteration). Where it exchanges, the step is checked and the
+        step rules (a predicate included) are asked inside the exchange: a rank's error is
+        every rank's, and a step due on any rank is due on all."""
+        policy = self.policy
+        if policy is None:
             raise ConfigurationError("should_save: no save_policy was given to the manager")
-        if type(step) is not int or step < 0:
-            raise ConfigurationError(f"should_save: step: expected a non-negative int, got "
-                                     f"{step!r}")
-        due = self.policy.due_by_step(step)
-        if self.policy.every_seconds is None and self.watch is None:
-            return due
-        preempted, since = self._agree(step)
-        return due or preempted or self.policy.due_by_time(since)
+
+        def due() -> bool:
+            if type(step) is not int or step < 0:
+                raise error(f"{what}: expected a non-negative int, got "
+                            f"{type(step).__name__} {step!r}")
+            return policy.due_by_step(step)
+
+        if not self.collective:
+            return due()
+        due_somewhere, preempted, since = self._agree(step, due)
+        return due_somewhere or preempted or policy.due_by_time(since)
 
     def reached_preemption(self, step: int) -> bool:
         if self.watch is None:
             return False
-        return self._agree(step)[0]
+        return self._agree(step)[1]
 
     def close(self) -> None:
         if self.watch is not None:

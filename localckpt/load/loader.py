@@ -112,13 +112,13 @@ class LoadPath:
 
     def metadata(self, iteration: Any) -> dict[str, Any]:
         """See :meth:`LocalCheckpointManager.metadata`."""
-        if type(iteration) is not int or iteration < 0:
-            raise InvalidIterationError(
-                f"metadata: iteration: expected a non-negative int, got {iteration!r}")
         self.settle()
         ctx = self.ctx
 
         def mine() -> dict[str, Any] | None:
+            if type(iteration) is not int or iteration < 0:  # in the exchange: every rank's
+                raise InvalidIterationError(f"metadata: iteration: expected a non-negative "
+                                            f"int, got {type(iteration).__name__} {iteration!r}")
             for ref in ctx.store.committed():
                 if ref.iteration == iteration and ref.world_size == ctx.world_size:
                     with contextlib.suppress(Exception):  # another copy, or a peer's, may do
