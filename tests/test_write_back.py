@@ -185,3 +185,13 @@ def test_a_quarantine_that_fails_on_one_rank_still_agrees_with_the_others(
     w = wbm.WriteBack(ctx, schedule([Transfer(0, 1, 3, 1)]), {(3, 1): [0, 2]}, 3, 1.0)
     w.wait()  # the local failure is logged; the retry from rank 2 is agreed as usual
     assert w.error is None and w.failed == [] and len(agreed) == 2
+
+
+def test_a_rollback_discards_nothing_when_a_rank_s_write_back_failed(tmp_path: Path,
+                                                                     root: Path) -> None:
+    results = run_ranks(wb.save, 2, tmp_path, str(root), [3, 5], 2, 2)
+    assert all(r.ok for r in results), [r.message for r in results]
+    results = run_ranks(wb.rollback_with_a_write_back_failed_on_rank_1, 2, tmp_path, str(root))
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert all(r.value["error"] is not None for r in results), [r.value for r in results]
+    assert all([5, 0] in r.value["held"] for r in results), [r.value for r in results]

@@ -3,6 +3,7 @@ real gloo ranks; one rank per simulated node)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -25,15 +26,17 @@ def big_state(rank: int, iteration: int) -> dict[str, Any]:
     }
 
 
-def manager(rank: int, base: str, factor: int = 2, timeout: float = 30
+def manager(rank: int, base: str, factor: int = 2, timeout: float = 30, keep_last: int = 1
             ) -> LocalCheckpointManager:
     return LocalCheckpointManager(Path(base) / f"node{rank}", "job",
                                   make_strategy("node_spread", replication_factor=factor),
-                                  timeout=timeout, chunk_nbytes=1 << 20, node_id=f"node{rank}")
+                                  timeout=timeout, chunk_nbytes=1 << 20, node_id=f"node{rank}",
+                                  keep_last=keep_last)
 
 
-def save(rank: int, world: int, base: str, iterations: list[int], factor: int = 2) -> None:
-    with manager(rank, base, factor) as mgr:
+def save(rank: int, world: int, base: str, iterations: list[int], factor: int = 2,
+         keep_last: int = 1) -> None:
+    with manager(rank, base, factor, keep_last=keep_last) as mgr:
         for it in iterations:
             mgr.save(big_state(rank, it), it)
 
@@ -120,3 +123,32 @@ def write_back_group_lost(rank: int, world: int, base: str) -> dict[str, Any]:
         except Exception as exc:
             error = [type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc)]
     return {"ok": ok, "error": error}
+
+
+def rollback_with_a_write_back_failed_on_rank_1(rank: int, world: int,
+                                                base: str) -> dict[str, Any]:
+    """load(iteration=3, discard_newer=True) while rank 1's write-back failed on rank 1 alone
+    (a local failure after its last transfer): no rank may discard iteration 5."""
+    from localckpt.errors import CollectiveError
+    from localckpt.load.loader import LoadPath
+
+    if rank == 1:
+        real, calls = LoadPath.wait_for_write_back, []
+
+        def failed(self: LoadPath) -> None:  # the wait after the load itself: failed here
+            calls.append(1)
+            if len(calls) == 2:
+                raise CollectiveError("the write-back of iteration 3 after the last load failed")
+            real(self)
+        LoadPath.wait_for_write_back = failed  # type: ignore[method-assign]
+    mgr = manager(rank, base, timeout=5, keep_last=2)
+    try:
+        mgr.load(iteration=3, discard_newer=True)
+        error = None
+    except Exception as exc:
+        error = type(exc).__name__
+    finally:
+        with contextlib.suppress(Exception):
+            mgr.close()
+    time.sleep(1)  # a background deletion would be done by now
+    return {"error": error, "held": held(base, rank)}

@@ -204,7 +204,11 @@ class LoadPath:
         delete alike (a rename only one wins); a shard left by a failure only makes its
         iteration incomplete, which retention removes."""
         ctx = self.ctx
-        self.wait_for_write_back()  # it may still be writing the rolled-back iteration's copies
+        # It may still be writing the rolled-back iteration's copies; and a write-back that
+        # failed on one rank must stop every rank's deletions, not that rank's alone.
+        bound = self._write_back.bound() if self._write_back is not None else None
+        ctx.group.exchange(f"rollback to {iteration}: write-back over",
+                           self.wait_for_write_back, wait=bound)
         if self.durable is not None:
             self._discard_newer_durable(iteration)
         for ref in ctx.store.committed():

@@ -142,7 +142,8 @@ class WriteBack:
     def _repair_takes(self, seconds: float) -> None:
         self.repair_seconds = seconds
 
-    def _bound(self) -> float:
+    def bound(self) -> float:
+        """The longest :meth:`wait` may take."""
         return self.seconds * ATTEMPTS + self.repair_seconds + self.ctx.timeout
 
     def wait(self) -> None:
@@ -152,7 +153,7 @@ class WriteBack:
         raised at once rather than as a timeout of the next collective)."""
         called = time.monotonic()
         while not self.done.wait(0.05):  # the bound grows once the parity's sizes are known
-            if time.monotonic() - called > self._bound():
+            if time.monotonic() - called > self.bound():
                 break
         if self.done.is_set():
             if self.error is None:
@@ -164,7 +165,7 @@ class WriteBack:
             raise failed from self.error
         err = CollectiveTimeoutError(
             f"the write-back of iteration {self.iteration} did not finish within "
-            f"{self._bound():g}s")
+            f"{self.bound():g}s")
         self.ctx.data_group.mark_broken(err)
         self.ctx.group.mark_broken(err)
         raise err
