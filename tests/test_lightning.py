@@ -265,3 +265,21 @@ def test_a_marker_of_another_session_is_refused(root: Path, tmp_path: Path) -> N
         b.load_checkpoint(tmp_path / "last.ckpt")
     a.teardown()
     b.teardown()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_marker_that_cannot_be_written_fails_no_rank(root: Path, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture,
+                                                       async_save: bool) -> None:
+    """Rank 0 alone writes markers: a failure there must not raise on rank 0 only (the others
+    would wait for it in Lightning's next barrier). The checkpoint is complete; a resume from
+    that path, finding no marker, loads the newest."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    io = LocalCkptIO(root, "job", async_save=async_save)
+    io.save_checkpoint(_checkpoint(4), blocked / "last.ckpt")
+    io.teardown()
+    assert "marker" in caplog.text
+    io = LocalCkptIO(root, "job")
+    assert io.load_checkpoint(blocked / "last.ckpt")["global_step"] == 4
+    io.teardown()

@@ -36,6 +36,7 @@ than a resume failing later. Loads return tensors on the devices they were saved
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -234,11 +235,21 @@ def _check_types(state: Any) -> None:
 
 
 def _write_marker(path: Path, session: str, iteration: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Rank 0's pointer at ``path`` to the complete ``iteration``. A failure is logged, not
+    raised: it would be rank 0's alone (the others would wait for it in Lightning's next
+    barrier), and a resume from ``path`` that finds no marker loads the newest iteration."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"format": MARKER_FORMAT, "session": session,
-                               "iteration": iteration}))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": MARKER_FORMAT, "session": session,
+                                   "iteration": iteration}))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        logger.error("LocalCkptIO: cannot write the marker %s of iteration %d (%s); the "
+                     "checkpoint is complete, and a resume from that path loads the newest "
+                     "iteration", path, iteration, exc)
 
 
 def _read_marker(path: Path) -> tuple[int, str] | None:
