@@ -411,3 +411,4 @@ def peer_dies_before_a_blocking_finalize(rank: int, world: int, base: str,
     if rank == 0:
         time.sleep(2 * timeout)  # rank 0 lingers, as a script logging the error would
     return {"error": error, "seconds": took}
+

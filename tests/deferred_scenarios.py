@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from agreement_scenarios import describe, load_any
 from scenarios import _replicated_manager, make_state
 
@@ -200,3 +201,27 @@ def close_while_agreeing(rank: int, world: int, base: str) -> dict[str, Any]:
         mgr.close()
     out["dirs"] = _dirs(base, rank)
     return out
+
+
+def slow_save_through_a_queue_of_the_managers_timeout(rank: int, world: int,
+                                                      base: str) -> dict[str, Any]:
+    """A queue whose timeout is the manager's (as LocalCkptIO builds it), and an async save in
+    which rank 1 is slow twice, each within the manager's bounds: the queue must wait for the
+    save as long as the save itself may take, not time out and break its group."""
+    mgr = LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=3,
+                                 node_id=f"node{rank}")
+    queue = AsyncCallsQueue(timeout=mgr.timeout)
+    faults.arm(faults.Fault("local_write", "sleep", rank=1, seconds=2.5),
+               faults.Fault("before_commit", "sleep", rank=1, seconds=2.5))
+    error = None
+    try:
+        queue.schedule_async_request(mgr.save({"w": torch.ones(1000)}, 5, is_async=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    except Exception as exc:
+        error = describe(exc)
+    finally:
+        faults.disarm()
+    latest = mgr.find_latest()
+    mgr.close()
+    return {"error": error, "latest": latest}

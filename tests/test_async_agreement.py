@@ -100,3 +100,11 @@ def test_the_agreed_wait_bound_is_set_before_a_waiter_can_read_it() -> None:
     job.agreed.set = observed_set  # type: ignore[method-assign]
     job.run(None)  # type: ignore[arg-type]  # the write then fails: no store
     assert seen and seen[0] == 50 and job.passed_agreement and job.error is not None
+
+
+def test_a_queue_waits_as_long_as_a_slow_healthy_save_may_take(tmp_path: Path,
+                                                               root: Path) -> None:
+    for r in run_ranks(sc.slow_save_through_a_queue_of_the_managers_timeout, 2, tmp_path,
+                       str(root)):
+        assert r.ok, r.message
+        assert r.value == {"error": None, "latest": 5}, r.value

@@ -18,6 +18,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,9 @@ class AsyncRequest:
     async_fn_kwargs: dict[str, Any] = field(default_factory=dict)
     preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
+    # Seconds the background part may take, asked again while waiting (a save knows its own
+    # once agreed); a queue waits that long when it is more than the queue's timeout.
+    bound: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         self.finalize_fns = list(self.finalize_fns)  # its own: added to in place
@@ -184,9 +188,10 @@ class AsyncCallsQueue:
         finalized: list[int] = []
         while self._calls:
             call = self._calls[0]
-            if blocking and not call.done.wait(self._timeout):
+            if blocking and not self._wait_done(call):
                 err = CollectiveTimeoutError(f"async call {call.index} did not finish within "
-                                             f"{self._timeout:g}s on rank {self._group.rank}")
+                                             f"{self._bound(call):g}s on rank "
+                                             f"{self._group.rank}")
                 self._group.mark_broken(err)  # the other ranks time out waiting for us
                 raise err
             if no_dist:
@@ -195,9 +200,9 @@ class AsyncCallsQueue:
             else:
                 # Blocking: a rank whose call ended early waits for the others' (each bounded
                 # by the timeout above), not only for one collective timeout.
-                states = self._group.exchange(f"async call {call.index}: done?",
-                                              partial(_state_of, call),
-                                              wait=2 * self._timeout if blocking else None)
+                states = self._group.exchange(
+                    f"async call {call.index}: done?", partial(_state_of, call),
+                    wait=self._bound(call) + self._timeout if blocking else None)
                 everywhere = all(done for done, _ in states)
                 failures = {r: (str(e[0]), str(e[1])) for r, (_, e) in enumerate(states) if e}
             if not everywhere:
@@ -213,6 +218,20 @@ class AsyncCallsQueue:
                 raise error_from_failures(f"async call {call.index}", failures) from call.error
             finalized.append(call.index)
         return finalized
+
+    def _bound(self, call: _Call) -> float:
+        """How long ``call``'s background part may take: the queue's timeout, or the request's
+        own bound when it is longer (a save agreed with more work than one timeout covers)."""
+        own = call.request.bound
+        return max(self._timeout, own()) if own is not None else self._timeout
+
+    def _wait_done(self, call: _Call) -> bool:
+        """Wait for ``call`` as long as :meth:`_bound` says, asked again as the wait goes on."""
+        started = time.monotonic()
+        while not call.done.wait(1.0):
+            if time.monotonic() - started >= self._bound(call):
+                return call.done.is_set()
+        return True
 
     def close(self, abort: bool = False) -> None:
         """Finalize everything pending (collective), unless ``abort``; stop the worker."""

@@ -198,6 +198,11 @@ class SaveJob:
             self.passed_agreement = True
             self.agreed.set()
 
+    def bound(self, timeout: float) -> float:
+        """How long :meth:`wait` may take with ``timeout``: the agreement, then the work agreed
+        (known once agreed)."""
+        return timeout * (AGREEMENT_STEPS + self.wait_steps)
+
     def wait(self, timeout: float) -> bool:
         """Whether the job is done, waiting up to ``timeout`` (seconds per unit of work) for
         its agreement (AGREEMENT_STEPS units), then for the work agreed (``wait_steps``); once

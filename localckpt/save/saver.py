@@ -40,7 +40,7 @@ from ..state_dict import as_tensor_aware
 from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
-from .job import AGREEMENT_STEPS, SaveJob, wait_for_save
+from .job import SaveJob, wait_for_save
 from .persist import Persister
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
@@ -112,7 +112,8 @@ class SavePath:
             job.agreed.set()
             job.done.set()
         return AsyncRequest(wait_for_save, (job.done,),
-                            finalize_fns=(partial(self._finalize_job, job),))
+                            finalize_fns=(partial(self._finalize_job, job),),
+                            bound=partial(job.bound, self.ctx.timeout))
 
     def reserve(self, state_dict: Any) -> int:
         """Size and pre-fault the staging arena for saves of ``state_dict`` (and, recycling
@@ -164,7 +165,7 @@ class SavePath:
         if not job.wait(self.ctx.timeout):
             err = CollectiveTimeoutError(
                 f"the async save of iteration {job.iteration} did not finish within "
-                f"{self.ctx.timeout * (AGREEMENT_STEPS + job.wait_steps):g}s")
+                f"{job.bound(self.ctx.timeout):g}s")
             self.ctx.group.mark_broken(err)  # the other ranks time out in finalize: so do we
             raise err
 
