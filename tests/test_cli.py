@@ -81,7 +81,8 @@ def test_inspect_shows_identity_and_tensor_table(capsys: pytest.CaptureFixture[s
 
 def test_verify_passes_then_names_the_corrupt_file(capsys: pytest.CaptureFixture[str],
                                                    roots: list[Path]) -> None:
-    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 16, "corrupt": []}
+    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 16, "corrupt": [],
+                                                               "retired": []}
     chunk = roots[1] / "job" / "iter_0000000005" / "rank_00003_of_00004" / "data" / "c" / "0"
     raw = bytearray(chunk.read_bytes())
     raw[5] ^= 0xFF
@@ -358,7 +359,8 @@ def test_ls_verify_and_gc_count_rebuildable_iterations_of_erasure_coding(
     results = run_ranks(erasure_scenarios.save, 4, tmp_path, str(base), 3, 1, 1, [5, 7], 2)
     assert all(r.ok for r in results), [r.message for r in results]
     roots = [base / f"node{n}" for n in range(4)]
-    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 12, "corrupt": []}
+    assert cli_json(capsys, "verify", *map(str, roots)) == {"verified": 12, "corrupt": [],
+                                                           "retired": []}
     shutil.rmtree(roots[1])
     roots[1].mkdir()
     rows = cli_json(capsys, "ls", *map(str, roots))
@@ -409,3 +411,38 @@ def test_shard_names_in_a_bucket_are_read_as_strictly_as_on_disk() -> None:
              "rank_\u0660\u0660\u0660\u0660\u0661_of_00002", "rank_00003_of_00002",
              "rank_00001_of_00002", "COMMITTED-00002.json"]
     assert _worlds(names) == {2: [1]}
+
+
+def test_verify_and_ls_beside_a_live_job_do_not_call_a_retired_shard_corrupt(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live job's retention renames shards away while verify reads them: that is not a
+    damaged shard, and a file gone from under ls's size count is no error."""
+    from localckpt.storage import store as store_module
+
+    root = tmp_path / "node0"
+    first = _shard(root, 1, 0, 1)
+    _shard(root, 2, 0, 1)
+    real = store_module.ShardStore.read
+
+    def retired_while_read(self: Any, ref: Any, *args: Any, **kwargs: Any) -> Any:
+        if ref.path == first:
+            shutil.rmtree(first)  # retention got there first
+        return real(self, ref, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.ShardStore, "read", retired_while_read)
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 0 and "0 corrupt" in out and f"RETIRED {first}" in out, out
+    monkeypatch.undo()
+
+    real_size = Path.stat
+    gone = root / "job" / "iter_0000000002" / "rank_00000_of_00001" / "data" / "c" / "0"
+
+    def vanished(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self == gone:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_size(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", vanished)
+    code, out, err = run_cli(capsys, "ls", str(root))
+    assert code == 0, err

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -69,7 +70,13 @@ def _all_shards(roots: Sequence[Path]) -> list[tuple[Path, str, ShardRef]]:
 
 
 def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes of the files under ``path``; files a live job deletes meanwhile count nothing."""
+    total = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = f.stat(follow_symlinks=False)
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def _read_manifest(shard: Path) -> ShardManifest:
@@ -204,7 +211,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if url:
         return cli_object.cmd_verify_bucket(url, args)
     shards = _all_shards([Path(r) for r in args.roots])
-    bad = []
+    bad: list[dict[str, Any]] = []
+    retired: list[str] = []
     for n, (root, session, ref) in enumerate(shards, 1):
         store = ShardStore(root, session, writer_rank=0)
         try:
@@ -214,8 +222,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             status = f"UNSUPPORTED: {exc}"
             bad.append({"shard": str(ref.path), "error": str(exc), "unsupported": True})
         except CheckpointingError as exc:
-            status = f"CORRUPT: {exc}"
-            bad.append({"shard": str(ref.path), "error": str(exc)})
+            if not ref.path.exists():  # a live job's retention took it while it was read
+                status = "RETIRED (deleted while verified)"
+                retired.append(str(ref.path))
+            else:
+                status = f"CORRUPT: {exc}"
+                bad.append({"shard": str(ref.path), "error": str(exc)})
         except OSError as exc:  # this process's trouble (no permission...): the next one
             status = f"UNREADABLE: {exc}"
             bad.append({"shard": str(ref.path), "error": str(exc), "unreadable": True})
@@ -225,9 +237,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bar = "#" * (20 * n // len(shards))
             print(f"[{bar:<20}] {n}/{len(shards)} {ref.path}: {status}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"verified": len(shards), "corrupt": bad}, indent=1))
+        print(json.dumps({"verified": len(shards), "corrupt": bad, "retired": retired},
+                         indent=1))
     else:
-        print(f"{len(shards)} shards verified, {len(bad)} corrupt or unreadable")
+        print(f"{len(shards)} shards verified, {len(bad)} corrupt or unreadable"
+              + (f", {len(retired)} deleted by a live job meanwhile" if retired else ""))
+        for path in retired:
+            print(f"RETIRED {path}")
         for b in bad:
             label = ("UNSUPPORTED" if b.get("unsupported") else
                      "UNREADABLE" if b.get("unreadable") else "CORRUPT")
