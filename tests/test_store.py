@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -502,3 +503,25 @@ def test_leftover_cleanup_never_follows_a_linked_iteration_directory(root: Path,
     assert find_leftovers(session) == []
     remove_leftovers(session, None)
     assert (victim / ".tmp-results").is_dir() and (victim / ".trash-old").is_dir()
+
+
+def test_a_write_refused_for_space_while_making_its_directories_leaves_none(
+        store: ShardStore, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from localckpt.errors import InsufficientSpaceError
+    from localckpt.storage import shard_writer
+
+    real = os.mkdir
+
+    def full(path: Any, *args: Any) -> None:
+        if str(path).endswith("/data"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, *args)
+
+    monkeypatch.setattr(shard_writer.os, "mkdir", full)
+    with pytest.raises(InsufficientSpaceError):
+        _write(store, 6)
+    monkeypatch.undo()
+    assert find_leftovers(store.session_path, 0) == []

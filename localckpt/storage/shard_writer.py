@@ -121,6 +121,7 @@ class ShardWriter:
         try:
             self._make_dirs()
         except OSError as exc:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # made before a later mkdir failed
             raise self._translate(exc) from exc
 
     def _make_dirs(self) -> None:
