@@ -118,3 +118,23 @@ def test_reading_from_disk_gives_every_piece_and_names_a_corrupt_chunk(root) -> 
         out.read(0, min(out.piece_nbytes, out.nbytes))
     out.close()
     store.close()
+
+
+def test_the_messages_a_stream_from_disk_takes_are_counted_as_sent(root) -> None:  # type: ignore[no-untyped-def]
+    """Waits for a fetch or a write-back allow one timeout per message: the count must be that
+    of the stream (16 MiB pieces, cut again at every tensor of 1 MiB or more), not of a replica
+    (64 MiB pieces)."""
+    from localckpt.storage.peer_io import piece_count
+
+    g = torch.Generator().manual_seed(5)
+    store, ref, manifest, _ = _saved(root, [torch.randn(300_000, generator=g)
+                                            for _ in range(12)])  # 12 x 1.2 MB
+    try:
+        for splits in ((), shard_stream.tensor_splits(manifest)):
+            out = shard_stream.outgoing_from_disk(store, ref, manifest, PieceRing(), splits)
+            sent = len(segments(out.nbytes, out.piece_nbytes, out.splits))
+            out.close()
+            assert shard_stream.wire_messages(manifest, splits) == sent
+        assert sent > piece_count(manifest.chunk_nbytes, manifest.chunk_count)
+    finally:
+        store.close()

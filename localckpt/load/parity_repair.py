@@ -25,8 +25,8 @@ from ..control.context import Context
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.parity_io import ParityFolder
-from ..storage.peer_io import piece_count, run_transfers
-from ..storage.shard_stream import outgoing_from_disk
+from ..storage.peer_io import run_transfers
+from ..storage.shard_stream import outgoing_from_disk, wire_messages
 from .rounds import transfer_seconds
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,7 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
                                "unreadable: %s", ctx.rank, iteration, member, exc)
                 failed.append(member)
                 continue
-            known[str(member)] = [m.chunk_count * m.chunk_nbytes,
-                                  piece_count(m.chunk_nbytes, m.chunk_count)]
+            known[str(member)] = [m.chunk_count * m.chunk_nbytes, wire_messages(m)]
         return {"sizes": known, "failed": failed}
 
     reports = ctx.data_group.exchange(f"parity of iteration {iteration}: sizes", sizes)

@@ -40,8 +40,8 @@ from ..control.coverage import Inventory, holders_of
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.parity_io import ShardRebuilder
-from ..storage.peer_io import piece_count, run_transfers
-from ..storage.shard_stream import outgoing_from_disk
+from ..storage.peer_io import run_transfers
+from ..storage.shard_stream import outgoing_from_disk, wire_messages
 from .rounds import quarantine, shard_ref, transfer_seconds
 
 
@@ -116,7 +116,7 @@ def _verify_blocks(ctx: Context, iteration: int,
             continue
         report: dict[str, Any] = {"save": m.metadata.get("save_id"),
                                   "nbytes": m.chunk_count * m.chunk_nbytes,
-                                  "pieces": piece_count(m.chunk_nbytes, m.chunk_count)}
+                                  "pieces": wire_messages(m)}
         if m.parity is not None:
             report["layout"] = [m.parity.k, m.parity.m, list(m.parity.members)]
             report["sizes"] = list(m.parity.sizes)

@@ -51,8 +51,13 @@ from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.manifest import ShardManifest
-from ..storage.peer_io import piece_count, run_transfers
-from ..storage.shard_stream import TensorReceiver, outgoing_from_disk, tensor_splits
+from ..storage.peer_io import run_transfers
+from ..storage.shard_stream import (
+    TensorReceiver,
+    outgoing_from_disk,
+    tensor_splits,
+    wire_messages,
+)
 from .destinations import Into, Rewrap, fill_copied
 from .rebuild import needs_rebuild, parity_repair, rebuild_lost
 from .rounds import (
@@ -139,7 +144,8 @@ def _verify_sources(ctx: Context, rnd: Round,
                     raise
             else:
                 m = rnd.manifests[shard] = ctx.store.read_manifest(shard_ref(ctx, shard))
-                pieces[f"{shard[0]}:{shard[1]}"] = piece_count(m.chunk_nbytes, m.chunk_count)
+                # the fetch cuts at tensor edges; the write-back sends fewer: bounded alike
+                pieces[f"{shard[0]}:{shard[1]}"] = wire_messages(m, tensor_splits(m))
         except CorruptShardError as exc:
             bad.append(quarantine(ctx, shard, exc))
     if built is not None and not bad:

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from replication import Transfer
-from replication.executor import Outgoing
+from replication.executor import Outgoing, segments
 
 from ..errors import CorruptShardError
 from .checksum import crc32c
@@ -44,6 +44,19 @@ def tensor_splits(manifest: ShardManifest) -> tuple[int, ...]:
     return tuple(sorted(cuts))
 
 
+def stream_piece_nbytes(manifest: ShardManifest) -> int:
+    """Bytes per piece when ``manifest``'s shard is streamed from disk: whole chunks, about
+    STREAM_PIECE_NBYTES."""
+    return manifest.chunk_nbytes * max(1, STREAM_PIECE_NBYTES // manifest.chunk_nbytes)
+
+
+def wire_messages(manifest: ShardManifest, splits: tuple[int, ...] = ()) -> int:
+    """How many messages :func:`outgoing_from_disk` sends for ``manifest``'s shard with
+    ``splits`` (what a wait for that transfer must allow for: each is bounded by the timeout)."""
+    return max(1, len(segments(manifest.chunk_count * manifest.chunk_nbytes,
+                               stream_piece_nbytes(manifest), splits)))
+
+
 def outgoing_from_disk(store: ShardStore, ref: ShardRef, manifest: ShardManifest,
                        ring: PieceRing, splits: tuple[int, ...] = ()) -> Outgoing:
     """``ref``'s committed data as an :class:`Outgoing`, read piece by piece into ``ring``'s
@@ -53,7 +66,7 @@ def outgoing_from_disk(store: ShardStore, ref: ShardRef, manifest: ShardManifest
     # Pieces of about 16 MiB, not the 64 MiB a replica is sent in: the read of piece i + 1 then
     # overlaps the send of piece i even for a small shard (a 64 MiB shard was read whole, then
     # sent: its restore after node loss took 15% longer); the same at 256 MiB.
-    piece = manifest.chunk_nbytes * max(1, STREAM_PIECE_NBYTES // manifest.chunk_nbytes)
+    piece = stream_piece_nbytes(manifest)
     total = manifest.chunk_count * manifest.chunk_nbytes
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-send")
     ahead: dict[int, Future[torch.Tensor]] = {}
