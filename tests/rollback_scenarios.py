@@ -10,13 +10,14 @@ from scenarios import digest, make_state
 from localckpt import LocalCheckpointManager
 
 
-def manager(rank: int, base: str) -> LocalCheckpointManager:
-    return LocalCheckpointManager(Path(base) / f"node{rank}", "job", "node_spread",
-                                  keep_last=3, timeout=30, node_id=f"node{rank}")
+def manager(rank: int, base: str, strategy: str | None = "node_spread",
+            keep_last: int = 3) -> LocalCheckpointManager:
+    return LocalCheckpointManager(Path(base) / f"node{rank}", "job", strategy,
+                                  keep_last=keep_last, timeout=30, node_id=f"node{rank}")
 
 
-def save(rank: int, world: int, base: str) -> None:
-    with manager(rank, base) as mgr:
+def save(rank: int, world: int, base: str, strategy: str | None = "node_spread") -> None:
+    with manager(rank, base, strategy) as mgr:
         for it in (10, 20, 30):
             mgr.save(make_state(rank, it), it)
 
@@ -30,23 +31,24 @@ def rollback(rank: int, world: int, base: str) -> dict[str, Any]:
                 "identical": digest(state) == digest(make_state(rank, 20))}
 
 
-def resave(rank: int, world: int, base: str, offset: int) -> None:
+def resave(rank: int, world: int, base: str, offset: int,
+           strategy: str | None = "node_spread") -> None:
     """A later run rolls back to 20 and saves 30 again, with other states."""
-    with manager(rank, base) as mgr:
+    with manager(rank, base, strategy) as mgr:
         mgr.load(iteration=20, discard_newer=True)
         mgr.wait_for_write_back()
         mgr.save(make_state(rank, 30 + offset), 30)
 
 
-def load_newest(rank: int, world: int, base: str,
-                exact: int | None = None) -> dict[str, Any]:
-    with manager(rank, base) as mgr:
+def load_newest(rank: int, world: int, base: str, exact: int | None = None,
+                strategy: str | None = "node_spread") -> dict[str, Any]:
+    with manager(rank, base, strategy) as mgr:
         try:
             state, ckpt_id = mgr.load(iteration=exact)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"loaded": ckpt_id[0], "error": None,
-                "is": next((it for it in (10, 20, 30, 1030) if digest(state) == digest(
+                "is": next((it for it in (10, 20, 30, 1030, 2030) if digest(state) == digest(
                     make_state(rank, it))), None)}
 
 
@@ -74,3 +76,18 @@ def reshard_load(rank: int, world: int, base: str) -> dict[str, Any]:
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"loaded": ckpt_id[0], "error": None}
+
+
+def fall_back_then_save_again(rank: int, world: int, base: str) -> dict[str, Any]:
+    """No replicas, 30 cannot be loaded (shards of two saves): the load falls back to 20, and
+    the run goes on from there and saves 30 again (keep_last=1)."""
+    with manager(rank, base, None, keep_last=1) as mgr:
+        _, ckpt_id = mgr.load()
+        latest, listed = mgr.find_latest(), mgr.iterations()
+        mgr.save(make_state(rank, 2030), 30)
+        after = sorted(int(p.name[5:]) for p in (Path(base) / f"node{rank}" / "job").glob(
+            "iter_*"))
+    with manager(rank, base, None) as mgr:
+        state, _ = mgr.load()
+        return {"loaded": ckpt_id[0], "latest": latest, "iterations": listed, "after": after,
+                "is": 2030 if digest(state) == digest(make_state(rank, 2030)) else None}

@@ -94,21 +94,44 @@ def _saved_twice(tmp_path: Path, root: Path) -> Path:
     return backup
 
 
-def test_an_iteration_whose_shards_come_from_two_saves_is_never_loaded(
-        tmp_path: Path, root: Path) -> None:
+@pytest.mark.parametrize("exact", [None, 30])
+def test_an_iteration_saved_twice_loads_the_save_whose_copies_cover_every_rank(
+        tmp_path: Path, root: Path, exact: int | None) -> None:
     """Iteration 30 saved twice (a later run rolled back to 20 and saved 30 again); one rank's
-    shard of the first save put back (a copy restored by hand from a backup): every rank falls
-    back to 20 instead of loading a mix of the two saves."""
+    shard of the first save put back on its own node (a copy restored by hand from a backup).
+    Node 0 still holds both shards of the second save: every rank loads that save, never a
+    mix of the two, and the stale copy is set aside."""
     backup = _saved_twice(tmp_path, root)
     first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
     shutil.rmtree(first)
     shutil.copytree(backup, first)
-    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root)):
+    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), exact):
         assert r.ok, r.message
-        assert r.value == {"loaded": 20, "error": None, "is": 20}, r.value
-    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), 30):
+        assert r.value == {"loaded": 30, "error": None, "is": 1030}, r.value
+    assert len(list((root / "node1" / "job").glob(".quarantine-*"))) == 1
+
+
+def test_an_iteration_saved_twice_with_no_save_covering_every_rank_is_never_loaded(
+        tmp_path: Path, root: Path) -> None:
+    """The same without replicas: no save of 30 has a copy of every rank's shard. Every rank
+    falls back to 20 instead of loading a mix, and the run can save 30 again (before, 30 still
+    counted as the latest: save(30) was refused, and retention would have kept it over 20)."""
+    for r in run_ranks(sc.save, 2, tmp_path, str(root), None):
+        assert r.ok, r.message
+    backup = tmp_path / "first-save-30"
+    shutil.copytree(root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002", backup)
+    for r in run_ranks(sc.resave, 2, tmp_path, str(root), 1000, None):
+        assert r.ok, r.message
+    first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    shutil.rmtree(first)
+    shutil.copytree(backup, first)
+    for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), 30, None):
         assert r.ok, r.message
         assert "different saves" in r.value["error"], r.value
+    for r in run_ranks(sc.fall_back_then_save_again, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "latest": 20, "iterations": [10, 20],
+                           "after": [30], "is": 2030}, r.value
 
 
 @pytest.mark.parametrize("keep_every", [None, 2])
@@ -140,3 +163,15 @@ def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
     (r,) = run_ranks(sc.reshard_load, 1, tmp_path, str(root))
     assert r.ok, r.message
     assert r.value["error"] is not None and "different saves" in r.value["error"], r.value
+
+
+def test_the_covering_save_is_the_one_whose_copies_hold_every_rank() -> None:
+    from localckpt.load.mixed import covering_save
+
+    # node 0 (ranks 0, 1) holds both shards of save B; node 1 (rank 2... here rank 1) a stale A
+    assert covering_save([[[0, "B"], [1, "B"]], [[0, "B"], [1, "A"]]], 2) == ("B", "")
+    chosen, why = covering_save([[[0, "B"]], [[1, "A"]]], 2)
+    assert chosen is None and "no save of it has a copy of every rank's shard" in why
+    chosen, why = covering_save([[[0, "A"], [1, "A"]], [[0, "B"], [1, "B"]]], 2)
+    assert chosen is None and "two saves of it are complete" in why
+    assert covering_save([[[0, None], [1, "A"]], [[0, "A"]]], 2) == ("A", "")

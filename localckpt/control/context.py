@@ -1,6 +1,7 @@
 """What every stage of a manager shares once it is bootstrapped: who this rank is, where its
 shards live, how the ranks agree, and where metrics go. Built once by LocalCheckpointManager;
-the save path and the load path read it and never change it.
+the save path and the load path read it and never change it (but for the record of iterations a
+load found it cannot load, :attr:`Context.unloadable`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,18 @@ class Context:
     job_identity: dict[str, Any]
     ring: PieceRing = field(default_factory=PieceRing)  # replica receive buffers, reused
     erasure: StripeLayout | None = None
+    # Iterations of this world size a load agreed cannot be loaded (shards of two saves), and
+    # why: left out of every inventory (find_latest, saves, retention) until a save of that
+    # number passes its agreement. The same on every rank: set from gathered reports.
+    unloadable: dict[int, str] = field(default_factory=dict)
 
     def inventory(self) -> Inventory:
-        """The committed shards of this session in this rank's root (no data is read)."""
+        """The committed shards of this session in this rank's root (no data is read), but
+        those of :attr:`unloadable` iterations."""
         shards = frozenset((s.iteration, s.owner_rank, s.world_size)
-                           for s in self.store.committed())
+                           for s in self.store.committed()
+                           if not (s.iteration in self.unloadable
+                                   and s.world_size == self.world_size))
         return Inventory(self.rank, self.session_id, shards)
 
     def gather_inventories(self, step: str) -> list[Inventory]:

@@ -59,6 +59,7 @@ from ..storage.shard_stream import (
     wire_messages,
 )
 from .destinations import Into, Rewrap, fill_copied
+from .mixed import resolve_mixed
 from .rebuild import needs_rebuild, parity_repair, rebuild_lost
 from .rounds import (
     Loaded,
@@ -256,6 +257,24 @@ def restore(ctx: Context, iteration: int,
     # iterations that cannot be loaded, and why: shards from different saves, lost shards that
     # cannot be rebuilt
     mixed: dict[int, str] = {}
+    resolved: set[int] = set()  # iterations whose copies of other saves were set aside once
+
+    def unmixed(reports: list[dict[str, Any]]) -> bool:
+        """Whether the ranks' own shards come from one save; when not, the copies of the save
+        that covers every rank are kept and the others set aside (plan again), or the
+        iteration is left out from now on (every rank alike: the reports are the same)."""
+        if not note_mixed(mixed, iteration, reports):
+            return True
+        if iteration not in resolved:
+            resolved.add(iteration)
+            why = resolve_mixed(ctx, iteration)
+            if why is None:
+                del mixed[iteration]
+                return False
+            mixed[iteration] += f"; {why}"
+        ctx.unloadable[iteration] = mixed[iteration]
+        return False
+
     rounds = damaged = 0
     while True:
         rounds += 1
@@ -265,9 +284,9 @@ def restore(ctx: Context, iteration: int,
         complete = complete_iterations(inventories, ctx.world_size, ctx.erasure)
         candidates = [it for it in complete if it <= iteration and it not in mixed]
         if exact and (not candidates or candidates[0] != iteration):
-            if iteration in mixed:
-                raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: "
-                                        f"{mixed[iteration]}")
+            why = mixed.get(iteration) or ctx.unloadable.get(iteration)
+            if why is not None:
+                raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: {why}")
             raise not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
             raise nothing_left(ctx, iteration, quarantined)
@@ -284,7 +303,7 @@ def restore(ctx: Context, iteration: int,
             if rebuilt.bad:  # plan again without them (not a damage in transit)
                 continue
             if rebuilt.unusable is not None:
-                mixed[iteration] = rebuilt.unusable
+                mixed[iteration] = ctx.unloadable[iteration] = rebuilt.unusable
             elif rebuilt.retry:
                 damaged += 1
                 if damaged > 2:
@@ -304,8 +323,8 @@ def restore(ctx: Context, iteration: int,
         if any(v["bad"] for v in verify):
             quarantined += [b for v in verify for b in v["bad"]]
             continue  # re-plan: another copy, or an older iteration
-        if note_mixed(mixed, iteration, verify):
-            continue  # an older iteration
+        if not unmixed(verify):
+            continue  # the copies of one save, or an older iteration
         repair = parity_repair(ctx, iteration, inventories)
         if local_only:  # every rank read its own shard and built its state dict
             return built[0][0], built[0][1], None if repair is None else WriteBack(
@@ -326,7 +345,7 @@ def restore(ctx: Context, iteration: int,
                     f"read well, {damaged} times in a row; the last: "
                     f"{next(r for v in fetch for r in v['retry'])}")
             continue
-        if note_mixed(mixed, iteration, fetch):
+        if not unmixed(fetch):
             continue
         write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
                                transfer_seconds(ctx, rnd.plan.exchange, pieces), repair)
