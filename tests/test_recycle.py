@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -170,6 +171,28 @@ def test_hard_linked_copies_of_a_session_are_never_written_through(root: Path) -
             mgr.save(big_state(it), it)
             mgr._ctx.store.wait_for_deletions()
     assert {i: (copy / str(i)).read_bytes() for i in originals} == originals
+
+
+@pytest.mark.parametrize("linked", ["data", "c"])
+def test_a_linked_directory_in_a_retired_shard_is_never_emptied(root: Path,
+                                                               linked: str) -> None:
+    """An operator replaced a shard's data (or chunk) directory by a link to a backup: retiring
+    that shard must not move the backup's files into the pool (its close deletes them)."""
+    with manager(root, keep_last=1) as mgr:
+        mgr.save(big_state(1), 1)
+        shard = next(root.glob("*/iter_0000000001/rank_*"))
+        backup = Path(tempfile.mkdtemp(dir=root.parent)) / "backup"  # one file system
+        shutil.copytree(shard / "data", backup)
+        target = shard / "data" if linked == "data" else shard / "data" / "c"
+        shutil.rmtree(target)
+        target.symlink_to(backup if linked == "data" else backup / "c")
+        for it in (2, 3):
+            mgr.save(big_state(it), it)
+            mgr._ctx.store.wait_for_deletions()
+    try:
+        assert len(list((backup / "c").iterdir())) >= 1
+    finally:
+        shutil.rmtree(backup.parent)
 
 
 def test_reserve_tops_the_pool_up_and_never_fails_a_job(root: Path,

@@ -69,6 +69,9 @@ class FilePool:
         make_private_dir(self.path)
         if not self._usable():
             return
+        for d in (shard_dir, shard_dir / "data", shard_dir / "data" / "c"):
+            if not stat.S_ISDIR(os.lstat(d).st_mode):  # a link: not this shard's files
+                return
         with os.scandir(shard_dir / "data" / "c") as entries:
             for entry in entries:
                 st = entry.stat(follow_symlinks=False)
