@@ -560,3 +560,13 @@ def test_a_refused_preemption_setting_leaves_nothing_held(root: Path, signals: A
         with pytest.raises(ConfigurationError, match="preemption_signals"):
             LocalCheckpointManager(root, "s", preemption_signals=signals)
     SessionLock(session_dir(root, "s"), exclusive=True).release()  # gc could go in
+
+
+@pytest.mark.parametrize("bad, shown", [(True, "bool True"), (3.0, "float 3.0"),
+                                        ("3", "str '3'")])
+def test_a_bad_iteration_is_named_with_its_own_type(root: Path, bad: Any, shown: str) -> None:
+    from localckpt.errors import InvalidIterationError
+
+    with LocalCheckpointManager(root) as mgr, pytest.raises(InvalidIterationError,
+                                                            match=f"got {shown}$"):
+        mgr.save({"w": torch.ones(2)}, bad)

@@ -190,9 +190,10 @@ def validate_save(iterations: Sequence[Any], inventories: Sequence[Inventory],
         by = {r: it for r, it in enumerate(iterations)}
         raise InvalidIterationError(f"every rank must save the same iteration, got {by}")
     iteration = iterations[0]
-    if type(iteration) is not int:
-        raise InvalidIterationError(
-            f"iteration: expected a non-negative int, got {type(iteration).__name__} {iteration!r}")
+    if type(iteration) is not int:  # a rank sends what it was given as its type and repr
+        shown = f"{iteration['type']} {iteration['repr']}" if isinstance(iteration, dict) \
+            else f"{type(iteration).__name__} {iteration!r}"
+        raise InvalidIterationError(f"iteration: expected a non-negative int, got {shown}")
     if iteration < 0:
         raise InvalidIterationError(f"iteration: expected a non-negative int, got {iteration}")
     if iteration > MAX_ITERATION:

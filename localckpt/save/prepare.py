@@ -119,7 +119,8 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
         container="basic" if tasd is state_dict else "plain",
         data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
         chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})
-    request = {"iteration": iteration if type(iteration) is int else repr(iteration),
+    request = {"iteration": iteration if type(iteration) is int else
+               {"type": type(iteration).__name__, "repr": repr(iteration)},
                "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
                                       chunk_count),
                "chunks": chunk_count, "pieces": piece_count(chunk_nbytes, chunk_count),
