@@ -90,6 +90,10 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
             f"unsupported tensor at state dict key {path_str(path)!r}: expected layout "
             f"torch.strided, got {t.layout}"
         )
+    if t.is_nested:
+        raise TypeError(
+            f"unsupported tensor at state dict key {path_str(path)!r}: nested tensors are not "
+            "supported; store their components (unbind()) instead")
     if t.device.type == "meta":
         raise TypeError(
             f"unsupported tensor at state dict key {path_str(path)!r}: meta tensors hold no data"
@@ -141,7 +145,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
-        if obj.layout is not torch.strided or obj.is_meta:
+        if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
             _check_tensor(obj, path)  # raises, naming the key
         return {"T": walk.add(obj, path)}
     if isinstance(obj, torch.Tensor):

@@ -84,7 +84,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def __init__(self, state_dict: Any) -> None:
         walk = Walk()
-        self._hollow = encode_hollow(state_dict, walk)
+        try:
+            self._hollow = encode_hollow(state_dict, walk)
+        except RecursionError:  # not worth a check per container: the error says what to fix
+            raise TypeError("the state dict holds itself (a dict or list that contains itself) "
+                            "or nests deeper than Python's recursion limit") from None
         self._tensors = walk.tensors
         self._paths = walk.paths
         self._dtensors = walk.dtensors

@@ -146,3 +146,17 @@ def test_loaded_tensors_own_their_storage(root: Path) -> None:
     for t in loaded.values():
         assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
     torch.set_rng_state(loaded["rng"])
+
+
+def test_a_nested_tensor_and_a_state_dict_that_holds_itself_are_clear_errors() -> None:
+    import pytest
+
+    from localckpt.state_dict import as_tensor_aware
+
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"'opt/nested'.*nested tensors"):
+        as_tensor_aware({"opt": {"nested": nested}})
+    cyclic: dict[str, object] = {"w": torch.ones(1)}
+    cyclic["self"] = cyclic
+    with pytest.raises(TypeError, match="holds itself"):
+        as_tensor_aware(cyclic)
