@@ -335,7 +335,8 @@ class LocalCheckpointManager:
         self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()
         request = self._save.save(state_dict, iteration, is_async, custom_metadata, metrics)
-        self._schedule.saved()
+        if request is not None or not is_async:  # a save skipped (busy="skip") is no save
+            self._schedule.saved()
         return request
 
     def should_save(self, step: int) -> bool:

@@ -114,6 +114,23 @@ def test_busy_skip_skips_instead_of_waiting(root: Path) -> None:
     q.close()
 
 
+def test_a_skipped_save_does_not_restart_the_every_seconds_clock(root: Path) -> None:
+    from localckpt import SavePolicy
+
+    q, gate = AsyncCallsQueue(timeout=30), threading.Event()
+    with LocalCheckpointManager(root, timeout=30, busy="skip",
+                                save_policy=SavePolicy(every_seconds=3600)) as mgr:
+        _slow_writes(mgr, gate)
+        q.schedule_async_request(mgr.save(make_state(0, 1), 1, is_async=True, force=True))
+        last = mgr._schedule._last_save
+        time.sleep(0.01)
+        assert mgr.save(make_state(0, 2), 2, is_async=True, force=True) is None  # skipped
+        assert mgr._schedule._last_save == last
+        gate.set()
+        q.maybe_finalize_async_calls(blocking=True)
+    q.close()
+
+
 @pytest.mark.parametrize("world,per_node", [(2, 1), (4, 2), (2, 0)])
 def test_async_round_trip_alongside_training_collectives(tmp_path: Path, root: Path, world: int,
                                                          per_node: int) -> None:
