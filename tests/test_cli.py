@@ -446,3 +446,16 @@ def test_verify_and_ls_beside_a_live_job_do_not_call_a_retired_shard_corrupt(
     monkeypatch.setattr(Path, "stat", vanished)
     code, out, err = run_cli(capsys, "ls", str(root))
     assert code == 0, err
+
+
+@pytest.mark.parametrize("damage", ["array-metadata", "stray-chunk"])
+def test_verify_checks_what_a_plain_zarr_reader_needs_too(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path, damage: str) -> None:
+    root = tmp_path / "node0"
+    shard = _shard(root, 1, 0, 1)
+    if damage == "array-metadata":
+        (shard / "data" / "zarr.json").write_text("garbage")
+    else:
+        (shard / "data" / "c" / "77").mkdir()
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 1 and f"CORRUPT {shard}" in out, out

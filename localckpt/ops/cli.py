@@ -30,7 +30,12 @@ from typing import Any
 
 from ..control.coverage import complete_from_listings
 from ..control.retention import KeepPolicy
-from ..errors import CheckpointingError, ConfigurationError, UnsupportedFormatError
+from ..errors import (
+    CheckpointingError,
+    ConfigurationError,
+    CorruptShardError,
+    UnsupportedFormatError,
+)
 from ..storage.durable import commit_path
 from ..storage.durable_object import is_object_url
 from ..storage.layout import (
@@ -45,6 +50,7 @@ from ..storage.layout import (
 from ..storage.manifest import ShardManifest
 from ..storage.session_lock import SessionLock
 from ..storage.shard_reader import parse_manifest_file
+from ..storage.shard_writer import array_metadata
 from ..storage.store import ShardStore
 from . import cli_object
 from .cli_doctor import cmd_doctor
@@ -216,7 +222,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for n, (root, session, ref) in enumerate(shards, 1):
         store = ShardStore(root, session, writer_rank=0)
         try:
-            store.read(ref)
+            _check_as_zarr(ref.path, store.read(ref)[0])
             status = "ok"
         except UnsupportedFormatError as exc:  # intact, written by another localckpt version
             status = f"UNSUPPORTED: {exc}"
@@ -249,6 +255,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
                      "UNREADABLE" if b.get("unreadable") else "CORRUPT")
             print(f"{label} {b['shard']}: {b['error']}")
     return 1 if bad else 0
+
+
+def _check_as_zarr(shard: Path, manifest: ShardManifest) -> None:
+    """What a plain zarr reader needs beyond what a load checks: the array's metadata as the
+    manifest describes it, and nothing in the chunk directory but the chunks. Raises
+    CorruptShardError."""
+    where = shard / "data" / "zarr.json"
+    try:
+        doc = json.loads(where.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CorruptShardError(f"{where}: unreadable array metadata ({exc})") from exc
+    if doc != array_metadata(manifest.chunk_nbytes, manifest.chunk_count):
+        raise CorruptShardError(f"{where}: the array metadata does not describe the shard's "
+                                f"{manifest.chunk_count} chunks of {manifest.chunk_nbytes} bytes")
+    extra = sorted(set(os.listdir(shard / "data" / "c"))
+                   - {str(i) for i in range(manifest.chunk_count)})
+    if extra:
+        raise CorruptShardError(f"{shard / 'data' / 'c'}: entries that are no chunk of the "
+                                f"shard: {extra[:8]}")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
