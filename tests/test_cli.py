@@ -459,3 +459,15 @@ def test_verify_checks_what_a_plain_zarr_reader_needs_too(capsys: pytest.Capture
         (shard / "data" / "c" / "77").mkdir()
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and f"CORRUPT {shard}" in out, out
+
+
+def test_doctor_finds_the_file_system_by_whole_path_components() -> None:
+    from localckpt.ops.cli_doctor import fs_type_in
+
+    mounts = ("/dev/sda1 / ext4 rw 0 0\nudev /dev devtmpfs rw 0 0\n"
+              "tmpfs /dev/shm tmpfs rw 0 0\n/dev/sdb1 /mnt/my\\040disk xfs rw 0 0\n"
+              "overlay /mnt/my\\040disk overlay rw 0 0\n")
+    assert fs_type_in(Path("/devel/ckpt"), mounts) == "ext4"
+    assert fs_type_in(Path("/dev/shm/x"), mounts) == "tmpfs"
+    assert fs_type_in(Path("/dev"), mounts) == "devtmpfs"
+    assert fs_type_in(Path("/mnt/my disk/ckpt"), mounts) == "overlay"  # mounted over xfs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -13,15 +14,25 @@ from . import health
 
 
 def _fs_type(path: Path) -> str:
-    best, kind = "", "unknown"
     try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) > 2 and str(path.resolve()).startswith(parts[1]) and \
-                    len(parts[1]) > len(best):
-                best, kind = parts[1], parts[2]
+        return fs_type_in(path.resolve(), Path("/proc/mounts").read_text())
     except OSError:
-        pass
+        return "unknown"
+
+
+def fs_type_in(path: Path, mounts: str) -> str:
+    """The type of the file system ``path`` (absolute, resolved) is on, from the text of
+    /proc/mounts (pure): the longest mount point that is ``path`` or a directory above it (the
+    last one mounted there), its
+    octal escapes (a space is written \\040) decoded."""
+    best, kind = -1, "unknown"
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[1]))
+        if (point == path or point in path.parents) and len(point.parts) >= best:
+            best, kind = len(point.parts), parts[2]
     return kind
 
 
