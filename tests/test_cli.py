@@ -471,3 +471,16 @@ def test_doctor_finds_the_file_system_by_whole_path_components() -> None:
     assert fs_type_in(Path("/dev/shm/x"), mounts) == "tmpfs"
     assert fs_type_in(Path("/dev"), mounts) == "devtmpfs"
     assert fs_type_in(Path("/mnt/my disk/ckpt"), mounts) == "overlay"  # mounted over xfs
+
+
+def test_gc_collects_the_other_sessions_and_reports_them_when_one_is_in_use(
+        capsys: pytest.CaptureFixture[str], root: Path) -> None:
+    _shard(root, 1, 0, 1, session="c")
+    _shard(root, 2, 0, 1, session="c")
+    with LocalCheckpointManager(root, "a") as mgr:
+        mgr.save(make_state(0, 1), 1)
+        code, out, err = run_cli(capsys, "gc", str(root))
+    assert code == 2 and "in use" in err and str(root / "a") in err, err
+    assert f"removed {root / 'c' / 'iter_0000000001' / 'rank_00000_of_00001'}" in out, out
+    from localckpt.storage.layout import list_shards
+    assert [(s.iteration, s.owner_rank) for s in list_shards(root, "c")] == [(2, 0)]

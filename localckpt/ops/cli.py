@@ -34,6 +34,7 @@ from ..errors import (
     CheckpointingError,
     ConfigurationError,
     CorruptShardError,
+    SessionInUseError,
     UnsupportedFormatError,
 )
 from ..storage.durable import commit_path
@@ -314,16 +315,23 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.session is not None:
         sessions = [s for s in sessions if s == args.session]
         session_dir(roots[0], args.session)  # an invalid id is a usage error
+    in_use: list[str] = []
     for session in sessions:
         with contextlib.ExitStack() as locks:
-            if not args.dry_run:
-                for root in roots:
-                    if session_dir(root, session).is_dir():
-                        locks.enter_context(SessionLock(session_dir(root, session),
-                                                        exclusive=True))
+            try:
+                if not args.dry_run:
+                    for root in roots:
+                        if session_dir(root, session).is_dir():
+                            locks.enter_context(SessionLock(session_dir(root, session),
+                                                            exclusive=True))
+            except SessionInUseError as exc:  # the other sessions are still collected
+                in_use.append(str(exc))
+                continue
             removed += _collect(roots, session, policy, args.world_size, args.dry_run)
     _report_gc(args, [str(p) for p in removed])
-    return 0
+    for message in in_use:
+        print(f"localckpt gc: {message}", file=sys.stderr)
+    return 2 if in_use else 0
 
 
 def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
