@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -203,3 +204,23 @@ def test_a_process_forked_from_a_watching_one_still_dies_of_the_signal(root: Pat
             child.kill()
             child.join()
     assert not alive and child.exitcode == -signal.SIGTERM
+
+
+def test_a_watch_closed_while_a_later_one_still_watches_neither_kills_nor_hides(
+        root: Path) -> None:
+    """The first of two managers is closed, the second still watches: a SIGTERM must be noticed
+    by the second and must not end the process (the closed one is only its previous handler)."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from localckpt import LocalCheckpointManager
+        first = LocalCheckpointManager({str(root)!r}, "a", preemption_signals=True)
+        second = LocalCheckpointManager({str(root)!r}, "b", preemption_signals=True)
+        first.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("noticed", second.reached_preemption(1), flush=True)
+        second.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "noticed True" in proc.stdout, (proc.returncode,
+                                                                    proc.stderr[-2000:])

@@ -93,9 +93,20 @@ class PreemptionWatch:
                                      f"{exc}") from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # The top of the chain when installed; else another watch's previous handler.
+        self._dispatch(signum, frame, top=signal.getsignal(signum) == self._handle)
+
+    def _dispatch(self, signum: int, frame: FrameType | None, top: bool) -> None:
         previous = self._previous.get(signum)
-        if self._closed or os.getpid() != self._pid:
-            _pass_on(signum, frame, previous)
+        if self._closed or os.getpid() != self._pid:  # as if not there
+            watch = getattr(previous, "__self__", None)
+            if isinstance(watch, PreemptionWatch):
+                watch._dispatch(signum, frame, top)
+            elif callable(previous):
+                previous(signum, frame)
+            elif top and previous is not signal.SIG_IGN:  # the default action, once
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
         if previous is signal.SIG_IGN:
             return
@@ -113,15 +124,6 @@ class PreemptionWatch:
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous)
-
-
-def _pass_on(signum: int, frame: FrameType | None, previous: Any) -> None:
-    """What ``previous`` (a handler signal.signal returned) does with ``signum``."""
-    if callable(previous):
-        previous(signum, frame)
-    elif previous is not signal.SIG_IGN:  # the default action (None: not set from Python)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 class Schedule:
