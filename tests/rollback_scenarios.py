@@ -80,9 +80,24 @@ def reshard_load(rank: int, world: int, base: str) -> dict[str, Any]:
 
 def fall_back_then_save_again(rank: int, world: int, base: str) -> dict[str, Any]:
     """No replicas, 30 cannot be loaded (shards of two saves): the load falls back to 20, and
-    the run goes on from there and saves 30 again (keep_last=1)."""
+    the run goes on from there and saves 30 again (keep_last=1), after a first try refused for
+    space (30 must stay out of the listing until a save of it is finalized)."""
+    from localckpt.errors import InsufficientSpaceError
+    from localckpt.save import prepare
+
     with manager(rank, base, None, keep_last=1) as mgr:
         _, ckpt_id = mgr.load()
+        real = prepare.SaveAgreement._check_capacity
+
+        def full(self: Any, *args: Any) -> None:
+            raise InsufficientSpaceError("no room (injected)")
+        prepare.SaveAgreement._check_capacity = full  # type: ignore[method-assign]
+        try:
+            mgr.save(make_state(rank, 2030), 30)
+        except InsufficientSpaceError:
+            pass
+        finally:
+            prepare.SaveAgreement._check_capacity = real  # type: ignore[method-assign]
         latest, listed = mgr.find_latest(), mgr.iterations()
         mgr.save(make_state(rank, 2030), 30)
         after = sorted(int(p.name[5:]) for p in (Path(base) / f"node{rank}" / "job").glob(

@@ -160,9 +160,6 @@ class SaveAgreement:
         inventories = decode_inventories([g["inventory"] for g in gathered])
         validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
                       self.any_world, ctx.erasure)
-        # This save replaces what is left of an iteration of that number a load could not
-        # load: from here on its shards count again (the new ones, once committed).
-        ctx.unloadable.pop(staged.iteration, None)
         self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
         plan = save_plan(ctx.placement, ctx.topology, staged.iteration)
         needed = [int(g["nbytes"]) for g in gathered]

@@ -207,7 +207,7 @@ class SavePath:
                 raise job.error
             if job.error is not None:  # e.g. KeyboardInterrupt on the save's thread
                 raise RuntimeError(f"the save's background work stopped: {job.error!r}")
-            doc = self.retainer.report(ctx.inventory())
+            doc = self.retainer.report(ctx.inventory(also=iteration))
             if ctx.rank == 0 and self.persister is not None and self.persister.due_by_clock():
                 doc["persist_due"] = True  # rank 0's clock decides for every rank
             return doc
@@ -230,6 +230,7 @@ class SavePath:
                 ctx.erasure, holders_of(inventories, iteration, ctx.world_size))
             if latest == iteration and not unprotected:
                 self.latest_iteration = iteration
+                ctx.unloadable.pop(iteration, None)  # replaced by this save: it counts again
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self.retainer.retain(iteration, inventories, outcome.values)
                 if self.persister is not None:
