@@ -165,13 +165,18 @@ def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
     assert r.value["error"] is not None and "different saves" in r.value["error"], r.value
 
 
-def test_the_covering_save_is_the_one_whose_copies_hold_every_rank() -> None:
+def test_the_save_loaded_is_the_newest_and_only_when_it_covers_every_rank() -> None:
     from localckpt.load.mixed import covering_save
 
-    # node 0 (ranks 0, 1) holds both shards of save B; node 1 (rank 2... here rank 1) a stale A
-    assert covering_save([[[0, "B"], [1, "B"]], [[0, "B"], [1, "A"]]], 2) == ("B", "")
-    chosen, why = covering_save([[[0, "B"]], [[1, "A"]]], 2)
-    assert chosen is None and "no save of it has a copy of every rank's shard" in why
-    chosen, why = covering_save([[[0, "A"], [1, "A"]], [[0, "B"], [1, "B"]]], 2)
-    assert chosen is None and "two saves of it are complete" in why
-    assert covering_save([[[0, None], [1, "A"]], [[0, "A"]]], 2) == ("A", "")
+    # node 0 holds both shards of save B (newer); node 1 a stale copy of A
+    assert covering_save([[[0, "B", 2.0], [1, "B", 2.0]], [[0, "B", 2.0], [1, "A", 1.0]]],
+                         2) == ("B", "")
+    chosen, why = covering_save([[[0, "B", 2.0]], [[1, "A", 1.0]]], 2)
+    assert chosen is None and "newest save (B) has copies of 1 of 2" in why
+    # both whole: the newer one
+    assert covering_save([[[0, "A", 1.0], [1, "A", 1.0]], [[0, "B", 2.0], [1, "B", 2.0]]],
+                         2) == ("B", "")
+    # an older save whole, the newer not (a node back with a save a rollback discarded): none
+    chosen, why = covering_save([[[0, "A", 1.0], [1, "A", 1.0]], [[0, "B", 2.0]]], 2)
+    assert chosen is None and "(B)" in why
+    assert covering_save([[[0, None, 3.0], [1, "A", 1.0]], [[0, "A", 1.0]]], 2) == ("A", "")

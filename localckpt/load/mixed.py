@@ -1,9 +1,12 @@
 """An iteration number saved twice, its copies from both saves on disk (a run resumed from an
 older iteration saved it again, and not every copy of the first save was replaced: a crash
 mid-save, a copy restored by hand, a node that held a replica then). A state dict is never
-built from two saves: the save whose copies cover every rank is loaded and the other copies
-are set aside; with no such save (or two) the iteration cannot be loaded, and the manager
-leaves it out of what it lists until a save of that number replaces it.
+built from two saves: when the newest save of that number has a copy of every rank's shard, it
+is loaded and the copies of older saves are set aside; otherwise (the newest save is not whole,
+whatever older save may be: it may have been discarded on purpose by a rollback) the iteration
+cannot be loaded, and the manager leaves it out of what it lists until a save of that number is
+finalized. Erasure-coded iterations are not resolved this way (their parity blocks belong to a
+save too): they cannot be loaded, as before.
 """
 
 from __future__ import annotations
@@ -13,61 +16,68 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..control.context import Context
-from ..errors import CorruptShardError
+from ..storage.layout import ShardRef
 
 logger = logging.getLogger(__name__)
 
 
 def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
                   ) -> tuple[str | None, str]:
-    """The save whose copies hold every owner's shard, from each rank's ``[owner, save id]``
-    of the copies its node holds (pure). (save id, "") when exactly one save covers every
-    owner; else (None, why). Copies written before save ids (None) count for no save."""
+    """The save to load, from each rank's ``[owner, save id, saved_unix]`` of the copies its
+    node holds (pure): the newest save (by rank 0's clock at the save, then by id), when it has
+    a copy of every owner's shard: (save id, ""); else (None, why). Copies written before save
+    ids (None) count for no save."""
     owners: dict[str, set[int]] = {}
+    when: dict[str, float] = {}
     for listed in copies:
-        for owner, save in listed:
+        for owner, save, saved in listed:
             if save is not None:
                 owners.setdefault(str(save), set()).add(int(owner))
-    full = sorted(s for s, held in owners.items() if held >= set(range(world_size)))
-    if len(full) == 1:
-        return full[0], ""
-    seen = "; ".join(f"save {s} has shards of {len(held)} of {world_size} ranks"
-                     for s, held in sorted(owners.items()))
-    if not full:
-        return None, f"no save of it has a copy of every rank's shard ({seen})"
-    return None, f"two saves of it are complete ({seen}): which one is meant is not known"
+                if isinstance(saved, (int, float)):
+                    when[str(save)] = max(when.get(str(save), float("-inf")), float(saved))
+    if not owners:
+        return None, "no copy names its save"
+    newest = max(owners, key=lambda s: (when.get(s, float("-inf")), s))
+    if owners[newest] >= set(range(world_size)):
+        return newest, ""
+    return None, (f"its newest save ({newest}) has copies of {len(owners[newest])} of "
+                  f"{world_size} ranks' shards")
 
 
 def resolve_mixed(ctx: Context, iteration: int) -> str | None:
     """Collective. Every rank reports the save of each copy of ``iteration`` its node holds;
-    when one save covers every rank, every rank sets its node's copies of other saves aside
-    (quarantine) and None is returned (plan again). Else why the iteration cannot be loaded."""
+    when the newest save covers every rank, every rank sets its node's copies of other saves
+    aside (quarantine) and None is returned (plan again). Else why the iteration cannot be
+    loaded."""
     where = f"load of iteration {iteration}"
+    if ctx.erasure is not None:
+        return "erasure-coded iterations saved twice are not resolved"
+    held: list[tuple[ShardRef, Any]] = []
 
-    def mine() -> list[tuple[Any, str | None]]:
-        out = []
+    def mine() -> list[list[Any]]:  # inside the exchange: a rank's failure is every rank's
         for ref in ctx.store.committed():
             if ref.iteration == iteration and ref.world_size == ctx.world_size \
                     and ref.owner_rank >= 0:
                 try:
-                    out.append((ref, ctx.store.read_manifest(ref).metadata.get("save_id")))
-                except CorruptShardError:
-                    continue  # a damaged copy is the normal path's to quarantine
-        return out
+                    held.append((ref, ctx.store.read_manifest(ref).metadata))
+                except Exception as exc:  # left out: a copy that cannot be read is no vote
+                    logger.warning("rank %d: %s: %s left out: %s", ctx.rank, where, ref.path,
+                                   exc)
+        return [[ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")]
+                for ref, meta in held]
 
-    held = mine()
-    reports = ctx.group.exchange(f"{where}: the saves of every copy",
-                                 lambda: [[ref.owner_rank, save] for ref, save in held])
+    reports = ctx.group.exchange(f"{where}: the saves of every copy", mine)
     chosen, why = covering_save(reports, ctx.world_size)
     if chosen is None:
         return why
 
     def set_aside() -> None:
-        for ref, save in held:
+        for ref, meta in held:
+            save = meta.get("save_id")
             if save is not None and save != chosen:
                 moved = ctx.store.quarantine(ref)
                 if moved is not None:
-                    logger.warning("rank %d: %s: %s is a copy of another save of that number "
+                    logger.warning("rank %d: %s: %s is a copy of an older save of that number "
                                    "(%s) than the one every rank's shard has a copy of (%s); "
                                    "set aside to %s", ctx.rank, where, ref.path, save, chosen,
                                    moved)
