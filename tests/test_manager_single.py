@@ -570,3 +570,40 @@ def test_a_bad_iteration_is_named_with_its_own_type(root: Path, bad: Any, shown:
     with LocalCheckpointManager(root) as mgr, pytest.raises(InvalidIterationError,
                                                             match=f"got {shown}$"):
         mgr.save({"w": torch.ones(2)}, bad)
+
+
+def _start_on_node(root: str, slow: bool, results: Any) -> None:
+    import time as time_
+
+    from localckpt.control import bootstrap
+
+    if slow:  # a large crashed save's leftovers take a while to free
+        real = bootstrap.remove_paths
+
+        def slow_removal(*args: Any) -> None:
+            time_.sleep(3)
+            real(*args)
+        bootstrap.remove_paths = slow_removal  # type: ignore[assignment]
+    try:
+        _, lock = bootstrap.open_node_root(Path(root), "job", "n0", True, 1.0)
+        results.put((slow, "ok"))
+        time_.sleep(4)
+        lock.release()
+    except Exception as exc:
+        results.put((slow, f"{type(exc).__name__}: {exc}"))
+
+
+def test_node_mates_are_not_held_up_by_a_slow_removal_of_leftovers(root: Path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    first = ctx.Process(target=_start_on_node, args=(str(root), True, results))
+    first.start()
+    time.sleep(0.5)
+    second = ctx.Process(target=_start_on_node, args=(str(root), False, results))
+    second.start()
+    got = dict(results.get(timeout=30) for _ in range(2))
+    first.join(30)
+    second.join(30)
+    assert got == {True: "ok", False: "ok"}, got

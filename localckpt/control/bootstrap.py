@@ -27,7 +27,7 @@ from replication import (
 
 from ..errors import ConfigurationError, SessionInUseError
 from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
-from ..storage.layout import remove_leftovers, session_dir
+from ..storage.layout import find_leftovers, remove_paths, session_dir
 from ..storage.session_lock import SessionLock
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,12 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
         logger.info("%s is in use by another process: crash leftovers are left to a start "
                     "alone in it, or to localckpt gc", session)
     else:
+        # Listed alone, removed once shared: node mates waiting to start are not held up by
+        # the rmtree of a large crashed save (no one else can own what was listed).
+        leftovers = find_leftovers(session, None, keep_recycled=recycle)
+        lock.share(lock_wait)
         try:
-            remove_leftovers(session, None, keep_recycled=recycle)
-            lock.share()
+            remove_paths(session, leftovers)
         except BaseException:
             lock.release()
             raise

@@ -27,29 +27,39 @@ class SessionLock:
         self.path = session_path
         self._fd: int | None = os.open(
             session_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            self._take(fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait)
+        except BaseException:
+            self.release()
+            raise
+
+    def _take(self, mode: int, wait: float) -> None:
         deadline = time.monotonic() + wait
         while True:
+            assert self._fd is not None
             try:
                 fcntl.flock(self._fd, mode | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    self.release()
                     holder = ("a running job (a LocalCheckpointManager of this session is live "
-                              "on this node)" if exclusive else
+                              "on this node)" if mode == fcntl.LOCK_EX else
                               "an operator command (localckpt gc) that is deleting in it, "
                               "or a starting manager removing crash leftovers")
                     raise SessionInUseError(
-                        f"session directory {session_path} is in use by {holder}; try again "
+                        f"session directory {self.path} is in use by {holder}; try again "
                         "when it has finished") from None
                 time.sleep(0.05)
 
-    def share(self) -> None:
-        """Turn an exclusive lock into a shared one (another start waiting for a shared lock
-        may get in first: flock converts by releasing, then taking)."""
-        assert self._fd is not None
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+    def share(self, wait: float) -> None:
+        """Turn an exclusive lock into a shared one, waiting up to ``wait`` seconds: flock
+        converts by releasing, then taking, so gc may get in between (SessionInUseError, the
+        lock then released)."""
+        try:
+            self._take(fcntl.LOCK_SH, wait)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self._fd is not None:
