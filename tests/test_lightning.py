@@ -283,3 +283,22 @@ def test_a_marker_that_cannot_be_written_fails_no_rank(root: Path, tmp_path: Pat
     io = LocalCkptIO(root, "job")
     assert io.load_checkpoint(blocked / "last.ckpt")["global_step"] == 4
     io.teardown()
+
+
+def test_a_marker_that_cannot_be_replaced_does_not_name_the_older_iteration(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    io = LocalCkptIO(root, "job", keep_last=2)
+    io.save_checkpoint(_checkpoint(4), tmp_path / "last.ckpt")
+    assert _marker(tmp_path / "last.ckpt") == 4
+
+    def fails(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pl_io.os, "replace", fails)
+    io.save_checkpoint(_checkpoint(6), tmp_path / "last.ckpt")
+    monkeypatch.undo()
+    io.teardown()
+    assert not (tmp_path / "last.ckpt").exists()  # no marker: a resume loads the newest
+    io = LocalCkptIO(root, "job")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 6
+    io.teardown()

@@ -247,6 +247,13 @@ def _write_marker(path: Path, session: str, iteration: int) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        try:  # an older marker there would name an older iteration
+            path.unlink(missing_ok=True)
+        except OSError as gone:
+            logger.error("LocalCkptIO: cannot write the marker %s of iteration %d (%s), nor "
+                         "remove the older one there (%s): a resume from that path loads the "
+                         "iteration it names", path, iteration, exc, gone)
+            return
         logger.error("LocalCkptIO: cannot write the marker %s of iteration %d (%s); the "
                      "checkpoint is complete, and a resume from that path loads the newest "
                      "iteration", path, iteration, exc)
