@@ -243,7 +243,8 @@ class LocalCheckpointManager:
                 self._save.persister = persister
                 self._save.retainer.pinned = persister.pinned
         except BaseException:  # a setting refused here (preemption_signals...): nothing held
-            made = [self._save.close] if hasattr(self, "_save") else []
+            made = [getattr(self, name).close for name in ("_schedule", "_save")
+                    if hasattr(self, name)]
             for release in (*made, store.close, *(t.close for t in tiers), data_group.close,
                             group.close, locks[0].release):
                 with contextlib.suppress(Exception):
@@ -326,8 +327,10 @@ class LocalCheckpointManager:
         earlier is touched.
         """
         schedule = self._schedule
-        # A bad iteration is every rank's error: inside the policy's exchange when it has one,
-        # else in the save's own agreement (asking the policy alone would leave this rank out).
+        # A bad iteration is every rank's error inside the policy's exchange when it has one.
+        # A policy without one is asked locally: a bad iteration then goes to the save's own
+        # agreement, which ranks that were told "not due" do not join (the same iteration on
+        # every rank is the caller's part, as for any collective).
         if schedule.policy is not None and not force and (
                 schedule.collective or (type(iteration) is int and iteration >= 0)) and \
                 not schedule.should_save(iteration, "iteration", InvalidIterationError):

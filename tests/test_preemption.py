@@ -86,7 +86,7 @@ def _one_rank_wrong(rank: int, world: int, base: str, what: str) -> dict[str, An
     """Rank 1 alone gets something wrong in a collective schedule call: every rank must raise
     the same error, and the group must stay usable (a save right after works)."""
     def predicate(step: int) -> bool:
-        if rank == 1:
+        if rank == 1 and what == "predicate":
             raise ValueError("the predicate failed")
         return False
 
@@ -98,6 +98,8 @@ def _one_rank_wrong(rank: int, world: int, base: str, what: str) -> dict[str, An
                 mgr.should_save(1)
             elif what == "metadata":
                 mgr.metadata(5 if rank == 0 else "5")  # type: ignore[arg-type]
+            elif what == "different":
+                mgr.save({"w": torch.ones(2)}, 3 + rank)
             else:
                 mgr.save({"w": torch.ones(2)}, 3 if rank == 0 else "3")  # type: ignore[arg-type]
         except Exception as exc:
@@ -108,7 +110,7 @@ def _one_rank_wrong(rank: int, world: int, base: str, what: str) -> dict[str, An
         return {"error": error, "latest": mgr.find_latest()}
 
 
-@pytest.mark.parametrize("what", ["predicate", "iteration", "metadata"])
+@pytest.mark.parametrize("what", ["predicate", "iteration", "metadata", "different"])
 def test_a_schedule_call_wrong_on_one_rank_is_the_same_error_on_every_rank(
         tmp_path: Path, what: str) -> None:
     results = run_ranks(_one_rank_wrong, 2, tmp_path, str(tmp_path / "roots"), what)

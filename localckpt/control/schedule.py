@@ -147,8 +147,8 @@ class Schedule:
         return self.policy is not None and (self.policy.every_seconds is not None
                                             or self.watch is not None)
 
-    def _agree(self, step: Any, due: Callable[[], bool] = lambda: False
-               ) -> tuple[bool, bool, float]:
+    def _agree(self, step: Any, due: Callable[[], bool] = lambda: False,
+               error: type[Exception] = ConfigurationError) -> tuple[bool, bool, float]:
         """(whether ``due()`` said so on any rank, whether any rank noticed a preemption, rank
         0's seconds since its last save). ``due`` runs inside the exchange: what it raises on
         one rank is every rank's error, and the group stays usable."""
@@ -162,8 +162,8 @@ class Schedule:
         seen = self.ctx.group.exchange("schedule: agree", local)
         steps = sorted({repr(s["step"]) for s in seen})
         if len(steps) > 1:
-            raise ConfigurationError(f"every rank must ask about the same step, got "
-                                     f"{ {r: s['step'] for r, s in enumerate(seen)} }")
+            raise error(f"every rank must ask about the same step, got "
+                        f"{ {r: s['step'] for r, s in enumerate(seen)} }")
         return (any(s["due"] for s in seen), any(s["preempted"] for s in seen),
                 float(seen[0]["since"]))
 
@@ -185,7 +185,7 @@ class Schedule:
 
         if not self.collective:
             return due()
-        due_somewhere, preempted, since = self._agree(step, due)
+        due_somewhere, preempted, since = self._agree(step, due, error)
         return due_somewhere or preempted or policy.due_by_time(since)
 
     def reached_preemption(self, step: int) -> bool:

@@ -236,8 +236,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 status = f"CORRUPT: {exc}"
                 bad.append({"shard": str(ref.path), "error": str(exc)})
         except OSError as exc:  # this process's trouble (no permission...): the next one
-            status = f"UNREADABLE: {exc}"
-            bad.append({"shard": str(ref.path), "error": str(exc), "unreadable": True})
+            if not ref.path.exists():
+                status = "RETIRED (deleted while verified)"
+                retired.append(str(ref.path))
+            else:
+                status = f"UNREADABLE: {exc}"
+                bad.append({"shard": str(ref.path), "error": str(exc), "unreadable": True})
         finally:
             store.close()
         if not args.json:

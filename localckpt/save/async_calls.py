@@ -251,7 +251,7 @@ class AsyncCallsQueue:
         if self._closed:
             return
         for call in list(self._calls):
-            if not call.done.wait(self._timeout):
+            if not self._wait_done(call):
                 logger.error("async call %d still running at exit after %gs", call.index,
-                             self._timeout)
+                             self._bound(call))
                 return
