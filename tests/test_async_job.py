@@ -108,3 +108,31 @@ def test_a_save_thread_that_cannot_start_fails_that_save_not_the_manager(
         started = time.monotonic()
         mgr.save({"w": torch.ones(2)}, 2)
         assert mgr.iterations() == [2] and time.monotonic() - started < 5
+
+
+def test_a_waiter_in_another_process_is_told_even_if_the_temporary_directory_fails(
+        tmp_path: Path) -> None:
+    """The signal file cannot be made under $TMPDIR (full, unwritable, not a directory): a
+    waiter in another process (Megatron's persistent worker, a child of the saving process)
+    must still be told, not wait until that process exits."""
+    code = textwrap.dedent("""
+        import multiprocessing as mp, pickle, sys, tempfile, time
+        tempfile.tempdir = sys.argv[1]  # what gettempdir() answers: no directory can go there
+        from localckpt.save.job import DoneSignal, wait_for_save
+        done = DoneSignal()
+        payload = pickle.dumps(done)
+        child = mp.get_context("fork").Process(
+            target=lambda: wait_for_save(pickle.loads(payload)))
+        child.start()
+        time.sleep(0.3)
+        done.set()
+        child.join(20)
+        print("told" if child.exitcode == 0 else "hung", flush=True)
+        if child.is_alive():
+            child.kill()
+    """)
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    proc = subprocess.run([sys.executable, "-c", code, str(not_a_dir)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "told" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -52,26 +52,32 @@ class DoneSignal:
     """Set once; waited for from threads of this process (an Event), or from another process:
     one forked from this one, or one it was sent to pickled (Megatron's queue runs a request's
     ``async_fn`` in a forked process, or a spawned persistent worker). Those watch for a file
-    that :meth:`set` creates in a directory of this process under the temporary directory
-    (made then: building a signal touches no file system, so it cannot fail on one rank). The
-    file goes when the signal is collected in this process, and the directory with every file
-    left in it when the process exits."""
+    that :meth:`set` creates in a directory of this process under the temporary directory, or,
+    when that fails (full, unwritable), under /dev/shm (named now, made then: building a signal
+    touches no file system, so it cannot fail on one rank). The file goes when the signal is
+    collected in this process, and the directory with every file left in it when the process
+    exits."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         self._pid = os.getpid()
-        self.path = os.path.join(_signal_dir(), uuid.uuid4().hex)
-        weakref.finalize(self, _remove, self.path, self._pid).atexit = False
+        name = uuid.uuid4().hex
+        self.paths = tuple(os.path.join(d, name) for d in _signal_dirs())
+        weakref.finalize(self, _remove, self.paths, self._pid).atexit = False
 
     def set(self) -> None:
         if not self._event.is_set():
             self._event.set()
-            try:
-                os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-                open(self.path, "xb").close()
-            except OSError as exc:  # never let the signal fail the save; a remote waiter
-                logger.error("localckpt: cannot create %s for a waiting process (%s); it "
-                             "waits until this process exits", self.path, exc)
+            errors = []
+            for path in self.paths:
+                try:
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    open(path, "xb").close()
+                    return
+                except OSError as exc:  # never let the signal fail the save: the next place
+                    errors.append(f"{path}: {exc}")
+            logger.error("localckpt: cannot create a signal file for a waiting process (%s); "
+                         "it waits until this process exits", "; ".join(errors))
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -80,23 +86,23 @@ class DoneSignal:
         """Whether the signal is set, waiting up to ``timeout`` seconds (None: for ever)."""
         if os.getpid() == self._pid:
             return self._event.wait(timeout)
-        return RemoteDone(self.path, self._pid).wait(timeout)
+        return RemoteDone(self.paths, self._pid).wait(timeout)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return RemoteDone, (self.path, self._pid)
+        return RemoteDone, (self.paths, self._pid)
 
 
 @dataclass(frozen=True)
 class RemoteDone:
-    """A :class:`DoneSignal` seen from another process: its file, and the process that sets
-    it (when that one is gone, nothing will: the wait ends)."""
+    """A :class:`DoneSignal` seen from another process: the places of its file, and the process
+    that sets it (when that one is gone, nothing will: the wait ends)."""
 
-    path: str
+    paths: tuple[str, ...]
     owner: int = 0
 
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not os.path.exists(self.path):
+        while not any(os.path.exists(path) for path in self.paths):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             if self.owner and os.getppid() != self.owner and not _alive(self.owner):
@@ -116,31 +122,37 @@ def _alive(pid: int) -> bool:
 
 
 _dir_lock = threading.Lock()
-_dir: tuple[int, str] | None = None  # (pid, directory) of this process's signal files
+_dirs: tuple[int, tuple[str, ...]] | None = None  # (pid, directories) of this process's signals
 
 
-def _signal_dir() -> str:
-    """This process's directory of signal files: a name only (made by the first set)."""
-    global _dir
+def _signal_dirs() -> tuple[str, ...]:
+    """This process's directories of signal files, in the order tried: names only (made by the
+    first set that needs them)."""
+    global _dirs
     with _dir_lock:
-        if _dir is None or _dir[0] != os.getpid():
+        if _dirs is None or _dirs[0] != os.getpid():
             try:
                 base = tempfile.gettempdir()
             except OSError:
                 base = "/tmp"
-            _dir = (os.getpid(), os.path.join(
-                base, f"localckpt-signals-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-            # After multiprocessing joined this process's children at exit (a forked waiter
-            # may still be watching for a file), not before: a finalizer of lower priority.
-            multiprocessing.util.Finalize(None, _remove_dir, args=(_dir[1], os.getpid()),
-                                          exitpriority=-1)
-        return _dir[1]
+            name = f"localckpt-signals-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            bases = [base] + [b for b in ("/dev/shm",)
+                              if os.path.isdir(b) and os.path.realpath(b) !=
+                              os.path.realpath(base)]
+            _dirs = (os.getpid(), tuple(os.path.join(b, name) for b in bases))
+            for d in _dirs[1]:
+                # After multiprocessing joined this process's children at exit (a forked
+                # waiter may still be watching for a file), not before: a lower priority.
+                multiprocessing.util.Finalize(None, _remove_dir, args=(d, os.getpid()),
+                                              exitpriority=-1)
+        return _dirs[1]
 
 
-def _remove(path: str, pid: int) -> None:
+def _remove(paths: tuple[str, ...], pid: int) -> None:
     if os.getpid() == pid:  # a forked child's copy of a signal is not its to remove
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _remove_dir(path: str, pid: int) -> None:
