@@ -258,10 +258,12 @@ class LocalCheckpointManager:
         every rank and happens through the AsyncCallsQueue, so close the queue first), then
         release the I/O threads, the process groups and the session lock. Not collective.
         Every later collective of this manager raises CollectiveError."""
+        ended = True
         try:
             self.wait_for_write_back()
         except CollectiveError as exc:  # logged; closing goes on
             logger.error("rank %d: close: %s", self.rank, exc)
+            ended = self._load.stop_write_back(self.timeout)
         self._save.close()
         if self._save.persister is not None:
             self._save.persister.close(self.timeout)
@@ -270,7 +272,11 @@ class LocalCheckpointManager:
         self._ctx.store.close()
         self._ctx.data_group.close()
         self._ctx.group.close()
-        self._lock.release()
+        if ended:
+            self._lock.release()
+        else:  # gc must not delete under a thread that may still write (freed at exit)
+            logger.error("rank %d: close: the write-back thread is still running; the session "
+                         "lock is kept until this process exits", self.rank)
 
     def __enter__(self) -> LocalCheckpointManager:
         return self

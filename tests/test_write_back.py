@@ -195,3 +195,39 @@ def test_a_rollback_discards_nothing_when_a_rank_s_write_back_failed(tmp_path: P
     assert all(r.ok for r in results), [r.message for r in results]
     assert all(r.value["error"] is not None for r in results), [r.value for r in results]
     assert all([5, 0] in r.value["held"] for r in results), [r.value for r in results]
+
+
+def test_a_write_back_stopped_by_close_commits_nothing_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() after a write-back overran its bound: the thread may still be receiving. Once
+    stopped, what it receives is dropped, never committed (the session lock is about to go)."""
+    import threading
+
+    import localckpt.load.write_back as wbm
+    from replication import schedule
+
+    gate, events = threading.Event(), []
+
+    class Receiver:
+        def __init__(self, *args: Any) -> None:
+            events.append("made")
+
+        def finish(self) -> None:
+            events.append("committed")
+
+        def abort(self) -> None:
+            events.append("dropped")
+
+    def slow_transfer(plan: Any, group: Any, source: Any, sink: Any) -> list[Any]:
+        gate.wait(30)
+        receiver = sink(plan.transfers[0], b"", 0)
+        receiver.finish()
+        return []
+
+    monkeypatch.setattr(wbm, "StoreReceiver", Receiver)
+    monkeypatch.setattr(wbm, "run_transfers", slow_transfer)
+    w = wbm.WriteBack(_ctx(), schedule([Transfer(0, 1, 3, 1)]), {(3, 1): [0]}, 3, 0.01)
+    assert not w.stop(0.1)  # still running: the caller keeps what the thread relies on
+    gate.set()
+    assert w.stop(10)
+    assert events == ["made", "dropped"], events

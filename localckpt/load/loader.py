@@ -300,6 +300,11 @@ class LoadPath:
         iteration, world = self._found
         return world if iteration == self.latest_iteration else self.ctx.world_size
 
+    def stop_write_back(self, seconds: float) -> bool:
+        """After the write-back overran its bound: stop it (see WriteBack.stop); whether its
+        thread ended within ``seconds`` (True when there is none)."""
+        return self._write_back is None or self._write_back.stop(seconds)
+
     def wait_for_write_back(self) -> None:
         """See :meth:`LocalCheckpointManager.wait_for_write_back`. Not collective."""
         if self._write_back is not None:

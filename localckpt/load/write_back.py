@@ -61,9 +61,18 @@ class WriteBack:
         self.failed: list[Transfer] = []  # what still failed after the last attempt (agreed)
         self.error: BaseException | None = None  # the group failed: no redundancy came back
         self.done = threading.Event()
+        self._stopped = threading.Event()  # see stop()
         self._thread = threading.Thread(target=self._run, args=(plan,), daemon=True,
                                         name="localckpt-write-back")
         self._thread.start()
+
+    def stop(self, seconds: float) -> bool:
+        """After :meth:`wait` gave up (close): from now on nothing received is committed and
+        no attempt starts; waits up to ``seconds`` for the thread. Whether it ended (if not,
+        the caller keeps what the thread may still use: the session lock)."""
+        self._stopped.set()
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
 
     def _source(self, t: Transfer) -> Outgoing:
         fault_point("load_write_back", self.ctx.rank, t.iteration)
@@ -74,7 +83,18 @@ class WriteBack:
 
     def _sink(self, t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
         fault_point("load_write_back", self.ctx.rank, t.iteration)
-        return StoreReceiver(self.ctx.store, t, meta, nbytes, self.ctx.world_size, self.ctx.ring)
+        receiver = StoreReceiver(self.ctx.store, t, meta, nbytes, self.ctx.world_size,
+                                 self.ctx.ring)
+        commit, stopped = receiver.finish, self._stopped
+
+        def finish() -> None:
+            if stopped.is_set():  # close() gave up on us: commit nothing now
+                receiver.abort()
+                raise RuntimeError("the write-back was stopped by close()")
+            commit()
+
+        receiver.finish = finish  # type: ignore[method-assign]
+        return receiver
 
     def _run(self, plan: ExchangePlan) -> None:
         try:
@@ -93,6 +113,8 @@ class WriteBack:
     def _write_replicas(self, plan: ExchangePlan) -> None:
         ctx, it = self.ctx, self.iteration
         for attempt in range(1, ATTEMPTS + 1):
+            if self._stopped.is_set():
+                return
             failures = run_transfers(plan, ctx.data_group, self._source, self._sink)
             bad = {t for t, _ in failures}
             self.written += [t.shard for t in plan.involving(ctx.rank)
