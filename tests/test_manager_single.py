@@ -581,13 +581,13 @@ def _start_on_node(root: str, slow: bool, results: Any) -> None:
         real = bootstrap.remove_paths
 
         def slow_removal(*args: Any) -> None:
-            time_.sleep(3)
+            time_.sleep(1.5)
             real(*args)
         bootstrap.remove_paths = slow_removal  # type: ignore[assignment]
     try:
-        _, lock = bootstrap.open_node_root(Path(root), "job", "n0", True, 1.0)
+        _, lock = bootstrap.open_node_root(Path(root), "job", "n0", True, 0.5)
         results.put((slow, "ok"))
-        time_.sleep(4)
+        time_.sleep(2)
         lock.release()
     except Exception as exc:
         results.put((slow, f"{type(exc).__name__}: {exc}"))
@@ -600,7 +600,7 @@ def test_node_mates_are_not_held_up_by_a_slow_removal_of_leftovers(root: Path) -
     results = ctx.Queue()
     first = ctx.Process(target=_start_on_node, args=(str(root), True, results))
     first.start()
-    time.sleep(0.5)
+    time.sleep(0.3)
     second = ctx.Process(target=_start_on_node, args=(str(root), False, results))
     second.start()
     got = dict(results.get(timeout=30) for _ in range(2))
