@@ -176,6 +176,9 @@ class LocalCheckpointManager:
         self.rank, self.world_size = group.rank, group.world_size
         locks: list[SessionLock] = []
         tiers: list[DurableStore] = []
+        # What construction took so far, released in reverse if a later step refuses (a bad
+        # setting on one rank, preemption_signals it cannot handle): nothing stays held.
+        undo: list[Callable[[], None]] = [group.close, data_group.close]
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:
@@ -186,10 +189,12 @@ class LocalCheckpointManager:
             doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
                                        min(self.timeout / 3, 30.0), recycle_files)
             locks.append(lock)
+            undo.append(lock.release)
             if durable is not None:  # settings a rank cannot use fail every rank here alike
                 tiers.append(DurableStore(durable.root, session_id, self.rank,
                                           io_threads=io_threads or 4, timeout=self.timeout,
                                           options=durable.options))
+                undo.append(tiers[0].close)
             return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex}
 
         try:
@@ -205,17 +210,9 @@ class LocalCheckpointManager:
                     self.rank, names, [d.get("cpus") for d in started]))
             store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
                                chunk_nbytes=chunk_nbytes, recycle=recycle_files)
+            undo.append(store.close)
             group.use_nodes(topology.node_of)
             data_group.use_nodes(topology.node_of)
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            for lock in locks:
-                lock.release()
-            data_group.close()
-            group.close()
-            raise
-        try:
             self._lock = locks[0]
             self._run = str(started[0]["run"])  # this job run's id: rank 0's
             self.topology = topology
@@ -226,12 +223,14 @@ class LocalCheckpointManager:
                                 data_group, topology, placement, store, metrics_,
                                 self._job_identity, erasure=layout)
             self._save = SavePath(self._ctx, keep, busy)
+            undo.append(self._save.close)
             self._save.agreement.any_world = reshard
             self._save.retainer.any_world = reshard
             self._save.dedupe_replicated = dedupe_replicated
             self.reshard = reshard
             self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
             self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
+            undo.append(self._schedule.close)
             self.durable = durable
             if durable is not None:  # no request made yet: an unreachable store fails no rank here
                 tier = tiers[0]
@@ -242,11 +241,8 @@ class LocalCheckpointManager:
                                       keep_every=durable.keep_every, any_world=reshard)
                 self._save.persister = persister
                 self._save.retainer.pinned = persister.pinned
-        except BaseException:  # a setting refused here (preemption_signals...): nothing held
-            made = [getattr(self, name).close for name in ("_schedule", "_save")
-                    if hasattr(self, name)]
-            for release in (*made, store.close, *(t.close for t in tiers), data_group.close,
-                            group.close, locks[0].release):
+        except BaseException:
+            for release in reversed(undo):
                 with contextlib.suppress(Exception):
                     release()
             raise
