@@ -51,7 +51,7 @@ from ..storage.layout import (
 from ..storage.manifest import ShardManifest
 from ..storage.session_lock import SessionLock
 from ..storage.shard_reader import parse_manifest_file
-from ..storage.shard_writer import array_metadata
+from ..storage.shard_writer import array_metadata, chunk_files_off
 from ..storage.store import ShardStore
 from . import cli_object
 from .cli_doctor import cmd_doctor
@@ -274,8 +274,7 @@ def _check_as_zarr(shard: Path, manifest: ShardManifest) -> None:
     if doc != array_metadata(manifest.chunk_nbytes, manifest.chunk_count):
         raise CorruptShardError(f"{where}: the array metadata does not describe the shard's "
                                 f"{manifest.chunk_count} chunks of {manifest.chunk_nbytes} bytes")
-    extra = sorted(set(os.listdir(shard / "data" / "c"))
-                   - {str(i) for i in range(manifest.chunk_count)})
+    extra = chunk_files_off(shard / "data" / "c", manifest.chunk_count)[1]
     if extra:
         raise CorruptShardError(f"{shard / 'data' / 'c'}: entries that are no chunk of the "
                                 f"shard: {extra[:8]}")

@@ -90,6 +90,13 @@ def _write_chunk(path: Path, chunk: memoryview, files: FilePool | None) -> int:
     return int(crc)
 
 
+def chunk_files_off(chunk_dir: Path, count: int) -> tuple[list[str], list[str]]:
+    """The names missing from a shard's chunk directory of ``count`` chunks, and those in it
+    that are no chunk of the shard."""
+    names, want = set(os.listdir(chunk_dir)), {str(i) for i in range(count)}
+    return sorted(want - names, key=int), sorted(names - want)
+
+
 def trash_name(path: Path, writer_rank: int) -> Path:
     """Where a shard directory ``<session>/<iteration>/<shard>`` is renamed to before it is
     deleted: the session directory, so its iteration directory can go at once."""
@@ -208,13 +215,12 @@ class ShardWriter:
     def _check_chunk_files(self) -> None:
         """Every chunk file written is still there, and nothing else: another process's cleanup
         (a second manager of the session on this node) must never make a shard with holes."""
-        names = set(os.listdir(self.tmp / "data" / "c"))
         count = self.manifest.chunk_count
-        if len(names) != count or names != {str(i) for i in range(count)}:
+        missing, extra = chunk_files_off(self.tmp / "data" / "c", count)
+        if missing or extra:
             raise CorruptShardError(
-                f"{self.final}: {len(names & {str(i) for i in range(count)})} of {count} chunk "
-                f"files are in {self.tmp / 'data' / 'c'} (removed while written?); not "
-                "committed")
+                f"{self.final}: {count - len(missing)} of {count} chunk files are in "
+                f"{self.tmp / 'data' / 'c'} (removed while written?); not committed")
 
     def abort(self) -> None:
         for f in self._futures.values():
