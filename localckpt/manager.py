@@ -429,7 +429,10 @@ class LocalCheckpointManager:
         world size, DTensors of ``into`` on another mesh, and replicated shards another member
         of their group stored, are assembled the same way (plain state from the rank's own).
 
-        Raises on every rank: NoCheckpointError, CorruptShardError naming the quarantined files
+        Raises on every rank: InvalidIterationError / ConfigurationError for a bad
+        ``iteration`` / ``discard_newer`` on any rank, or ranks passing different ones (checked
+        together before anything is read or deleted); NoCheckpointError, CorruptShardError
+        naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
         rank's TypeError when its ``into`` has a leaf ``save`` would refuse; ConfigurationError
         for a saved DTensor ``into`` gives no mesh (or, resharding, no layout) for, or whose old

@@ -106,3 +106,13 @@ def fall_back_then_save_again(rank: int, world: int, base: str) -> dict[str, Any
         state, _ = mgr.load()
         return {"loaded": ckpt_id[0], "latest": latest, "iterations": listed, "after": after,
                 "is": 2030 if digest(state) == digest(make_state(rank, 2030)) else None}
+
+
+def load_with(rank: int, world: int, base: str, args: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank calls ``load(**args[rank])``; returns what it loaded or the error's class."""
+    with manager(rank, base) as mgr:
+        try:
+            _, ckpt_id = mgr.load(**args[rank])
+        except Exception as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"loaded": ckpt_id[0], "error": None}

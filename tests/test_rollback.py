@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import rollback_scenarios as sc
@@ -80,6 +81,33 @@ def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> 
         assert mgr.iterations() == [1, 2, 3]
     with LocalCheckpointManager(root) as mgr:
         assert digest(mgr.load()[0]) == digest(make_state(0, 33))
+
+
+@pytest.mark.parametrize("args", [
+    ({"iteration": 20}, {"iteration": -1}),
+    ({"iteration": 20, "discard_newer": True}, {"iteration": 20, "discard_newer": "yes"}),
+    ({"iteration": 20}, {"iteration": 10}),
+    ({"iteration": 20, "discard_newer": True}, {"iteration": 20}),
+    ({}, {"iteration": 20}),
+], ids=["bad-iteration", "bad-discard", "other-iteration", "other-discard", "one-rollback"])
+def test_load_arguments_bad_or_unlike_on_one_rank_are_one_error_on_every_rank(
+        tmp_path: Path, root: Path, args: tuple[dict[str, Any], ...]) -> None:
+    """A bad argument on one rank, or ranks asking for different things, raise the same error
+    on every rank at once (before: the others waited out the timeout, or the group broke on
+    steps out of order) and nothing is loaded or discarded."""
+    for r in run_ranks(sc.save, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+    results = run_ranks(sc.load_with, 2, tmp_path, str(root), list(args), deadline=60)
+    errors = {r.value["error"] for r in results if r.ok}
+    assert all(r.ok for r in results) and len(errors) == 1, [r.value for r in results]
+    (error,) = errors
+    bad = "yes" in str(args) or "-1" in str(args)
+    assert error == ("InvalidIterationError" if "-1" in str(args) else "ConfigurationError")
+    for r in results:
+        assert ("rank 1" in r.value["message"]) if bad else ("iteration" in r.value["message"])
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (root / node / "job").glob("iter_*")) == [
+            "iter_0000000010", "iter_0000000020", "iter_0000000030"]
 
 
 def _saved_twice(tmp_path: Path, root: Path) -> Path:
