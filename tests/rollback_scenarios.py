@@ -109,10 +109,12 @@ def fall_back_then_save_again(rank: int, world: int, base: str) -> dict[str, Any
 
 
 def load_with(rank: int, world: int, base: str, args: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each rank calls ``load(**args[rank])``; returns what it loaded or the error's class."""
+    """Each rank calls ``load(**args[rank])``; returns what it loaded or the error's class,
+    and after an error what a plain ``load()`` then loads (the group is still usable)."""
     with manager(rank, base) as mgr:
         try:
             _, ckpt_id = mgr.load(**args[rank])
         except Exception as exc:
-            return {"error": type(exc).__name__, "message": str(exc)}
+            return {"error": type(exc).__name__, "message": str(exc),
+                    "then": mgr.load()[1][0]}
         return {"loaded": ckpt_id[0], "error": None}

@@ -94,7 +94,7 @@ def test_load_arguments_bad_or_unlike_on_one_rank_are_one_error_on_every_rank(
         tmp_path: Path, root: Path, args: tuple[dict[str, Any], ...]) -> None:
     """A bad argument on one rank, or ranks asking for different things, raise the same error
     on every rank at once (before: the others waited out the timeout, or the group broke on
-    steps out of order) and nothing is loaded or discarded."""
+    steps out of order) and nothing is loaded or discarded; the job can load right after."""
     for r in run_ranks(sc.save, 2, tmp_path, str(root)):
         assert r.ok, r.message
     results = run_ranks(sc.load_with, 2, tmp_path, str(root), list(args), deadline=60)
@@ -105,6 +105,7 @@ def test_load_arguments_bad_or_unlike_on_one_rank_are_one_error_on_every_rank(
     assert error == ("InvalidIterationError" if "-1" in str(args) else "ConfigurationError")
     for r in results:
         assert ("rank 1" in r.value["message"]) if bad else ("iteration" in r.value["message"])
+        assert r.value["then"] == 30  # the same call, correct everywhere, then loads
     for node in ("node0", "node1"):
         assert sorted(p.name for p in (root / node / "job").glob("iter_*")) == [
             "iter_0000000010", "iter_0000000020", "iter_0000000030"]

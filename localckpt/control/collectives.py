@@ -8,7 +8,9 @@ gets every value or every rank raises the same exception listing each failing ra
 
 Every exchange carries its step name: ranks that reach different steps (one in ``find_latest``,
 another in ``save``) would otherwise pair silently; they raise CollectiveError naming both steps,
-and the group is unusable from then on, as after any failed collective.
+and the group is unusable from then on, as after any failed collective. A call's arguments can
+ride on its first exchange (:meth:`CheckpointGroup.arguments`): checked there on every rank before
+the steps are compared, at no extra collective.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
+    ConfigurationError,
     describe_failure,
     error_from_failures,
 )
@@ -57,6 +60,7 @@ class CheckpointGroup:
         self._closed = False
         self.group: dist.ProcessGroup | None = None
         self._leaders: LeaderExchange | None = None  # set once the nodes are known
+        self._arguments: dict[str, Any] | None = None  # see arguments()
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
@@ -211,6 +215,46 @@ class CheckpointGroup:
             raise err from exc
         return [bytes(o[:n].numpy()) for o, n in zip(out, sizes, strict=True)]
 
+    @contextlib.contextmanager
+    def arguments(self, call: str, check: Callable[[], Any]) -> Iterator[None]:
+        """Within the block, the first exchange also carries ``check()``'s result (this rank's
+        arguments of ``call``, JSON-able) or its exception, and every rank compares them before
+        anything else: the failing ranks' error (see :func:`error_from_failures`), or
+        ConfigurationError when ranks passed different arguments, is raised on every rank alike
+        (the ranks may be in different steps by then, having taken different paths; each did
+        one collective, so the group stays usable). A rank whose ``check()`` failed does that
+        exchange at once, before the block, and raises there.
+        """
+        try:
+            self._arguments = {"call": call, "ok": check()}
+        except Exception as exc:
+            self._arguments = {"call": call, "error": describe_failure(exc), "exc": exc}
+        try:
+            if "exc" in self._arguments:  # raises on every rank, at the others' first step
+                self.exchange(f"{call}: arguments", lambda: None)
+            yield
+        finally:
+            self._arguments = None
+
+    def _check_arguments(self, gathered: list[Any], local_exc: BaseException | None) -> None:
+        """Raise on every rank when the arguments some ranks' docs carry disagree (see
+        :meth:`arguments`)."""
+        carried = [d.get("arguments") for d in gathered]
+        if all(c is None for c in carried):
+            return
+        call = next(str(c["call"]) for c in carried if c is not None)
+        failures = {r: (str(c["error"][0]), str(c["error"][1]))
+                    for r, c in enumerate(carried) if c is not None and "error" in c}
+        if failures:
+            raise error_from_failures(call, failures) from local_exc
+        by_value: dict[str, list[int]] = {}
+        for r, c in enumerate(carried):
+            by_value.setdefault("nothing" if c is None else json.dumps(c["ok"]), []).append(r)
+        if len(by_value) > 1:
+            raise ConfigurationError(
+                f"{call}: every rank must pass the same arguments; got " + "; ".join(
+                    f"{v} on {_ranks(ranks)}" for v, ranks in by_value.items())) from local_exc
+
     def exchange(self, step: str, local: Callable[[], T], wait: float | None = None) -> list[T]:
         """Run ``local()`` on this rank, then gather every rank's JSON-able result.
 
@@ -238,11 +282,16 @@ class CheckpointGroup:
         out while its peers legitimately still work; a dead peer is still noticed at once.
         """
         local_exc: BaseException | None = None
+        carried, self._arguments = self._arguments, None
         try:
+            if carried is not None and "exc" in carried:
+                raise carried.pop("exc")  # this rank's own arguments: nothing to run
             doc: dict[str, Any] = {"step": step, "ok": local()}
         except Exception as exc:
             local_exc = exc
             doc = {"step": step, "error": describe_failure(exc)}
+        if carried is not None:
+            doc["arguments"] = carried
         try:
             payloads = self.all_gather_bytes(json.dumps(doc, allow_nan=False).encode(), step,
                                              wait if wait is not None and wait > self.timeout
@@ -252,6 +301,7 @@ class CheckpointGroup:
         parsed: dict[int, Any] = {}  # a node's equal payloads are one object: parsed once
         gathered = [parsed[id(b)] if id(b) in parsed else parsed.setdefault(id(b), json.loads(b))
                     for b in payloads]
+        self._check_arguments(gathered, local_exc)
         steps = [str(d.get("step")) for d in gathered]
         if len(set(steps)) > 1:
             by_step: dict[str, list[int]] = {}

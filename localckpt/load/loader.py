@@ -138,7 +138,23 @@ class LoadPath:
              discard_newer: bool = False) -> tuple[ShardManifest, Any]:
         """See :meth:`LocalCheckpointManager.load`. Returns the manifest of the shard loaded (its
         iteration) and the state."""
-        self._agree_on_arguments(iteration, discard_newer)
+        def check() -> list[Any]:
+            if type(discard_newer) is not bool or (discard_newer and iteration is None):
+                raise ConfigurationError(
+                    f"load: discard_newer: expected a bool, and an iteration with it, got "
+                    f"discard_newer={discard_newer!r}, iteration={iteration!r}")
+            if iteration is not None and (type(iteration) is not int or iteration < 0):
+                raise InvalidIterationError(
+                    f"load: iteration: expected None or a non-negative int, got {iteration!r}")
+            return [iteration, discard_newer]
+
+        # Checked with the first exchange, whichever it is: a bad argument on one rank, or a
+        # rollback on some ranks only, is one error on every rank before anything is read.
+        with self.ctx.group.arguments("load (iteration, discard_newer)", check):
+            return self._load(into, iteration, discard_newer)
+
+    def _load(self, into: Any, iteration: int | None,
+              discard_newer: bool) -> tuple[ShardManifest, Any]:
         if iteration is not None:
             manifest, state = self._load_exactly(into, iteration)
             if discard_newer:
@@ -172,31 +188,6 @@ class LoadPath:
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return manifest, state
-
-    def _agree_on_arguments(self, iteration: Any, discard_newer: Any) -> None:
-        """The first step of every load, before any rank reads or deletes: each rank checks its
-        arguments, and every rank must ask for the same thing. Raises on every rank alike:
-        InvalidIterationError / ConfigurationError from the failing rank, ConfigurationError
-        when ranks passed different ones (a rollback on some ranks only would load different
-        iterations, or discard on some nodes only)."""
-        def check() -> list[Any]:
-            if type(discard_newer) is not bool or (discard_newer and iteration is None):
-                raise ConfigurationError(
-                    f"load: discard_newer: expected a bool, and an iteration with it, got "
-                    f"discard_newer={discard_newer!r}, iteration={iteration!r}")
-            if iteration is not None and (type(iteration) is not int or iteration < 0):
-                raise InvalidIterationError(
-                    f"load: iteration: expected None or a non-negative int, got {iteration!r}")
-            return [iteration, discard_newer]
-
-        asked = self.ctx.group.exchange("load: arguments", check)
-        if any(a != asked[0] for a in asked):
-            by_args: dict[str, list[int]] = {}
-            for r, (it, discard) in enumerate(asked):
-                by_args.setdefault(f"iteration={it}, discard_newer={discard}", []).append(r)
-            raise ConfigurationError(
-                "load: every rank must pass the same iteration and discard_newer; got " +
-                "; ".join(f"{k} on ranks {v}" for k, v in by_args.items()))
 
     def _load_exactly(self, into: Any, iteration: int) -> tuple[ShardManifest, Any]:
         """``load(iteration=N)``: that iteration at this world size, or an error; never another
