@@ -182,6 +182,28 @@ class DTensorLayout:
                 raise ValueError(f"DTensor layout: placement {text!r} for a tensor of {rank} "
                                  "dims")
 
+    @functools.cached_property
+    def is_block(self) -> bool:
+        """Whether this rank's shard is one block of the global tensor (``offset`` and the
+        local shape), as resharding assumes: always with Shard and Replicate; with
+        _StridedShard only where the interleaving it stands for gives contiguous indices
+        (FSDP2 over tensor parallelism does; a flattened view of a tensor sharded on two mesh
+        dims does not). Each strided dim's indices are cut as torch cuts a tensor."""
+        strided = {int(m.group(1)) for p in self.placements if (m := _STRIDED.fullmatch(p))}
+        for dim in strided:
+            held = torch.arange(self.global_shape[dim])
+            for i, text in enumerate(self.placements):
+                placement = placement_from_str(text)
+                if text != "R" and placement.dim == dim:
+                    chunks, _ = placement._split_tensor(held, self.mesh_shape[i],
+                                                        with_padding=False)
+                    c = self.coordinate[i]
+                    held = chunks[c] if c < len(chunks) else held[:0]
+            start = self.offset[dim]
+            if not torch.equal(held, torch.arange(start, start + len(held))):
+                return False
+        return True
+
     def same_place(self, other: DTensorLayout) -> bool:
         """Whether a shard of ``self`` is the shard ``other`` holds: the same global tensor cut
         the same way on a mesh of the same shape, at the same coordinate (dim names may

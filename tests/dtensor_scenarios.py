@@ -428,3 +428,35 @@ def duplicate_dtensor_paths(rank: int, world: int, base: str) -> str:
         except TypeError as exc:
             return str(exc)
     return "saved"
+
+
+def _flat_manager(base: str) -> LocalCheckpointManager:
+    return LocalCheckpointManager(Path(base), "flat", None, chunk_nbytes=4096, node_id="one",
+                                  reshard=True, timeout=20)
+
+
+def flat_save(rank: int, world: int, base: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    with _flat_manager(base) as mgr:
+        mgr.save({"flat": distribute_tensor(torch.arange(16.0), mesh, [Shard(0)])}, 1)
+
+
+def flat_load(rank: int, world: int, base: str) -> dict[str, Any]:
+    """``into``: a (Shard(0), Shard(1)) 4x4 parameter seen flat, as ``view(-1)`` makes it:
+    (Shard(0), _StridedShard(0, split_factor=2)), each rank's shard four elements that are
+    not one block of the flat tensor (rank (0, 0): 0, 1, 4, 5)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    flat = distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0), Shard(1)]).view(-1)
+    with _flat_manager(base) as mgr:
+        try:
+            state, _ = mgr.load(into={"flat": flat})
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        full = state["flat"].full_tensor()
+        return {"error": None, "equal": torch.equal(full, torch.arange(16.0))}

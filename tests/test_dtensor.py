@@ -133,3 +133,18 @@ def test_two_dtensors_at_one_key_path_are_refused(tmp_path: Path, root: Path) ->
                         deadline=60)
     assert all(r.ok for r in results), [r.message for r in results if not r.ok]
     assert all("two DTensors at state dict key 'a/b'" in r.value for r in results)
+
+
+def test_a_layout_whose_shards_are_not_blocks_is_refused_not_loaded_wrong(
+        tmp_path: Path) -> None:
+    """Resharding onto a _StridedShard layout whose local shards are not one block each (a
+    flattened view of a tensor sharded on two mesh dims): refused with the leaf named, on
+    every rank (before: each rank got a block from its first offset, a wrong tensor)."""
+    base = str(tmp_path / "root")
+    assert all(r.ok for r in run_ranks(dtensor_scenarios.flat_save, 2, tmp_path, base))
+    results = run_ranks(dtensor_scenarios.flat_load, 4, tmp_path, base)
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert r.value["error"] is not None, r.value
+        assert r.value["error"].startswith("ConfigurationError") and "'flat'" in \
+            r.value["error"] and "_StridedShard" in r.value["error"], r.value

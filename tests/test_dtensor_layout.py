@@ -53,6 +53,21 @@ def test_placements_round_trip_including_strided_shards() -> None:
         placement_from_str("P(sum)")
 
 
+def _layout(shape: int, placements: tuple[str, ...], coordinate: tuple[int, ...],
+            offset: int) -> DTensorLayout:
+    return DTensorLayout((shape,), (1,), (2, 2), None, placements, coordinate, (offset,))
+
+
+def test_a_strided_shard_is_a_block_only_where_its_indices_are_contiguous() -> None:
+    # FSDP2 over tensor parallelism: rank (dp=i, tp=j) holds rows 4j+2i, 4j+2i+1
+    for i in (0, 1):
+        for j in (0, 1):
+            assert _layout(8, ("SS(0,2)", "S(0)"), (i, j), 4 * j + 2 * i).is_block
+    # a (Shard(0), Shard(1)) 4x4 tensor seen flat: rank (0, 0) holds 0, 1, 4, 5
+    assert not _layout(16, ("S(0)", "SS(0,2)"), (0, 0), 0).is_block
+    assert _layout(16, ("S(0)", "S(0)"), (1, 1), 12).is_block
+
+
 def test_same_place_ignores_dim_names_only() -> None:
     renamed = DTensorLayout(**{**LAYOUT.__dict__, "mesh_dim_names": ("a", "b")})
     moved = DTensorLayout(**{**LAYOUT.__dict__, "coordinate": (0, 0)})

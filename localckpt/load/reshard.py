@@ -34,6 +34,7 @@ from ..control.collectives import collective_error
 from ..control.context import Context
 from ..control.coverage import Inventory, holders_of
 from ..control.reshard import OldShard, Piece, Want, choose_servers, plain_owner, plan_reshard
+from ..dtensors import DTensorLayout
 from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
@@ -70,6 +71,14 @@ def _check_one_save(manifests: dict[int, ShardManifest], step: str) -> None:
             f"old ranks {owners[:8]} hold save {save}" for save, owners in saves.items()))
 
 
+def not_a_block(path: str, layout: DTensorLayout, whose: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot reshard {path!r}: {whose} ({layout.describe()}) is not one block of the "
+        "global tensor (a _StridedShard layout, such as a flattened view of a tensor sharded "
+        "on two mesh dims); load it onto the mesh and placements it was saved with, or "
+        "save and load the tensor unflattened")
+
+
 def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     inventories: list[Inventory], into: Any) -> tuple[ShardManifest, Any]:
     """This rank's state dict from ``iteration`` as saved by a job of ``old_world`` ranks, and
@@ -94,6 +103,9 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
 
     def describe() -> dict[str, Any]:
         fault_point("load_retrieval", rank, iteration)
+        for p, t in (target.paths() or {}).items():
+            if t.layout is not None and not t.layout.is_block:
+                raise not_a_block(p, t.layout, "this rank's shard in `into`")
         wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
                      list(t.layout.offset), list(t.tensor.shape)]
                  for p, t in (target.paths() or {}).items() if t.layout is not None}
@@ -118,6 +130,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             if i in m.replicas:  # another member of its replica group stored it
                 continue
             e = m.tensors[i]
+            if not layout.is_block:  # the same verdict on every rank: the same manifests
+                raise not_a_block(e.key_path, layout, f"old rank {o}'s saved shard")
             old[e.key_path].append(OldShard(o, i, layout.global_shape, e.dtype, layout.offset,
                                             e.shape))
     wants = [{p: Want(tuple(g), dt, tuple(off), tuple(shape))
