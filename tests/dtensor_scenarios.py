@@ -377,10 +377,12 @@ def non_spmd_replicas(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
-def dedupe_corrupt(rank: int, world: int, base: str, strategy: str | None) -> dict[str, Any]:
+def dedupe_corrupt(rank: int, world: int, base: str, strategy: str | None,
+                   exact: int | None = None) -> dict[str, Any]:
     """Two replicated leaves, each stored by one of 2 ranks (one node each); iterations 1 and 2
     kept; rank 0's copy of iteration 2 damaged. The load reads it only through the resharding
-    path: it must quarantine it and take the replica (``strategy``), or iteration 1 (None)."""
+    path: it must quarantine it and take the replica (``strategy``), or iteration 1 (None).
+    ``exact``: ``load(iteration=exact)``, which never takes another iteration."""
     from torch.distributed.tensor import DTensor, Replicate
 
     from localckpt.save import dedupe
@@ -411,7 +413,10 @@ def dedupe_corrupt(rank: int, world: int, base: str, strategy: str | None) -> di
     into = {k: DTensor.from_local(torch.zeros(64), mesh, [Replicate()], run_check=False)
             for k in ("odd1", "odd")}
     with manager() as mgr:
-        loaded, ckpt = mgr.load(into=into)
+        try:
+            loaded, ckpt = mgr.load(into=into, iteration=exact)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
     return {"ckpt": list(ckpt),
             "values": {k: sorted(set(v.to_local().tolist())) for k, v in loaded.items()}}
 
@@ -460,3 +465,25 @@ def flat_load(rank: int, world: int, base: str) -> dict[str, Any]:
             return {"error": f"{type(exc).__name__}: {exc}"}
         full = state["flat"].full_tensor()
         return {"error": None, "equal": torch.equal(full, torch.arange(16.0))}
+
+
+def flat_corrupt_load(rank: int, world: int, base: str) -> str:
+    """After flat_save at another world size: rank 0 damages the only copy of old shard 0, then
+    every rank loads resharded. What every rank raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if rank == 0:
+        chunk = next(Path(base).glob("flat/iter_*/rank_00000_of_*/data/c/0"))
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    into = {"flat": distribute_tensor(torch.zeros(16), mesh, [Shard(0)])}
+    with _flat_manager(base) as mgr:
+        try:
+            mgr.load(into=into)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "loaded"

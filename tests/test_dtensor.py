@@ -117,14 +117,22 @@ def test_a_replicated_shard_no_member_would_store_fails_the_save(tmp_path: Path,
         assert v["latest"] == 1 and v["after"] == 3
 
 
-@pytest.mark.parametrize(("strategy", "iteration"), [("node_spread", 2), (None, 1)])
+@pytest.mark.parametrize(("strategy", "exact", "iteration"), [
+    ("node_spread", None, 2), (None, None, 1), ("node_spread", 2, 2), (None, 2, None)])
 def test_a_corrupt_keeper_copy_falls_back_like_any_corrupt_copy(
-        tmp_path: Path, root: Path, strategy: str | None, iteration: int) -> None:
+        tmp_path: Path, root: Path, strategy: str | None, exact: int | None,
+        iteration: int | None) -> None:
+    """Also for a rollback (``load(iteration=2)``, before: the first corrupt copy failed it
+    although the other node held a good one); without a replica it names iteration 2."""
     results = run_ranks(dtensor_scenarios.dedupe_corrupt, 2, tmp_path, str(root), strategy,
-                        deadline=120)
+                        exact, deadline=120)
     assert all(r.ok for r in results), [r.message for r in results if not r.ok]
     for rank, r in enumerate(results):
-        assert r.value["ckpt"] == [iteration, rank, "dc"]
+        if iteration is None:
+            assert r.value["error"].startswith("CorruptShardError") and \
+                "iteration 2" in r.value["error"], r.value
+            continue
+        assert r.value["ckpt"] == [iteration, rank, "dc"], r.value
         assert r.value["values"] == {"odd1": [iteration * 10.0], "odd": [iteration * 10.0 + 1]}
 
 
@@ -148,3 +156,15 @@ def test_a_layout_whose_shards_are_not_blocks_is_refused_not_loaded_wrong(
         assert r.value["error"] is not None, r.value
         assert r.value["error"].startswith("ConfigurationError") and "'flat'" in \
             r.value["error"] and "_StridedShard" in r.value["error"], r.value
+
+
+def test_a_resharding_load_whose_only_copy_is_corrupt_says_so(tmp_path: Path) -> None:
+    """The only copy of an old shard fails its checksum: quarantined, and every rank raises
+    CorruptShardError naming it (before: NoCheckpointError, which a job may take for "start
+    afresh", as if nothing had been saved)."""
+    base = str(tmp_path / "root")
+    assert all(r.ok for r in run_ranks(dtensor_scenarios.flat_save, 1, tmp_path, base))
+    results = run_ranks(dtensor_scenarios.flat_corrupt_load, 2, tmp_path, base)
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert r.value.startswith("CorruptShardError") and "quarantined" in r.value, r.value

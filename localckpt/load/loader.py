@@ -199,13 +199,33 @@ class LoadPath:
                 manifest, state, self._write_back = restore(
                     self.ctx, iteration, self._fetched, None, into, exact=True)
             except LayoutMismatchError:  # agreed: onto another mesh, or replicas elsewhere
-                inventories = self.ctx.gather_inventories(f"load of iteration {iteration}")
-                manifest, state = reshard_restore(self.ctx, iteration, self.ctx.world_size,
-                                                  inventories, into)
-                self._write_back = write_back_after(self.ctx, iteration, inventories)
+                manifest, state = self._reshard_exactly(into, iteration)
             box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         self._warn_if_foreign(manifest)
         return manifest, state
+
+    def _reshard_exactly(self, into: Any, iteration: int) -> tuple[ShardManifest, Any]:
+        """``load(iteration=N)`` through the resharding path: a copy that failed its checks
+        (quarantined) or a shard gone since the listing makes it list again and take another
+        holder's copy, as the newest's load does; never another iteration. Raises on every
+        rank alike: CorruptShardError naming the copies set aside once N is no longer
+        complete, or after RESHARD_ATTEMPTS tries."""
+        ctx = self.ctx
+        failures: list[str] = []
+        for _ in range(RESHARD_ATTEMPTS):
+            inventories = ctx.gather_inventories(f"load of iteration {iteration}")
+            if iteration not in complete_iterations(inventories, ctx.world_size, ctx.erasure):
+                break  # only after a failure: restore() found it complete just before
+            try:
+                manifest, state = reshard_restore(ctx, iteration, ctx.world_size, inventories,
+                                                  into)
+            except (CorruptShardError, IncompleteCheckpointError) as exc:  # agreed
+                failures.append(str(exc))
+                continue
+            self._write_back = write_back_after(ctx, iteration, inventories)
+            return manifest, state
+        raise CorruptShardError(f"load: iteration {iteration} can no longer be loaded: "
+                                + "; ".join(failures[-2:]))
 
     def _discard_newer(self, iteration: int) -> None:
         """After a rollback to ``iteration`` (every rank loaded it): delete this root's shards
@@ -269,11 +289,17 @@ class LoadPath:
         since the listing makes it list and plan again, at most RESHARD_ATTEMPTS times. At this
         world size the write-back of a replaced node starts after it."""
         ctx = self.ctx
+        failures: list[str] = []
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
             if self._listed is None:  # the durable tier was consulted already, by load
                 self.find_latest(durable=False)
             listed, self._listed = self._listed, None
             if self.latest_iteration < 0 or listed is None:
+                if failures:  # not "nothing was saved": a job must not start afresh silently
+                    raise CorruptShardError(
+                        "load: no complete checkpoint is left to load: copies that failed their "
+                        "checks were quarantined (or gone since the listing): "
+                        + "; ".join(failures[-2:]))
                 raise NoCheckpointError(f"load: no complete checkpoint of session "
                                         f"{ctx.session_id!r} is left to load")
             old_world = self._saved_by()
@@ -291,9 +317,10 @@ class LoadPath:
                     manifest, state = reshard_restore(ctx, self.latest_iteration,
                                                       old_world, listed, into)
                     box["nbytes"] = manifest.data_nbytes
-            except (CorruptShardError, IncompleteCheckpointError):  # agreed; list again
+            except (CorruptShardError, IncompleteCheckpointError) as exc:  # agreed; list again
                 if attempt == RESHARD_ATTEMPTS:
                     raise
+                failures.append(str(exc))
                 continue
             if old_world == ctx.world_size:  # a replaced node gets its copies back
                 self._write_back = write_back_after(ctx, manifest.iteration, listed)
@@ -302,7 +329,9 @@ class LoadPath:
                             manifest.iteration, old_world, ctx.world_size)
             self.latest_iteration = manifest.iteration
             return manifest, state
-        raise AssertionError("unreachable")
+        # the last attempt rebuilt an erasure-coded iteration's lost shards: not loaded yet
+        raise CorruptShardError(f"load: gave up after {RESHARD_ATTEMPTS} attempts to list and "
+                                f"load a complete iteration: " + "; ".join(failures[-2:]))
 
     def _saved_by(self) -> int:
         """The world size of the job that saved ``latest_iteration``: find_latest's answer while
