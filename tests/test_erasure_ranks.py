@@ -199,6 +199,25 @@ def test_the_last_copy_of_a_parity_block_is_never_set_aside_as_stale(tmp_path: P
     assert not list((root / "node3" / "job").glob(".quarantine-*")) and block.is_dir()
 
 
+def test_a_stale_last_copy_of_one_parity_block_leaves_the_others_to_rebuild_from(
+        tmp_path: Path, root: Path) -> None:
+    """2+2: stripe 0's parity block 0 (node 2's only copy) is another save's, block 1 (node 3)
+    is good. Node 0 lost: its shard is rebuilt from member 1 and block 1, and iteration 7 loads
+    (before: the stale block made 7 unusable, every rank fell back to 5, and `localckpt gc`,
+    which counts 7 complete, could then delete 5); the stale block stays where it is."""
+    other = tmp_path / "other"
+    saved(tmp_path, other, 2, 2, 4, 1, [7])
+    saved(tmp_path, root, 2, 2, 4, 1, [5, 7], keep_last=2)
+    block = block_dir(root, 2, 7, parity_slot(0, 0), 4)
+    shutil.rmtree(block)
+    shutil.copytree(block_dir(other, 2, 7, parity_slot(0, 0), 4), block)
+    shutil.rmtree(root / "node0")
+    values = loaded(tmp_path, root, 2, 2, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(7, True)] * 4
+    assert values[0]["rebuilt"] > 0
+    assert block.is_dir() and not list((root / "node2" / "job").glob(".quarantine-*"))
+
+
 def test_unequal_nodes_and_recycled_files_survive_any_single_node_loss(tmp_path: Path,
                                                                        root: Path) -> None:
     """3+1 on nodes of 2, 1, 1, 2 and 1 ranks (short stripes, parity spread unevenly),

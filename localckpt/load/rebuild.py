@@ -70,25 +70,35 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     layout = ctx.erasure
     assert layout is not None
     holders = holders_of(inventories, iteration, ctx.world_size)
-    planned = rebuild_plan(layout, iteration, holders)
-    if planned is None:  # coverage counts the same blocks: not reached unless they changed
-        return RebuildOutcome(unusable="its lost shards cannot be rebuilt from the blocks held")
-    rebuilds, plan = planned
     step = f"rebuild of iteration {iteration}"
-    verify = ctx.group.exchange(f"{step}: verify blocks",
-                                partial(_verify_blocks, ctx, iteration, rebuilds))
-    bad = [b for v in verify for b in v["bad"]]
-    if bad:
-        return RebuildOutcome(bad=bad)
-    reports = {(int(slot), rank): r for rank, v in enumerate(verify)
-               for slot, r in v["blocks"].items()}
-    reason, stale = _judge(ctx, rebuilds, reports, holders)
-    if stale:  # copies of another save or layout: set aside, then plan again without them
-        set_aside = ctx.group.exchange(f"{step}: stale blocks", partial(
-            _quarantine_stale, ctx, iteration, [s for s in stale if s[1] == ctx.rank], reason))
-        return RebuildOutcome(bad=[b for v in set_aside for b in v])
-    if reason is not None:
-        return RebuildOutcome(unusable=reason)
+    passed_over: set[int] = set()  # parity slots whose last copy is stale: left on disk
+    reason = None
+    while True:  # each round passes over at least one more slot: at most one per block
+        planned = rebuild_plan(layout, iteration, {
+            slot: h for slot, h in holders.items() if slot not in passed_over})
+        if planned is None:  # coverage counts the same blocks: not reached unless they changed
+            return RebuildOutcome(unusable=reason or "its lost shards cannot be rebuilt from "
+                                  "the blocks held")
+        rebuilds, plan = planned
+        verify = ctx.group.exchange(f"{step}: verify blocks",
+                                    partial(_verify_blocks, ctx, iteration, rebuilds))
+        bad = [b for v in verify for b in v["bad"]]
+        if bad:
+            return RebuildOutcome(bad=bad)
+        reports = {(int(slot), rank): r for rank, v in enumerate(verify)
+                   for slot, r in v["blocks"].items()}
+        reason, stale, last = _judge(ctx, rebuilds, reports, holders)
+        if stale:  # copies of another save or layout: set aside, then plan again without them
+            set_aside = ctx.group.exchange(f"{step}: stale blocks", partial(
+                _quarantine_stale, ctx, iteration, [s for s in stale if s[1] == ctx.rank],
+                reason))
+            return RebuildOutcome(bad=[b for v in set_aside for b in v])
+        if reason is not None and last - passed_over:  # the stripe's other blocks may do
+            passed_over |= last
+            continue
+        if reason is not None:
+            return RebuildOutcome(unusable=reason)
+        break
     pieces = {f"{iteration}:{slot}": int(r["pieces"]) for (slot, _), r in reports.items()}
     local = sum(int(reports[(slot, src)]["pieces"]) for r in rebuilds
                 for slot, src, _ in r.sources if src == r.owner)  # read by an owner, after
@@ -126,17 +136,20 @@ def _verify_blocks(ctx: Context, iteration: int,
 
 def _judge(ctx: Context, rebuilds: tuple[Rebuild, ...],
            reports: dict[tuple[int, int], dict[str, Any]], holders: dict[int, list[int]]
-           ) -> tuple[str | None, list[tuple[int, int]]]:
-    """Why the sources of some rebuild do not belong together (or None), and the parity copies
+           ) -> tuple[str | None, list[tuple[int, int]], set[int]]:
+    """Why the sources of some rebuild do not belong together (or None), the parity copies
     ((slot, serving rank)) to set aside: folded by another save than the one the stripe's
-    members hold on their own nodes (what they load), or over another layout than this job's.
-    A copy is set aside only while another node holds the same block (the next plan takes
-    that one); the last copy never is (the iteration is then unusable, which a restart on the
-    old layout can undo). Pure: the same on every rank."""
+    members hold on their own nodes (what they load), or over another layout than this job's,
+    and the parity slots of such blocks whose last copy it is. A copy is set aside only while
+    another node holds the same block (the next plan takes that one); the last copy never is:
+    the next plan passes over it (the stripe's other blocks may do), and the iteration is
+    unusable only when none is left (a restart on the old layout can undo that). Pure: the
+    same on every rank."""
     layout = ctx.erasure
     assert layout is not None
     node_of = ctx.topology.node_of
     stale: set[tuple[int, int]] = set()
+    last: set[int] = set()
     reason = None
     for r in rebuilds:
         members = list(layout.stripes[r.stripe].members)
@@ -159,6 +172,8 @@ def _judge(ctx: Context, rebuilds: tuple[Rebuild, ...],
             reason = why
             if len({node_of[h] for h in holders.get(slot, ())}) > 1:
                 stale.add((slot, src))
+            else:
+                last.add(slot)
         saves = {reports[(slot, src)]["save"] for slot, src, _ in r.sources} - {None}
         if reason is None and len(saves) > 1:
             reason = (f"the blocks of stripe {r.stripe} (members {members}) come from "
@@ -170,7 +185,7 @@ def _judge(ctx: Context, rebuilds: tuple[Rebuild, ...],
                     for slot, src, _ in r.sources if slot >= 0):
                 reason = f"the blocks of stripe {r.stripe} (members {members}) disagree on " \
                          "their sizes"
-    return reason, sorted(stale)
+    return reason, sorted(stale), last
 
 
 def _quarantine_stale(ctx: Context, iteration: int, mine: list[tuple[int, int]],
