@@ -23,6 +23,7 @@ scenario says so). Then it checks the invariants (scripts/chaos_checks.py):
 
 Usage:
     python scripts/chaos.py                 # the CI set: kill and raise at every point, every kind
+    python scripts/chaos.py --full          # and the variants left out of CI for time
     python scripts/chaos.py --soak 50 --seed 7   # 50 random scenarios
     python scripts/chaos.py --only kill_node     # scenarios whose name contains the text
 Prints a table and writes JSON (--json, default docs/chaos.json); exit status 1 on a violation.
@@ -78,10 +79,13 @@ class Scenario:
     expect_failed: tuple[int, ...] | None = None  # saves that must fail alike (no restart)
     expect_resume: int | None = None  # after a first run: default its last save
     during: str = ""  # "gc": an operator runs localckpt gc while the job trains
+    ci: bool = True  # False: only with --full (another CI scenario covers its point and kind)
 
 
-def ci_scenarios() -> list[Scenario]:
-    """Kill and raise at every fault point, and every other kind at least once."""
+def ci_scenarios(full: bool = False) -> list[Scenario]:
+    """Kill and raise at every fault point, and every other kind at least once; ``full``: also
+    the variants (``ci=False``) whose point and kind another scenario already tries, left out
+    of CI for its time (run them with --full after a change to the save or load path)."""
     k = "kill_rank"
     kills = [
         Scenario("kill rank during staging", "staging", k, "staging:kill:rank=1:iteration=19"),
@@ -92,7 +96,7 @@ def ci_scenarios() -> list[Scenario]:
         Scenario("kill sender during replica send", "replica_send", k,
                  "replica_send:kill:rank=0:iteration=19"),
         Scenario("kill receiver during replica receive", "replica_receive", k,
-                 "replica_receive:kill:rank=1:iteration=29"),
+                 "replica_receive:kill:rank=1:iteration=29", ci=False),
         Scenario("kill rank after commit before finalize", "after_commit", k,
                  "after_commit:kill:rank=1:iteration=19"),
         Scenario("kill rank during finalize cleanup", "finalize", k,
@@ -102,15 +106,15 @@ def ci_scenarios() -> list[Scenario]:
         Scenario("kill rank during load retrieval", "load_retrieval", k,
                  "staging:kill:rank=1:iteration=29;load_retrieval:kill:rank=1:attempt=1"),
         Scenario("kill node during staging", "staging", "kill_node",
-                 "staging:kill_node:rank=1:iteration=19"),
+                 "staging:kill_node:rank=1:iteration=19", ci=False),
         Scenario("kill node during replica send", "replica_send", "kill_node",
                  "replica_send:kill_node:rank=1:iteration=29"),
         Scenario("wipe node lost during local write", "local_write", "wipe_node",
-                 "local_write:kill_node:rank=1:iteration=29", wipe=True),
+                 "local_write:kill_node:rank=1:iteration=29", wipe=True, ci=False),
         Scenario("wipe node lost during replica receive", "replica_receive", "wipe_node",
                  "replica_receive:kill_node:rank=0:iteration=19", wipe=True),
         Scenario("wipe node lost after commit", "after_commit", "wipe_node",
-                 "after_commit:kill_node:rank=0:iteration=29", wipe=True),
+                 "after_commit:kill_node:rank=0:iteration=29", wipe=True, ci=False),
         Scenario("wipe node lost during finalize", "finalize", "wipe_node",
                  "finalize:kill_node:rank=1:iteration=19", wipe=True),
         # node 1 is replaced empty; rank 0 dies sending its shards back after the restore
@@ -177,9 +181,9 @@ def ci_scenarios() -> list[Scenario]:
     kills += [
         Scenario("whole job lost, restarted on empty nodes from a bucket", "staging",
                  "job_lost", "staging:kill_node:rank=0:iteration=29;"
-                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=bucket),
+                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=bucket, ci=False),
         Scenario("kill rank while persisting to a bucket", "persist_write", k,
-                 "persist_write:kill:rank=1:iteration=19", args=bucket),
+                 "persist_write:kill:rank=1:iteration=19", args=bucket, ci=False),
         Scenario("job lost and the newest copy in the bucket corrupt: the older one loads",
                  "at_rest", "job_lost", damage="job_lost:flip_bucket", args=bucket,
                  expect_resume=SAVED[1]),
@@ -197,7 +201,7 @@ def ci_scenarios() -> list[Scenario]:
                  "persist_commit:raise:rank=0:iteration=19", expect_restart=False,
                  expect_failed=(), args=durable),
     ]
-    return kills + raises + [
+    every = kills + raises + [
         Scenario("one rank in find_latest while the other saves", "staging", "reorder",
                  args=("--desync-at-step", "29", "--desync-rank", "1")),
         Scenario("manager closed before the queue with a save pending", "finalize", "reorder",
@@ -205,7 +209,8 @@ def ci_scenarios() -> list[Scenario]:
         Scenario("flip a byte in a primary shard", "at_rest", "flip_byte", damage="flip:primary"),
         Scenario("flip a byte in a replica", "at_rest", "flip_byte", damage="flip:replica"),
         Scenario("truncate a primary shard", "at_rest", "truncate", damage="truncate:primary"),
-        Scenario("truncate a replica", "at_rest", "truncate", damage="truncate:replica"),
+        Scenario("truncate a replica", "at_rest", "truncate", damage="truncate:replica",
+                 ci=False),
         Scenario("forged manifest in a primary shard", "at_rest", "forge_manifest",
                  damage="forge:primary"),
         Scenario("corrupt primary without replication falls back", "at_rest", "no_replica",
@@ -232,6 +237,7 @@ def ci_scenarios() -> list[Scenario]:
                  args=("--step-seconds", "0.2"), during="gc", expect_restart=False,
                  expect_failed=()),
     ]
+    return [s for s in every if full or s.ci]
 
 
 def random_scenarios(n: int, seed: int) -> list[Scenario]:
@@ -321,6 +327,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--soak", type=int, default=0, help="run N random scenarios instead")
+    p.add_argument("--full", action="store_true",
+                   help="the CI set and the variants left out of CI (see ci_scenarios)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="scenarios whose name contains this text")
     p.add_argument("--jobs", type=int, default=1, help="scenarios run at once")
@@ -329,7 +337,7 @@ def main() -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=str(HERE.parent / "docs" / "chaos.json"))
     a = p.parse_args()
-    scenarios = random_scenarios(a.soak, a.seed) if a.soak else ci_scenarios()
+    scenarios = random_scenarios(a.soak, a.seed) if a.soak else ci_scenarios(a.full)
     scenarios = [s for s in scenarios if a.only in s.name]
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     base = Path(a.workdir or tempfile.mkdtemp(prefix="localckpt-chaos-", dir=shm))
