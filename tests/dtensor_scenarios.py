@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -440,13 +441,13 @@ def _flat_manager(base: str) -> LocalCheckpointManager:
                                   reshard=True, timeout=20)
 
 
-def flat_save(rank: int, world: int, base: str) -> None:
+def flat_save(rank: int, world: int, base: str, n: int = 16) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     with _flat_manager(base) as mgr:
-        mgr.save({"flat": distribute_tensor(torch.arange(16.0), mesh, [Shard(0)])}, 1)
+        mgr.save({"flat": distribute_tensor(torch.arange(float(n)), mesh, [Shard(0)])}, 1)
 
 
 def flat_load(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -487,3 +488,50 @@ def flat_corrupt_load(rank: int, world: int, base: str) -> str:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
     return "loaded"
+
+
+def flat_load_with(rank: int, world: int, base: str, fault: str, timeout: float,
+                   n: int = 16) -> str:
+    """A resharding load of flat_save's checkpoint (saved by 1 rank, ``n`` elements) at
+    ``world`` ranks with a fault: "slow_read" (a whole-shard read takes 2 timeouts: a shard of
+    several messages, of 4 KiB here, on a slow disk) or "no_memory" (rank 1 cannot allocate
+    what it receives). What each rank got."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import localckpt.load.reshard as reshard
+    from localckpt.storage.store import ShardStore
+
+    if fault == "slow_read":
+        import localckpt.storage.shard_stream as stream
+
+        stream.STREAM_PIECE_NBYTES = 4096  # the shard is several messages on the wire
+        real_read = ShardStore.read
+
+        def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(2 * timeout)
+            return real_read(self, *args, **kwargs)
+        ShardStore.read = slow  # type: ignore[method-assign]
+    if fault == "no_memory" and rank == 1:
+        real_torch, calls = reshard.torch, []
+
+        class Allocator:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real_torch, name)
+
+            def empty(self, *args: Any, **kwargs: Any) -> Any:
+                calls.append(1)
+                if len(calls) == 2:  # the receive buffer (the send buffer is the first)
+                    raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+                return real_torch.empty(*args, **kwargs)
+        reshard.torch = Allocator()  # type: ignore[assignment]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    into = {"flat": distribute_tensor(torch.zeros(n), mesh, [Shard(0)])}
+    with LocalCheckpointManager(Path(base), "flat", None, chunk_nbytes=4096, node_id="one",
+                                reshard=True, timeout=timeout) as mgr:
+        try:
+            state, _ = mgr.load(into=into)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        full = state["flat"].full_tensor()
+        return "loaded" if torch.equal(full, torch.arange(float(n))) else "wrong"

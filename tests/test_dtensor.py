@@ -168,3 +168,21 @@ def test_a_resharding_load_whose_only_copy_is_corrupt_says_so(tmp_path: Path) ->
     assert all(r.ok for r in results), [r.message for r in results]
     for r in results:
         assert r.value.startswith("CorruptShardError") and "quarantined" in r.value, r.value
+
+
+def test_a_resharding_load_waits_for_long_reads_and_agrees_on_a_failed_allocation(
+        tmp_path: Path) -> None:
+    """The read step waits as long as the servers' shards may take (before: a rank with
+    nothing to read timed out after one timeout while its peer still read); a rank that cannot
+    allocate what it will receive fails inside an agreed step, the same error on every rank at
+    once (before: a raw RuntimeError there, a timeout on the other rank)."""
+    base, n = str(tmp_path / "root"), 4096  # 16 KiB: 4 messages of 4 KiB
+    assert all(r.ok for r in run_ranks(dtensor_scenarios.flat_save, 1, tmp_path, base, n))
+    slow = run_ranks(dtensor_scenarios.flat_load_with, 2, tmp_path, base, "slow_read", 1.0, n)
+    assert [r.value for r in slow] == ["loaded", "loaded"], [r.value for r in slow]
+    failed = run_ranks(dtensor_scenarios.flat_load_with, 2, tmp_path, base, "no_memory", 10.0,
+                       n)
+    assert all(r.ok for r in failed), [r.message for r in failed]
+    for r in failed:
+        assert "rank 1" in r.value and "can't allocate memory" in r.value, r.value
+        assert r.elapsed < 8, (r.elapsed, r.value)

@@ -39,6 +39,7 @@ from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
+from ..storage.shard_stream import wire_messages
 from .destinations import Destinations, Into, Rewrap
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,16 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     send_splits = [sum(map(nbytes, outgoing[d])) for d in range(world)]
     recv_splits = [sum(map(nbytes, incoming[s])) for s in range(world)]
     sent: list[torch.Tensor] = []
+    group = ctx.data_group
+    received: list[torch.Tensor] = []
 
     def pack() -> int:
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
+        if group.group is not None:  # a failure here is agreed, not one rank's alone
+            received.append(torch.empty(sum(recv_splits), dtype=torch.uint8))
+            group.check_usable(f"{step}: transfer")
         pos = 0
         for dst in range(world):
             for p in outgoing[dst]:
@@ -190,17 +196,18 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         return pos
 
     planned = time.monotonic()
-    ctx.group.exchange(f"{step}: read", pack)
+    # A rank may wait here while the servers read whole shards: each message's worth of a
+    # server's reads is bounded by the timeout, as a transfer's messages are.
+    units = max(sum(wire_messages(manifests[o]) for o, server in servers.items()
+                    if server == r) for r in range(world))
+    ctx.group.exchange(f"{step}: read", pack, wait=ctx.timeout * (1 + units))
     read = time.monotonic()
-    received = torch.empty(sum(recv_splits), dtype=torch.uint8)
-    group = ctx.data_group
     if group.group is None:
-        received = sent[0]
+        received.append(sent[0])
     else:
-        group.check_usable(f"{step}: transfer")
         begun = time.monotonic()
         try:
-            dist.all_to_all_single(received, sent[0], recv_splits, send_splits,
+            dist.all_to_all_single(received[0], sent[0], recv_splits, send_splits,
                                    group=group.group)
         except RuntimeError as exc:
             err = collective_error(f"{step}: transfer", exc, time.monotonic() - begun,
@@ -212,8 +219,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     moved = time.monotonic()
     built: list[tuple[ShardManifest, Any]] = []
     ctx.group.exchange(f"{step}: build", lambda: built.append(
-        _build(manifests[plain_owner(rank, old_world)], incoming, manifests, received, target,
-               nbytes, old_world == world)))
+        _build(manifests[plain_owner(rank, old_world)], incoming, manifests, received[0],
+               target, nbytes, old_world == world)))
     logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
                  "build %.3fs", rank, laid_out - started, planned - laid_out, read - planned,
                  moved - read, time.monotonic() - moved)
