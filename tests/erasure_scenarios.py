@@ -32,8 +32,9 @@ def node_of(rank: int, per: int | list[int]) -> int:
 def manager(rank: int, base: str, k: int, m: int, per: int | list[int], **kwargs: Any
             ) -> LocalCheckpointManager:
     node = node_of(rank, per)
+    kwargs.setdefault("timeout", 30)
     return LocalCheckpointManager(Path(base) / f"node{node}", "job",
-                                  ErasureCodingStrategy(k, m), timeout=30, chunk_nbytes=8192,
+                                  ErasureCodingStrategy(k, m), chunk_nbytes=8192,
                                   node_id=f"node{node}", **kwargs)
 
 
@@ -159,3 +160,37 @@ def durable_load(rank: int, world: int, base: str, durable: str, k: int, m: int,
     dist.barrier()
     return {"latest": iteration, "ok": digest(loaded) == digest(state(rank, iteration)),
             "held": holdings(base, world // per, iteration) if rank == 0 else None}
+
+
+def no_memory_for_parity(rank: int, world: int, base: str, k: int, m: int, per: int,
+                         where: str) -> list[str]:
+    """A rank cannot allocate what it folds: rank 2 its parity block at the save of 10
+    (``where`` = "save": saves 5, 10, 11), or rank 0, loading after its node was lost, the
+    shard it rebuilds ("rebuild": loads). What each call ended with."""
+    import localckpt.load.rebuild as rebuild
+    import localckpt.save.job as job
+
+    if rank == 2 and where == "save":
+        real = job.ParityFolder
+
+        def folder(store: Any, layout: Any, iteration: int, *args: Any, **kwargs: Any) -> Any:
+            if iteration == 10:
+                raise MemoryError("cannot allocate the parity block (injected)")
+            return real(store, layout, iteration, *args, **kwargs)
+        job.ParityFolder = folder  # type: ignore[assignment,misc]
+    if rank == 0 and where == "rebuild":
+        def rebuilder(*args: Any, **kwargs: Any) -> Any:
+            raise MemoryError("cannot allocate the rebuilt shard (injected)")
+        rebuild.ShardRebuilder = rebuilder  # type: ignore[assignment,misc]
+    out = []
+    with manager(rank, base, k, m, per, keep_last=2, timeout=10) as mgr:
+        for it in ((5, 10, 11) if where == "save" else (None,)):
+            try:
+                if it is None:
+                    mgr.load()
+                else:
+                    mgr.save(state(rank, it), it)
+                out.append("ok")
+            except Exception as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+    return out

@@ -236,3 +236,24 @@ def test_unequal_nodes_and_recycled_files_survive_any_single_node_loss(tmp_path:
         values = loaded(tmp_path, root, 3, 1, 5, per)
         assert [(v["latest"], v["ok"]) for v in values] == [(3, True)] * 7, lost
         assert es.holdings(str(root), 5, 3) == want, lost
+
+
+def test_a_rank_that_cannot_allocate_what_it_folds_fails_alike_and_the_group_goes_on(
+        tmp_path: Path, root: Path) -> None:
+    """2+1 on 3 nodes. The parity holder cannot allocate its block at the save of 10: that
+    save fails on every rank at once, and the next one succeeds (before: the senders waited
+    out the timeout, and the group was broken for every later save). After node 0 is lost,
+    its rank cannot allocate the shard it rebuilds: the load fails alike on every rank at
+    once, naming it (before: a timeout on every rank)."""
+    results = run_ranks(es.no_memory_for_parity, 3, tmp_path, str(root), 2, 1, 1, "save")
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert r.value[0] == "ok" and r.value[2] == "ok", r.value
+        assert "cannot allocate the parity block" in r.value[1], r.value
+        assert r.elapsed < 9, (r.elapsed, r.value)
+    shutil.rmtree(root / "node0")
+    results = run_ranks(es.no_memory_for_parity, 3, tmp_path, str(root), 2, 1, 1, "rebuild")
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert "cannot allocate the rebuilt shard" in r.value[0], r.value
+        assert r.elapsed < 9, (r.elapsed, r.value)

@@ -25,7 +25,7 @@ from ..control.context import Context
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.parity_io import ParityFolder
-from ..storage.peer_io import run_transfers
+from ..storage.peer_io import built_or_draining, run_transfers
 from ..storage.shard_stream import outgoing_from_disk, wire_messages
 from .rounds import transfer_seconds
 
@@ -68,8 +68,9 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
     takes(transfer_seconds(ctx, plan, {f"{iteration}:{r}": v[1] for r, v in known.items()})
           + 2 * ctx.timeout)
     mine = [(s, j) for s, j in kept if layout.stripes[s].parity[j] == ctx.rank]
-    folder = ParityFolder(ctx.store, layout, iteration, ctx.rank, ctx.world_size,
-                          {r: v[0] for r, v in known.items()}, ctx.ring, None, mine)
+    folder, sink = built_or_draining(lambda: ParityFolder(
+        ctx.store, layout, iteration, ctx.rank, ctx.world_size,
+        {r: v[0] for r, v in known.items()}, ctx.ring, None, mine))
 
     def source(t: Transfer) -> Outgoing:
         fault_point("load_write_back", ctx.rank, t.iteration)
@@ -80,10 +81,10 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
     for t in repair.local:  # the holder's own node keeps this member's shard
         if t.dst == ctx.rank and (layout.stripe_of(t.owner), t.dst) in targets:
             try:
-                folder.fold_local(ctx.store.ref(*t.shard, ctx.world_size))
+                folder().fold_local(ctx.store.ref(*t.shard, ctx.world_size))
             except Exception as exc:
                 errors.append((t.shard, exc))
-    for t, failure in run_transfers(plan, ctx.data_group, source, folder.sink):
+    for t, failure in run_transfers(plan, ctx.data_group, source, sink):
         if t.src == ctx.rank and isinstance(failure, CorruptShardError):
             errors.append((t.shard, failure))
     for shard, error in errors:  # a damaged copy of this rank's is set aside, as a load would
@@ -93,9 +94,11 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
                        iteration, shard, error, f"; quarantined to {moved}" if moved else "")
     if not mine:
         return []
+    made = None
     try:
-        return folder.commit()
+        made = folder()
+        return made.commit()
     except Exception as exc:  # blocks whose members all arrived were committed
         logger.error("rank %d: folding parity blocks %s of iteration %d again: %s; the next "
                      "save folds new parity", ctx.rank, mine, iteration, exc)
-        return folder.committed
+        return made.committed if made is not None else []

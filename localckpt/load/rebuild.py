@@ -40,7 +40,7 @@ from ..control.coverage import Inventory, holders_of
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.parity_io import ShardRebuilder
-from ..storage.peer_io import run_transfers
+from ..storage.peer_io import built_or_draining, run_transfers
 from ..storage.shard_stream import outgoing_from_disk, wire_messages
 from .rounds import quarantine, shard_ref, transfer_seconds
 
@@ -206,8 +206,9 @@ def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: 
     bad: list[list[str]] = []
     if mine is not None:
         parity = next((slot, src) for slot, src, _ in mine.sources if slot < 0)
-        rebuilder = ShardRebuilder(ctx.store, mine, iteration, ctx.world_size,
-                                   int(reports[parity]["sizes"][mine.index]), ctx.ring)
+        rebuilt, rebuilding = built_or_draining(lambda: ShardRebuilder(
+            ctx.store, mine, iteration, ctx.world_size,
+            int(reports[parity]["sizes"][mine.index]), ctx.ring))
 
     def source(t: Transfer) -> Outgoing:
         fault_point("replica_send", ctx.rank, t.iteration)
@@ -215,12 +216,14 @@ def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: 
         return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> Any:
-        if rebuilder is None:
+        if mine is None:
             raise CorruptShardError(f"rank {t.src} sent block {t.shard} to rank {ctx.rank}, "
                                     "which rebuilds nothing")
-        return rebuilder.sink(t, meta, nbytes)
+        return rebuilding(t, meta, nbytes)
 
     failures = run_transfers(plan, ctx.group, source, sink)
+    if mine is not None:
+        rebuilder = rebuilt()  # raises, agreed by the exchange, when it could not be built
     # Then the blocks the owner's own node keeps (ranks moved): after the transfers, so that
     # no peer waits on it, and any error but a damaged copy is raised, agreed by the exchange.
     local = [slot for slot, src, _ in mine.sources if src == ctx.rank] if mine else []

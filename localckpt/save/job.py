@@ -35,7 +35,7 @@ from ..errors import CheckpointingError, CollectiveError
 from ..ops.metrics import Metrics
 from ..storage.manifest import ShardManifest
 from ..storage.parity_io import ParityFolder
-from ..storage.peer_io import StoreReceiver, exchange_shards
+from ..storage.peer_io import StoreReceiver, built_or_draining, exchange_shards
 
 if TYPE_CHECKING:
     from ..control.context import Context
@@ -297,13 +297,14 @@ class SaveJob:
         if self.parity is not None and ctx.erasure is not None:
             try:
                 with metrics.timed("parity", rank, self.iteration, session) as box:
-                    folder = ParityFolder(store, ctx.erasure, self.iteration, rank,
-                                          ctx.world_size, dict(enumerate(self.sizes)), ctx.ring,
-                                          self.manifest.metadata)
+                    layout = ctx.erasure
+                    folder, sink = built_or_draining(lambda: ParityFolder(
+                        store, layout, self.iteration, rank, ctx.world_size,
+                        dict(enumerate(self.sizes)), ctx.ring, self.manifest.metadata))
                     exchange_shards(self.parity, ctx.data_group, store, ctx.world_size, source,
-                                    ctx.ring, sink=folder.sink)
+                                    ctx.ring, sink=sink)
                     box["nbytes"] = sum(self.sizes[t.src] for t in self.parity.transfers
                                         if rank in (t.src, t.dst))
-                    folder.commit()
+                    folder().commit()
             except Exception as exc:
                 self.error = self.error or exc

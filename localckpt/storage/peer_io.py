@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from replication import ExchangePlan, Transfer
-from replication.executor import Outgoing, Sink, Source, run_exchange
+from replication.executor import Outgoing, Receiver, Sink, Source, run_exchange
 
 from ..control.collectives import CheckpointGroup, collective_error
 from ..errors import CorruptShardError
@@ -177,6 +178,33 @@ def run_transfers(plan: ExchangePlan, group: CheckpointGroup, source: Source, si
         logger.error("transfer of shard %s from rank %d to rank %d failed: %s", t.shard, t.src,
                      t.dst, error)
     return failures
+
+
+class _Sinking(Protocol):
+    def sink(self, t: Transfer, meta: bytes, nbytes: int) -> Receiver: ...
+
+
+R = TypeVar("R", bound=_Sinking)
+
+
+def built_or_draining(build: Callable[[], R]) -> tuple[Callable[[], R], Sink]:
+    """For a rank about to receive transfers into what ``build()`` makes (a parity block, a
+    rebuilt shard): that object (a callable returning it) and its ``sink``. When building
+    fails (no memory for the block), the sink fails every transfer instead, so that the
+    streams are still drained and no peer waits on this rank; the callable then raises that
+    error, for the caller to report after the transfers, through its agreement."""
+    try:
+        built = build()
+    except Exception as exc:
+        error = exc
+
+        def failed() -> R:
+            raise error
+
+        def refuse(t: Transfer, meta: bytes, nbytes: int) -> Any:
+            raise error
+        return failed, refuse
+    return lambda: built, built.sink
 
 
 def tensors_from_buffer(manifest: ShardManifest, buffer: torch.Tensor) -> list[torch.Tensor]:
