@@ -194,3 +194,30 @@ def no_memory_for_parity(rank: int, world: int, base: str, k: int, m: int, per: 
             except Exception as exc:
                 out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def save_again_dying_in_the_fold(rank: int, world: int, base: str, k: int, m: int,
+                                 per: int) -> str:
+    """A run that loads (iteration 5: 10 is incomplete) and saves 10 again, with other
+    states; rank 2 dies sending its shard in the parity fold (after its own shard and before
+    its parity block of 10 are committed)."""
+    from localckpt.ops import faults
+
+    if rank == 2:
+        faults.arm(faults.Fault("replica_send", "kill", iteration=10))
+    with manager(rank, base, k, m, per, keep_last=2, timeout=5) as mgr:
+        mgr.load()
+        try:
+            mgr.save(state(rank, 1010), 10)
+        except Exception as exc:
+            return f"{type(exc).__name__}"
+    return "saved"
+
+
+def load_and_write_back(rank: int, world: int, base: str, k: int, m: int,
+                        per: int) -> dict[str, Any]:
+    with manager(rank, base, k, m, per, keep_last=2) as mgr:
+        loaded, (iteration, _, _) = mgr.load()
+        mgr.wait_for_write_back()
+    return {"latest": iteration, "is": next((it for it in (5, 10, 1010) if digest(
+        loaded) == digest(state(rank, it))), None)}

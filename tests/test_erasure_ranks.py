@@ -257,3 +257,23 @@ def test_a_rank_that_cannot_allocate_what_it_folds_fails_alike_and_the_group_goe
     for r in results:
         assert "cannot allocate the rebuilt shard" in r.value[0], r.value
         assert r.elapsed < 9, (r.elapsed, r.value)
+
+
+def test_a_fold_that_dies_leaves_no_parity_block_of_the_earlier_save_of_its_iteration(
+        tmp_path: Path, root: Path) -> None:
+    """2+1 on 3 nodes. Iteration 10 saved, then left incomplete (its stripe-0 members' shards
+    gone); a later run saves 10 again and the parity holder dies in the fold. Its block of
+    the first save must not stay as if it were the second's: before, it counted towards
+    completeness, no write-back folded it again, and after node 0 was lost, 10 could not be
+    rebuilt (every rank fell back to 5). Now the holder removes it before folding: the next
+    load's write-back folds it again, and 10 survives the loss of node 0."""
+    saved(tmp_path, root, 2, 1, 3, 1, [5, 10], keep_last=2)
+    for node in (0, 1):
+        shutil.rmtree(block_dir(root, node, 10, node, 3))
+    results = run_ranks(es.save_again_dying_in_the_fold, 3, tmp_path, str(root), 2, 1, 1)
+    assert results[2].error == "Exited", results[2]
+    for r in run_ranks(es.load_and_write_back, 3, tmp_path, str(root), 2, 1, 1):
+        assert r.ok and r.value == {"latest": 10, "is": 1010}, (r.value, r.message)
+    shutil.rmtree(root / "node0")
+    for r in run_ranks(es.load_and_write_back, 3, tmp_path, str(root), 2, 1, 1):
+        assert r.ok and r.value == {"latest": 10, "is": 1010}, (r.value, r.message)

@@ -298,6 +298,13 @@ class SaveJob:
             try:
                 with metrics.timed("parity", rank, self.iteration, session) as box:
                     layout = ctx.erasure
+                    # A block of an earlier save of this iteration (saved again after a
+                    # failure) must not outlive a fold that dies: missing, a load's
+                    # write-back folds it again; left, it would pass for this save's.
+                    for s, j, slot in layout.slots():
+                        if layout.stripes[s].parity[j] == rank:
+                            store.delete(store.ref(self.iteration, slot, ctx.world_size),
+                                         background=True)
                     folder, sink = built_or_draining(lambda: ParityFolder(
                         store, layout, self.iteration, rank, ctx.world_size,
                         dict(enumerate(self.sizes)), ctx.ring, self.manifest.metadata))
