@@ -494,8 +494,9 @@ def flat_load_with(rank: int, world: int, base: str, fault: str, timeout: float,
                    n: int = 16) -> str:
     """A resharding load of flat_save's checkpoint (saved by 1 rank, ``n`` elements) at
     ``world`` ranks with a fault: "slow_read" (a whole-shard read takes 2 timeouts: a shard of
-    several messages, of 4 KiB here, on a slow disk) or "no_memory" (rank 1 cannot allocate
-    what it receives). What each rank got."""
+    several messages, of 4 KiB here, on a slow disk), "no_memory" (rank 1 cannot allocate what
+    it receives) or "damaged_in_transit" (a byte rank 1 receives is flipped, once). What each
+    rank got."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -512,6 +513,16 @@ def flat_load_with(rank: int, world: int, base: str, fault: str, timeout: float,
             time.sleep(2 * timeout)
             return real_read(self, *args, **kwargs)
         ShardStore.read = slow  # type: ignore[method-assign]
+    if fault == "damaged_in_transit" and rank == 1:
+        real_all_to_all, damaged = reshard.dist.all_to_all_single, []
+
+        def damaging(output: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real_all_to_all(output, *args, **kwargs)
+            if not damaged and output.numel():
+                output[output.numel() // 2] ^= 0x10  # once: the next attempt arrives intact
+                damaged.append(1)
+            return out
+        reshard.dist.all_to_all_single = damaging
     if fault == "no_memory" and rank == 1:
         real_torch, calls = reshard.torch, []
 

@@ -186,3 +186,15 @@ def test_a_resharding_load_waits_for_long_reads_and_agrees_on_a_failed_allocatio
     for r in failed:
         assert "rank 1" in r.value and "can't allocate memory" in r.value, r.value
         assert r.elapsed < 8, (r.elapsed, r.value)
+
+
+def test_resharded_bytes_damaged_in_transit_are_sent_again_never_loaded(
+        tmp_path: Path) -> None:
+    """A byte flipped between the serving rank's verified read and the receiving rank's
+    tensors: the receiver's check of what each rank sent fails, every rank lists and moves
+    the pieces again, and the load ends bit-identical (before: the damaged byte was loaded)."""
+    base = str(tmp_path / "root")
+    assert all(r.ok for r in run_ranks(dtensor_scenarios.flat_save, 1, tmp_path, base, 4096))
+    results = run_ranks(dtensor_scenarios.flat_load_with, 2, tmp_path, base,
+                        "damaged_in_transit", 20.0, 4096)
+    assert [r.value for r in results] == ["loaded", "loaded"], [r.message for r in results]

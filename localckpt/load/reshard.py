@@ -38,6 +38,7 @@ from ..dtensors import DTensorLayout
 from ..errors import ConfigurationError, CorruptShardError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
+from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
 from .destinations import Destinations, Into, Rewrap
@@ -175,7 +176,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     group = ctx.data_group
     received: list[torch.Tensor] = []
 
-    def pack() -> int:
+    def pack() -> list[int]:
+        """Read and pack what this rank sends; the CRC-32C of its bytes for each rank."""
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
@@ -193,14 +195,14 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     t.shape).copy_(t)
                 pos += nbytes(p)
         sent.append(out)
-        return pos
+        return _crcs(out, send_splits) if group.group is not None else []
 
     planned = time.monotonic()
     # A rank may wait here while the servers read whole shards: each message's worth of a
     # server's reads is bounded by the timeout, as a transfer's messages are.
     units = max(sum(wire_messages(manifests[o]) for o, server in servers.items()
                     if server == r) for r in range(world))
-    ctx.group.exchange(f"{step}: read", pack, wait=ctx.timeout * (1 + units))
+    crcs = ctx.group.exchange(f"{step}: read", pack, wait=ctx.timeout * (1 + units))
     read = time.monotonic()
     if group.group is None:
         received.append(sent[0])
@@ -218,13 +220,32 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     sent.clear()
     moved = time.monotonic()
     built: list[tuple[ShardManifest, Any]] = []
-    ctx.group.exchange(f"{step}: build", lambda: built.append(
-        _build(manifests[plain_owner(rank, old_world)], incoming, manifests, received[0],
-               target, nbytes, old_world == world)))
+
+    def build() -> None:
+        # The pieces were checked as read from disk; what crossed the wire is checked as
+        # it arrived. Damage in transit fails the step: the load lists and moves them again.
+        damaged = [src for src, crc in enumerate(_crcs(received[0], recv_splits))
+                   if crcs[src][rank] != crc] if group.group is not None else []
+        if damaged:
+            raise CorruptShardError(f"{step}: the bytes from ranks {damaged} arrived damaged "
+                                    "(their checksum differs from the sender's)")
+        built.append(_build(manifests[plain_owner(rank, old_world)], incoming, manifests,
+                            received[0], target, nbytes, old_world == world))
+
+    ctx.group.exchange(f"{step}: build", build)
     logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
                  "build %.3fs", rank, laid_out - started, planned - laid_out, read - planned,
                  moved - read, time.monotonic() - moved)
     return built[0]
+
+
+def _crcs(buffer: torch.Tensor, splits: list[int]) -> list[int]:
+    """The CRC-32C of each consecutive ``splits`` bytes of ``buffer``."""
+    data, out, pos = buffer.numpy(), [], 0
+    for n in splits:
+        out.append(crc32c(data[pos:pos + n]))
+        pos += n
+    return out
 
 
 def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
