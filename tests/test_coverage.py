@@ -14,6 +14,7 @@ from localckpt.control.coverage import (
     retained_iterations,
     shards_to_delete,
     validate_save,
+    why_incomplete,
 )
 from localckpt.control.retention import KeepPolicy
 from localckpt.errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
@@ -153,3 +154,18 @@ def test_other_world_sizes_are_reported_and_never_block_a_save() -> None:
 def test_iterations_that_do_not_fit_the_directory_name_are_invalid() -> None:
     with pytest.raises(InvalidIterationError, match="10 digits"):
         validate_save([10**10, 10**10], own(2, []), 2)
+
+
+def test_why_nothing_is_complete_names_the_newest_iteration_and_what_it_lacks() -> None:
+    invs = [inv(0, (5, 0, 3), (10, 0, 3), (10, 1, 3)), inv(1, (5, 1, 3)), inv(2, (7, 0, 2))]
+    assert why_incomplete(invs, 3) == "the newest iteration on disk, 10, has no copy of the " \
+        "shard of rank 2"
+    assert why_incomplete([inv(0), inv(1), inv(2)], 3) == ""
+    from replication import ErasureCodingStrategy, Topology
+
+    layout = ErasureCodingStrategy(2, 1).stripes(Topology(("a", "b", "c")))
+    # stripe 0: ranks 0 and 1, its parity on rank 2's node (slot -1): only rank 1's shard left
+    invs = [inv(0), inv(1, (10, 1, 3)), inv(2, (10, 2, 3))]
+    assert why_incomplete(invs, 3, layout) == "the newest iteration on disk, 10, has no copy " \
+        "of the shard of rank 0; stripe 0 (ranks [0, 1]) holds 1 of its blocks, 2 needed to " \
+        "rebuild"

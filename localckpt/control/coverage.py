@@ -124,6 +124,32 @@ def complete_iterations(inventories: Sequence[Inventory], world_size: int,
                                   layout)
 
 
+def why_incomplete(inventories: Sequence[Inventory], world_size: int,
+                   layout: StripeLayout | None = None) -> str:
+    """For an error saying nothing is complete: what the newest iteration of this world size
+    any rank holds a shard of lacks (and, with an erasure ``layout``, which stripes hold fewer
+    blocks than they need); "" when no rank holds any. The same on every rank."""
+    held: dict[int, set[int]] = defaultdict(set)
+    for shards, _ in _distinct_listings(inventories):
+        for it, owner, world in shards:
+            if world == world_size:
+                held[it].add(owner)
+    if not held:
+        return ""
+    newest = max(held)
+    missing = sorted(set(range(world_size)) - held[newest])
+    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    why = (f"the newest iteration on disk, {newest}, has no copy of the shard"
+           f"{'s of ranks' if len(missing) > 1 else ' of rank'} {shown}")
+    for s, stripe in enumerate(layout.stripes if layout is not None else ()):
+        blocks = len(set(stripe.members) & held[newest]) + sum(
+            1 for slot in held[newest] if slot < 0 and parity_of_slot(slot)[0] == s)
+        if blocks < len(stripe.members):
+            why += (f"; stripe {s} (ranks {list(stripe.members)}) holds {blocks} of its blocks, "
+                    f"{len(stripe.members)} needed to rebuild")
+    return why
+
+
 def choose_latest(inventories: Sequence[Inventory], world_size: int,
                   layout: StripeLayout | None = None) -> int:
     """The newest iteration every rank can load (see :func:`complete_iterations`), or -1 when

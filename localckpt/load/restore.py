@@ -46,6 +46,7 @@ from ..control.coverage import (
     complete_iterations,
     decode_inventories,
     other_world_shards,
+    why_incomplete,
 )
 from ..errors import ConfigurationError, CorruptShardError, NoCheckpointError
 from ..ops.faults import fault_point
@@ -248,9 +249,11 @@ def restore(ctx: Context, iteration: int,
     refuse.
     """
     if iteration < 0:
+        lacks = why_incomplete(inventories, ctx.world_size, ctx.erasure) if inventories else ""
         raise NoCheckpointError(
-            f"no complete checkpoint of session {ctx.session_id!r} under {ctx.root} for a world "
-            f"of {ctx.world_size} ranks")
+            f"no complete checkpoint of session {ctx.session_id!r} for a world of "
+            f"{ctx.world_size} ranks in the node roots (this rank's: {ctx.root})"
+            + (f": {lacks}" if lacks else ""))
     rank = ctx.rank
     destinations = Into(into)
     quarantined: list[list[str]] = []
