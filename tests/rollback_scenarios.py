@@ -108,10 +108,14 @@ def fall_back_then_save_again(rank: int, world: int, base: str) -> dict[str, Any
                 "is": 2030 if digest(state) == digest(make_state(rank, 2030)) else None}
 
 
-def load_with(rank: int, world: int, base: str, args: list[dict[str, Any]]) -> dict[str, Any]:
+def load_with(rank: int, world: int, base: str, args: list[dict[str, Any]],
+              pending: bool = False) -> dict[str, Any]:
     """Each rank calls ``load(**args[rank])``; returns what it loaded or the error's class,
-    and after an error what a plain ``load()`` then loads (the group is still usable)."""
-    with manager(rank, base) as mgr:
+    and after an error what a plain ``load()`` then loads (the group is still usable).
+    ``pending``: an async save of 40 is still to be finalized when the load starts."""
+    with manager(rank, base, keep_last=4) as mgr:
+        if pending:
+            mgr.save(make_state(rank, 40), 40, is_async=True)
         try:
             _, ckpt_id = mgr.load(**args[rank])
         except Exception as exc:

@@ -89,15 +89,22 @@ def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> 
     ({"iteration": 20}, {"iteration": 10}),
     ({"iteration": 20, "discard_newer": True}, {"iteration": 20}),
     ({}, {"iteration": 20}),
-], ids=["bad-iteration", "bad-discard", "other-iteration", "other-discard", "one-rollback"])
+    ({"iteration": 20}, {"iteration": -1}, "pending"),
+], ids=["bad-iteration", "bad-discard", "other-iteration", "other-discard", "one-rollback",
+        "async-save-pending"])
 def test_load_arguments_bad_or_unlike_on_one_rank_are_one_error_on_every_rank(
-        tmp_path: Path, root: Path, args: tuple[dict[str, Any], ...]) -> None:
+        tmp_path: Path, root: Path, args: tuple[Any, ...]) -> None:
     """A bad argument on one rank, or ranks asking for different things, raise the same error
     on every rank at once (before: the others waited out the timeout, or the group broke on
-    steps out of order) and nothing is loaded or discarded; the job can load right after."""
+    steps out of order) and nothing is loaded or discarded; the job can load right after.
+    With an async save pending, it is finalized first, on every rank (before: the arguments
+    rode on its finalize on some ranks only, and the next call found the group out of step)."""
     for r in run_ranks(sc.save, 2, tmp_path, str(root)):
         assert r.ok, r.message
-    results = run_ranks(sc.load_with, 2, tmp_path, str(root), list(args), deadline=60)
+    pending = args[-1] == "pending"
+    args = args[:2]
+    results = run_ranks(sc.load_with, 2, tmp_path, str(root), list(args), pending,
+                        deadline=60)
     errors = {r.value["error"] for r in results if r.ok}
     assert all(r.ok for r in results) and len(errors) == 1, [r.value for r in results]
     (error,) = errors
@@ -105,10 +112,11 @@ def test_load_arguments_bad_or_unlike_on_one_rank_are_one_error_on_every_rank(
     assert error == ("InvalidIterationError" if "-1" in str(args) else "ConfigurationError")
     for r in results:
         assert ("rank 1" in r.value["message"]) if bad else ("iteration" in r.value["message"])
-        assert r.value["then"] == 30  # the same call, correct everywhere, then loads
+        assert r.value["then"] == (40 if pending else 30)  # the group goes on
     for node in ("node0", "node1"):
         assert sorted(p.name for p in (root / node / "job").glob("iter_*")) == [
-            "iter_0000000010", "iter_0000000020", "iter_0000000030"]
+            "iter_0000000010", "iter_0000000020", "iter_0000000030",
+            *(["iter_0000000040"] if pending else [])]
 
 
 def _saved_twice(tmp_path: Path, root: Path) -> Path:

@@ -148,8 +148,11 @@ class LoadPath:
                     f"load: iteration: expected None or a non-negative int, got {iteration!r}")
             return [iteration, discard_newer]
 
-        # Checked with the first exchange, whichever it is: a bad argument on one rank, or a
-        # rollback on some ranks only, is one error on every rank before anything is read.
+        # An async save in flight is finalized first, on every rank (its own agreement), so
+        # that the arguments ride on a load's step. They are checked with its first exchange,
+        # whichever it is: a bad argument on one rank, or a rollback on some ranks only, is one
+        # error on every rank, before anything is deleted or returned.
+        self.settle()
         with self.ctx.group.arguments("load (iteration, discard_newer)", check):
             return self._load(into, iteration, discard_newer)
 

@@ -72,7 +72,7 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     holders = holders_of(inventories, iteration, ctx.world_size)
     step = f"rebuild of iteration {iteration}"
     passed_over: set[int] = set()  # parity slots whose last copy is stale: left on disk
-    reason = None
+    reason = passed_why = None
     while True:  # each round passes over at least one more slot: at most one per block
         planned = rebuild_plan(layout, iteration, {
             slot: h for slot, h in holders.items() if slot not in passed_over})
@@ -95,6 +95,7 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
             return RebuildOutcome(bad=[b for v in set_aside for b in v])
         if reason is not None and last - passed_over:  # the stripe's other blocks may do
             passed_over |= last
+            passed_why = reason
             continue
         if reason is not None:
             return RebuildOutcome(unusable=reason)
@@ -105,9 +106,17 @@ def rebuild_lost(ctx: Context, iteration: int, inventories: list[Inventory]) -> 
     done = ctx.group.exchange(f"{step}: fold", partial(_rebuild, ctx, iteration, rebuilds, plan,
                                                        reports),
                               wait=transfer_seconds(ctx, plan, pieces) + ctx.timeout * local)
-    return RebuildOutcome([b for v in done for b in v["bad"]],
-                          [r for v in done for r in v["retry"]],
-                          next((v["unusable"] for v in done if v["unusable"]), None))
+    outcome = RebuildOutcome([b for v in done for b in v["bad"]],
+                             [r for v in done for r in v["retry"]],
+                             next((v["unusable"] for v in done if v["unusable"]), None))
+    if passed_over and not (outcome.bad or outcome.retry or outcome.unusable):
+        # Rebuilt without them: they are of another save or layout. Set aside now (missing,
+        # the write-back folds them again), or they would pass for this save's until needed.
+        mine = [(slot, ctx.rank) for slot in sorted(passed_over)
+                if min(holders[slot]) == ctx.rank]
+        ctx.group.exchange(f"{step}: stale blocks", partial(
+            _quarantine_stale, ctx, iteration, mine, passed_why))
+    return outcome
 
 
 def _verify_blocks(ctx: Context, iteration: int,

@@ -176,8 +176,10 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     group = ctx.data_group
     received: list[torch.Tensor] = []
 
-    def pack() -> list[int]:
-        """Read and pack what this rank sends; the CRC-32C of its bytes for each rank."""
+    def pack() -> dict[str, int]:
+        """Read and pack what this rank sends; the CRC-32C of its bytes for each rank it
+        sends to (only those: the table every rank gathers grows with the plan, not with the
+        square of the world)."""
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
@@ -195,7 +197,10 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     t.shape).copy_(t)
                 pos += nbytes(p)
         sent.append(out)
-        return _crcs(out, send_splits) if group.group is not None else []
+        if group.group is None:
+            return {}
+        return {str(dst): crc for dst, crc in enumerate(_crcs(out, send_splits))
+                if send_splits[dst]}
 
     planned = time.monotonic()
     # A rank may wait here while the servers read whole shards: each message's worth of a
@@ -225,7 +230,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         # The pieces were checked as read from disk; what crossed the wire is checked as
         # it arrived. Damage in transit fails the step: the load lists and moves them again.
         damaged = [src for src, crc in enumerate(_crcs(received[0], recv_splits))
-                   if crcs[src][rank] != crc] if group.group is not None else []
+                   if recv_splits[src] and crcs[src].get(str(rank)) != crc] \
+            if group.group is not None else []
         if damaged:
             raise CorruptShardError(f"{step}: the bytes from ranks {damaged} arrived damaged "
                                     "(their checksum differs from the sender's)")

@@ -292,7 +292,7 @@ def restore(ctx: Context, iteration: int,
                 raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: {why}")
             raise not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
-            raise nothing_left(ctx, iteration, quarantined)
+            raise nothing_left(ctx, iteration, quarantined, mixed)
         if candidates[0] != iteration:
             if rank == 0:
                 why = mixed.get(iteration) or ("corrupt copies were quarantined: " + "; ".join(

@@ -139,7 +139,16 @@ def not_loadable(ctx: Context, iteration: int, complete: list[int],
         f"world of {ctx.world_size} ranks; {have} (iterations() lists them)")
 
 
-def nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]]) -> Exception:
+def nothing_left(ctx: Context, iteration: int, quarantined: list[list[str]],
+                 unusable: dict[int, str] | None = None) -> Exception:
+    """The agreed error when no complete iteration at or before ``iteration`` is left:
+    NoCheckpointError only when none was ever there; CorruptShardError naming the copies set
+    aside and the iterations found ``unusable`` (and why), which a job must not take for
+    "start afresh"."""
+    if unusable and not quarantined:
+        shown = "; ".join(f"iteration {it}: {why}" for it, why in sorted(unusable.items())[-3:])
+        return CorruptShardError(
+            f"load: no iteration at or before {iteration} can be loaded: {shown}")
     if not quarantined:
         return NoCheckpointError(
             f"load: no complete checkpoint of session {ctx.session_id!r} at or before iteration "
