@@ -431,8 +431,9 @@ class LocalCheckpointManager:
 
         Raises on every rank: InvalidIterationError / ConfigurationError for a bad
         ``iteration`` / ``discard_newer`` on any rank, or ranks passing different ones (checked
-        together before anything is read or deleted); NoCheckpointError, CorruptShardError
-        naming the quarantined files
+        with the load's first exchange: before anything is deleted or returned, though another
+        rank's first step may have read into its ``into`` already); NoCheckpointError when no
+        iteration was ever complete, CorruptShardError naming the quarantined files
         when no complete iteration is left, UnsupportedFormatError, CollectiveError; the failing
         rank's TypeError when its ``into`` has a leaf ``save`` would refuse; ConfigurationError
         for a saved DTensor ``into`` gives no mesh (or, resharding, no layout) for, or whose old
