@@ -56,6 +56,11 @@ class CorruptShardError(CheckpointingError, OSError):
     unreadable manifest. The message names the file."""
 
 
+class MixedSavesError(CorruptShardError):
+    """The shards of an iteration come from different saves of it (one put back from a backup
+    after the iteration was saved again): never loaded as one state."""
+
+
 class InsufficientSpaceError(CheckpointingError, OSError):
     """The checkpoint root has less free space than the save needs."""
 
@@ -113,6 +118,7 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
         WorldSizeMismatchError,
         UnsupportedFormatError,
         CorruptShardError,
+        MixedSavesError,
         InsufficientSpaceError,
         NoCheckpointError,
         DurableTierUnavailableError,

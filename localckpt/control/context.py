@@ -46,16 +46,16 @@ class Context:
     # Iterations of this world size a load agreed cannot be loaded (shards of two saves), and
     # why: left out of every inventory (find_latest, saves, retention) until a save of that
     # number is finalized. The same on every rank: set from gathered reports.
-    unloadable: dict[int, str] = field(default_factory=dict)
+    unloadable: dict[tuple[int, int], str] = field(default_factory=dict)  # (it, world size)
 
     def inventory(self, also: int | None = None) -> Inventory:
         """The committed shards of this session in this rank's root (no data is read), but
         those of :attr:`unloadable` iterations (except ``also``: the save of that number being
         finalized, which replaces them)."""
-        hidden = self.unloadable.keys() - {also}
+        hidden = self.unloadable.keys() - {(also, self.world_size)}
         shards = frozenset((s.iteration, s.owner_rank, s.world_size)
                            for s in self.store.committed()
-                           if not (s.iteration in hidden and s.world_size == self.world_size))
+                           if (s.iteration, s.world_size) not in hidden)
         return Inventory(self.rank, self.session_id, shards)
 
     def gather_inventories(self, step: str) -> list[Inventory]:

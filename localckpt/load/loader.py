@@ -22,6 +22,7 @@ from ..errors import (
     IncompleteCheckpointError,
     InvalidIterationError,
     LayoutMismatchError,
+    MixedSavesError,
     NoCheckpointError,
 )
 from ..gc_pause import gc_paused
@@ -320,6 +321,12 @@ class LoadPath:
                     manifest, state = reshard_restore(ctx, self.latest_iteration,
                                                       old_world, listed, into)
                     box["nbytes"] = manifest.data_nbytes
+            except MixedSavesError as exc:  # the same on every rank: left out from now on
+                ctx.unloadable[(self.latest_iteration, old_world)] = str(exc)
+                failures.append(str(exc))
+                if ctx.rank == 0:
+                    logger.warning("load: %s; falling back to an older iteration", exc)
+                continue
             except (CorruptShardError, IncompleteCheckpointError) as exc:  # agreed; list again
                 if attempt == RESHARD_ATTEMPTS:
                     raise

@@ -35,7 +35,7 @@ from ..control.context import Context
 from ..control.coverage import Inventory, holders_of
 from ..control.reshard import OldShard, Piece, Want, choose_servers, plain_owner, plan_reshard
 from ..dtensors import DTensorLayout
-from ..errors import ConfigurationError, CorruptShardError
+from ..errors import ConfigurationError, CorruptShardError, MixedSavesError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
@@ -69,7 +69,7 @@ def _check_one_save(manifests: dict[int, ShardManifest], step: str) -> None:
         if save is not None:
             saves.setdefault(save, []).append(owner)
     if len(saves) > 1:
-        raise CorruptShardError(f"{step}: its shards come from different saves: " + "; ".join(
+        raise MixedSavesError(f"{step}: its shards come from different saves: " + "; ".join(
             f"old ranks {owners[:8]} hold save {save}" for save, owners in saves.items()))
 
 

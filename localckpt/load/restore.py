@@ -275,7 +275,7 @@ def restore(ctx: Context, iteration: int,
                 del mixed[iteration]
                 return False
             mixed[iteration] += f"; {why}"
-        ctx.unloadable[iteration] = mixed[iteration]
+        ctx.unloadable[(iteration, ctx.world_size)] = mixed[iteration]
         return False
 
     rounds = damaged = 0
@@ -287,7 +287,7 @@ def restore(ctx: Context, iteration: int,
         complete = complete_iterations(inventories, ctx.world_size, ctx.erasure)
         candidates = [it for it in complete if it <= iteration and it not in mixed]
         if exact and (not candidates or candidates[0] != iteration):
-            why = mixed.get(iteration) or ctx.unloadable.get(iteration)
+            why = mixed.get(iteration) or ctx.unloadable.get((iteration, ctx.world_size))
             if why is not None:
                 raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: {why}")
             raise not_loadable(ctx, iteration, complete, quarantined)
@@ -306,7 +306,8 @@ def restore(ctx: Context, iteration: int,
             if rebuilt.bad:  # plan again without them (not a damage in transit)
                 continue
             if rebuilt.unusable is not None:
-                mixed[iteration] = ctx.unloadable[iteration] = rebuilt.unusable
+                mixed[iteration] = ctx.unloadable[(iteration, ctx.world_size)] = \
+                    rebuilt.unusable
             elif rebuilt.retry:
                 damaged += 1
                 if damaged > 2:

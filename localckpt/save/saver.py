@@ -230,7 +230,8 @@ class SavePath:
                 ctx.erasure, holders_of(inventories, iteration, ctx.world_size))
             if latest == iteration and not unprotected:
                 self.latest_iteration = iteration
-                ctx.unloadable.pop(iteration, None)  # replaced by this save: it counts again
+                # replaced by this save: it counts again
+                ctx.unloadable.pop((iteration, ctx.world_size), None)
                 ctx.store.drain_recycled(job.started_ns)  # what this save did not write over
                 self.retainer.retain(iteration, inventories, outcome.values)
                 if self.persister is not None:
