@@ -247,6 +247,22 @@ def test_a_rollback_reaches_the_durable_tier(root: Path, tmp_path: Path) -> None
         assert fresh.find_latest() == 3 and float(fresh.load()[0]["w"][0]) == 30.0
 
 
+def test_the_rollback_point_itself_can_be_persisted(root: Path, tmp_path: Path) -> None:
+    """Rolled back to 3, which was never persisted (only 2 and 4 were): persist(3) copies it
+    (before: ignored as 'requested already', and a job lost then restored 2, not 3)."""
+    durable = DurableTier(tmp_path / "d", keep=5, persist_every=2)
+    with LocalCheckpointManager(root, keep_last=5, durable=durable) as mgr:
+        for it in (1, 2, 3, 4):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+        tier = DurableStore(tmp_path / "d", "", 0)
+        assert tier.complete(1) == [2, 4]
+        mgr.load(iteration=3, discard_newer=True)
+        mgr.persist(3)
+        assert mgr.wait_for_persist(30)
+        assert tier.complete(1) == [2, 3]
+
+
 def test_a_shard_of_another_save_of_the_same_iteration_is_never_committed(
         tmp_path: Path, root: Path) -> None:
     durable = str(tmp_path / "shared")

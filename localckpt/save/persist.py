@@ -90,8 +90,8 @@ class Persister:
         """The job went back to ``iteration``: later requests may name iterations up from there
         again, and this rank's progress record says so (rank 0 must not take a record of the
         discarded future for a rank that went past). Raises OSError from the tier."""
-        with self._cond:
-            self._newest = min(self._newest, iteration)
+        with self._cond:  # the rollback point itself may be persisted (again: a no-op)
+            self._newest = min(self._newest, iteration - 1)
         self.tier.mark_progress(self.ctx.rank, self.run, iteration)
 
     def pinned(self) -> set[int]:
