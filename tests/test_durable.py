@@ -215,6 +215,9 @@ def test_persist_on_demand(root: Path, tmp_path: Path) -> None:
                                                     "persist_every"),
     ({"root": "x", "keep": 0}, "keep"), ({"root": "x", "keep_every": 0}, "keep_every"),
     ({"root": "x", "commit_timeout": -1}, "commit_timeout"),
+    ({"root": "x", "commit_timeout": float("inf")}, "commit_timeout"),
+    ({"root": "x", "commit_timeout": True}, "commit_timeout"),
+    ({"root": "x", "commit_timeout": float("nan")}, "commit_timeout"),
 ])
 def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigurationError, match=says):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,10 +76,11 @@ class DurableTier:
                                             or self.keep_every < 1):
             raise ConfigurationError(f"DurableTier: keep_every: expected None or an int >= 1, "
                                      f"got {self.keep_every!r}")
-        if self.commit_timeout is not None and not (
-                isinstance(self.commit_timeout, (int, float)) and self.commit_timeout > 0):
-            raise ConfigurationError(f"DurableTier: commit_timeout: expected None or seconds "
-                                     f"> 0, got {self.commit_timeout!r}")
+        if self.commit_timeout is not None and not (  # inf: a rollback's wait overflows
+                type(self.commit_timeout) in (int, float)
+                and 0 < self.commit_timeout < math.inf):
+            raise ConfigurationError(f"DurableTier: commit_timeout: expected None or a finite "
+                                     f"number of seconds > 0, got {self.commit_timeout!r}")
 
     @property
     def is_object_store(self) -> bool:
