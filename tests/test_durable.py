@@ -250,6 +250,27 @@ def test_a_rollback_reaches_the_durable_tier(root: Path, tmp_path: Path) -> None
         assert fresh.find_latest() == 3 and float(fresh.load()[0]["w"][0]) == 30.0
 
 
+def test_a_corrupt_local_copy_of_the_durable_iteration_is_copied_again(
+        tmp_path: Path, root: Path) -> None:
+    """Node 1 lost, and node 0's replica of rank 1's shard of 2 too; node 0's own shard of 2
+    has the committed manifest and a corrupt chunk. The restore from the durable tier copies
+    that shard again instead of keeping it as it was (before: it was kept unchecked, the load
+    quarantined it, found no other copy and told the job it could start afresh)."""
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_and_persist, 2, tmp_path, str(root), durable, [1, 2], 1):
+        assert r.ok and r.value["persisted"] == [1, 2], (r.value, r.message)
+    shutil.rmtree(root / "node1")
+    it2 = root / "node0" / "job" / "iter_0000000002"
+    shutil.rmtree(it2 / "rank_00001_of_00002")
+    chunk = it2 / "rank_00000_of_00002" / "data" / "c" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    for r in run_ranks(sc.restore, 2, tmp_path, str(root), durable):
+        assert r.ok and r.value["error"] is None, (r.value, r.message)
+        assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
+
+
 def test_the_rollback_point_itself_can_be_persisted(root: Path, tmp_path: Path) -> None:
     """Rolled back to 3, which was never persisted (only 2 and 4 were): persist(3) copies it
     (before: ignored as 'requested already', and a job lost then restored 2, not 3)."""

@@ -36,7 +36,7 @@ import torch
 from ..errors import CorruptShardError
 from .durable_dir import DirectoryBackend
 from .durable_object import ObjectBackend, is_object_url, shard_key
-from .layout import iteration_dir, parse_shard_name
+from .layout import ShardRef, iteration_dir, parse_shard_name
 from .manifest import ShardManifest
 from .shard_reader import parse_manifest_file
 from .store import ShardStore
@@ -89,6 +89,14 @@ class Backend(Protocol):
     def delete_shards(self, iteration: int, world_size: int) -> None: ...
     def remove_iteration(self, iteration: int) -> None: ...
     def remove_if_empty(self, iteration: int) -> None: ...
+
+
+def _check_chunks(store: ShardStore, ref: ShardRef, manifest: ShardManifest) -> None:
+    """Read every chunk of ``ref`` (one buffer, chunk by chunk) and check it against
+    ``manifest``; CorruptShardError naming the first bad file."""
+    buf = torch.empty(manifest.chunk_nbytes, dtype=torch.uint8)
+    for i in range(manifest.chunk_count):
+        store.read_range(ref, manifest, i * manifest.chunk_nbytes, buf)
 
 
 class GiveUp:
@@ -263,8 +271,9 @@ class DurableStore:
         if mine.path.is_dir():
             try:
                 if local.read_manifest(mine) == manifest:
+                    _check_chunks(local, mine, manifest)  # what the load will read
                     return False
-            except Exception:  # unreadable here: copied again
+            except Exception:  # unreadable or damaged here: copied again
                 pass
         # Every chunk is checked against the committed manifest's CRCs: a shard replaced since
         # the check above does not pass. Chunk by chunk: read here, then written there.
