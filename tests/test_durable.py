@@ -271,6 +271,32 @@ def test_a_corrupt_local_copy_of_the_durable_iteration_is_copied_again(
         assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
 
 
+def test_a_store_failing_every_copy_is_unavailable_not_an_empty_tier(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job lost; the store lists its iterations but every read fails (connection refused):
+    DurableTierUnavailableError after the first candidate, not NoCheckpointError after each
+    one in turn (which a job may take for "nothing saved" and start afresh)."""
+    from localckpt.errors import DurableTierUnavailableError
+    from localckpt.storage.durable_dir import DirectoryBackend
+
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)
+    tried: list[int] = []
+
+    def refused(self: Any, manifest: Any, index: int, out: Any) -> None:
+        tried.append(manifest.iteration)
+        raise ConnectionRefusedError("connection refused (injected)")
+    monkeypatch.setattr(DirectoryBackend, "fill_chunk", refused)
+    with LocalCheckpointManager(root, durable=durable, timeout=5) as fresh, \
+            pytest.raises(DurableTierUnavailableError, match="connection refused"):
+        fresh.load()
+    assert set(tried) == {2}
+
+
 def test_the_rollback_point_itself_can_be_persisted(root: Path, tmp_path: Path) -> None:
     """Rolled back to 3, which was never persisted (only 2 and 4 were): persist(3) copies it
     (before: ignored as 'requested already', and a job lost then restored 2, not 3)."""

@@ -144,11 +144,20 @@ def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T
     return box[0]
 
 
+# Failures of the store, not of a copy: an older candidate in the same store would fail alike.
+_UNAVAILABLE = {"TimeoutError", "ConnectionError", "ConnectionRefusedError",
+                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
+                "PermissionError", "DurableTierUnavailableError"}
+
+
 def fetch_from_durable(ctx: Context, tier: DurableStore,
-                       candidates: list[tuple[int, int]]) -> tuple[int, int]:
+                       candidates: list[tuple[int, int]]) -> tuple[int, int, str | None]:
     """Copy this rank's shards (:func:`fetched_by`) of the newest candidate every rank can copy
-    into its node root; returns that (iteration, world size), or (-1, -1). Collective (one agreed
-    step per candidate tried)."""
+    into its node root; returns that (iteration, world size, None), or (-1, -1, why) when none
+    could be copied: ``why`` is None when each candidate was itself unusable (a missing or
+    corrupt shard), or what made the store unavailable (a timeout, a refused connection; the
+    older candidates are then not tried: they would fail alike, each after its bound).
+    Collective (one agreed step per candidate tried); the same on every rank."""
     for iteration, world in candidates:
         fetched: list[int] = []
 
@@ -178,11 +187,15 @@ def fetch_from_durable(ctx: Context, tier: DurableStore,
                                                 f"{iteration}", fetch,
                                                 wait=ctx.timeout * (3.5 * steps + 0.5))
         if not outcome.failures:
-            return iteration, world
+            return iteration, world, None
+        why = "; ".join(f"rank {r}: {e[0]}: {e[1]}" for r, e in
+                        sorted(outcome.failures.items())[:4])
+        unavailable = all(e[0] in _UNAVAILABLE for e in outcome.failures.values())
         logger.warning("rank %d: iteration %d cannot be restored from the durable tier %s "
-                       "(%s); trying an older one", ctx.rank, iteration, tier.root,
-                       "; ".join(f"rank {r}: {e[1]}" for r, e in
-                                 sorted(outcome.failures.items())[:4]))
+                       "(%s); %s", ctx.rank, iteration, tier.root, why,
+                       "the store is unavailable" if unavailable else "trying an older one")
         for owner in fetched:  # an incomplete iteration here: nothing would load it
             ctx.store.delete(ctx.store.ref(iteration, owner, world), background=True)
-    return -1, -1
+        if unavailable:
+            return -1, -1, why
+    return -1, -1, None

@@ -19,6 +19,7 @@ from ..control.coverage import Inventory, complete_iterations
 from ..errors import (
     ConfigurationError,
     CorruptShardError,
+    DurableTierUnavailableError,
     IncompleteCheckpointError,
     InvalidIterationError,
     LayoutMismatchError,
@@ -169,16 +170,25 @@ class LoadPath:
             self.find_latest()
         if self._durable_candidates:  # newer than the local tiers: copied here first
             assert self.durable is not None
-            fetched, world = fetch_from_durable(self.ctx, self.durable,
-                                                self._durable_candidates)
+            fetched, world, unavailable = fetch_from_durable(self.ctx, self.durable,
+                                                             self._durable_candidates)
             self._durable_candidates, self._listed = [], None
             self.latest_iteration = fetched if fetched >= 0 else self._local_latest
             self._found = (fetched, world) if fetched >= 0 else self._local_found
+            if fetched < 0 and self.latest_iteration < 0 and unavailable:
+                raise DurableTierUnavailableError(  # what it holds may still load later
+                    f"load: no complete checkpoint in the local tiers, and the durable tier "
+                    f"{self.durable.root} holds newer ones it could not deliver: "
+                    f"{unavailable}. Do not start afresh: retry once the store is back")
             if fetched < 0 and self.latest_iteration < 0:
                 raise NoCheckpointError(
                     f"load: no complete checkpoint in the local tiers, and none the durable "
                     f"tier {self.durable.root} could restore (session {self.ctx.session_id!r}, "
                     f"world size {self.ctx.world_size})")
+            if fetched < 0 and unavailable:
+                logger.error("load: the durable tier %s could not deliver its newer "
+                             "iterations (%s); loading iteration %d of the local tiers",
+                             self.durable.root, unavailable, self.latest_iteration)
         if self._saved_by() != self.ctx.world_size:  # another world size (reshard=True)
             return self._load_resharded(into)
         listed, self._listed = self._listed, None
