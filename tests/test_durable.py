@@ -224,6 +224,19 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
         DurableTier(**kwargs)
 
 
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_a_durable_directory_overlapping_the_node_root_is_refused(root: Path, tmp_path: Path,
+                                                                  where: str) -> None:
+    """Before: accepted; the node root's shards counted as persisted, and durable retention
+    (keep=1) deleted what keep_last kept."""
+    root.mkdir(parents=True, exist_ok=True)
+    shared = {"same": root, "inside": root / "durable", "around": root.parent}[where]
+    with pytest.raises(ConfigurationError, match="node root"):
+        LocalCheckpointManager(root, durable=DurableTier(shared, keep=1))
+    with LocalCheckpointManager(root, keep_last=3) as mgr:  # nothing was taken
+        mgr.save({"w": torch.ones(2)}, 1)
+
+
 def test_the_manager_refuses_another_type(root: Path) -> None:
     with pytest.raises(ConfigurationError, match="DurableTier"):
         LocalCheckpointManager(root, durable="/shared")  # type: ignore[arg-type]

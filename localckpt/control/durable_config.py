@@ -6,6 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -81,6 +82,19 @@ class DurableTier:
                 and 0 < self.commit_timeout < math.inf):
             raise ConfigurationError(f"DurableTier: commit_timeout: expected None or a finite "
                                      f"number of seconds > 0, got {self.commit_timeout!r}")
+
+    def check_apart(self, node_root: Any) -> None:
+        """ConfigurationError when a directory tier is the node root, or one holds the other:
+        its shards would pass for persisted copies, and durable retention would delete what
+        the node root's keep policy keeps."""
+        if self.is_object_store:
+            return
+        shared, local = Path(self.root).resolve(), Path(node_root).resolve()
+        if shared == local or shared in local.parents or local in shared.parents:
+            raise ConfigurationError(
+                f"durable: the durable tier's directory {shared} and the node root {local} "
+                "must be apart (neither inside the other): a second tier on the node root is "
+                "no second copy")
 
     @property
     def is_object_store(self) -> bool:
