@@ -310,6 +310,35 @@ def test_a_store_failing_every_copy_is_unavailable_not_an_empty_tier(
     assert set(tried) == {2}
 
 
+def test_close_returns_after_a_copy_from_a_hung_store_was_given_up(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk read that never returns (a hung mount): the copy is given up after its bound,
+    the load falls back, and close() returns (before: it waited for the hung read for good)."""
+    from localckpt.storage.durable_dir import DirectoryBackend
+
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable, keep_last=2) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    for shard in root.glob("*/iter_0000000002"):
+        shutil.rmtree(shard)  # 2 only in the tier: its copy hangs, 1 loads from here
+    release = threading.Event()
+
+    def hung(self: Any, manifest: Any, index: int, out: Any) -> None:
+        release.wait(60)
+        raise OSError("released")
+    monkeypatch.setattr(DirectoryBackend, "fill_chunk", hung)
+    closed = threading.Event()
+    try:
+        fresh = LocalCheckpointManager(root, durable=durable, timeout=1)
+        assert fresh.load()[1][0] == 1
+        threading.Thread(target=lambda: (fresh.close(), closed.set()), daemon=True).start()
+        assert closed.wait(10), "close() hung on the given-up copy"
+    finally:
+        release.set()
+
+
 def test_the_rollback_point_itself_can_be_persisted(root: Path, tmp_path: Path) -> None:
     """Rolled back to 3, which was never persisted (only 2 and 4 were): persist(3) copies it
     (before: ignored as 'requested already', and a job lost then restored 2, not 3)."""

@@ -170,8 +170,13 @@ def fetch_from_durable(ctx: Context, tier: DurableStore,
                 # mount fails this rank within the others' wait, instead of holding it for
                 # ever, and a copy given up never commits later (over a newer save's shard).
                 stop = GiveUp()
-                if within(3.5 * ctx.timeout,
-                          partial(tier.get, ctx.store, iteration, owner, world, stop), stop):
+                try:
+                    copied = within(3.5 * ctx.timeout, partial(
+                        tier.get, ctx.store, iteration, owner, world, stop), stop)
+                except TimeoutError:
+                    tier.abandon()  # close() must not wait for its threads
+                    raise
+                if copied:
                     fetched.append(owner)
             # Deleted here, only if the reads ended in time: a thread left behind on a hung
             # mount must not delete a newer save's replica later.

@@ -152,9 +152,16 @@ class DurableStore:
         self.root = self.backend.where  # for messages
         self._pool = ThreadPoolExecutor(self.backend.threads,
                                         thread_name_prefix="localckpt-durable")
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        """A copy was given up (a hung mount): :meth:`close` will not wait for its threads."""
+        self._abandoned = True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Wait for the copies running, but not for one given up (its threads stay blocked in
+        the store; queued chunks are dropped)."""
+        self._pool.shutdown(wait=not self._abandoned, cancel_futures=self._abandoned)
         self.backend.close()
 
     def _each_chunk(self, manifest: ShardManifest, work: ChunkFill, extra: int = 0) -> None:
