@@ -50,10 +50,11 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "/".join(map(str, path)) if path else "<root>"
 
 
-def _encode_key(key: Any, path: tuple[Any, ...]) -> JSON:
+def _encode_key(key: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if isinstance(key, tuple) and type(key) is tuple:
-        return {"tuple": [_encode_key(k, path) for k in key]}
+        return {"tuple": [_encode_key(k, walk, path) for k in key]}
     if isinstance(key, np.generic):
+        walk.extended = True  # a format-4 node, as a numpy scalar value is
         return {"npg": leaves.scalar_to_json(key, f"state dict key at {path_str(path)!r}")}
     if type(key) not in (*_SCALAR_TYPES, float, complex, bytes):
         raise TypeError(
@@ -165,7 +166,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         _check_tensor(obj, path)
         return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
-        items = [[k if type(k) is str else _encode_key(k, path),
+        items = [[k if type(k) is str else _encode_key(k, walk, path),
                   encode_hollow(v, walk, (*path, k))] for k, v in obj.items()]
         return {"odict" if kind is OrderedDict else "dict": items}
     if kind is list:

@@ -28,6 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .dtensors import DTensorLayout
 from .hollow import (
+    EXTENDED_TAGS,
     JSON,
     Restorer,
     Walk,
@@ -35,6 +36,7 @@ from .hollow import (
     encode_hollow,
     is_stateful,
     resolve_device,
+    tagged_nodes,
 )
 from .save.staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
@@ -96,6 +98,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self.statefuls = walk.statefuls  # key path -> the Stateful object or Generator there
         self.types = walk.types  # the dataclass and named tuple types it holds, by stored name
         self.extended = walk.extended  # holds nodes only format 4 describes
+        self.stateful_nodes = bool(walk.statefuls)  # holds {"S": ...} nodes (format 2)
         self.copies = walk.copies  # tensors not the caller's memory (no load(into=...) target)
 
     @classmethod
@@ -113,7 +116,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         obj._paths = list(key_paths)
         obj._dtensors = dict(dtensors or {})
         obj._layouts = dict(layouts or {})
-        obj.statefuls, obj.types, obj.extended, obj.copies = {}, dict(types or {}), False, set()
+        obj.statefuls, obj.types, obj.copies = {}, dict(types or {}), set()
+        # What its structure holds decides the format a save of it is written in (a load
+        # returns it, and a job may save it again as it is): read from the tags, once.
+        tags = {tag for tag, _ in tagged_nodes(hollow)}
+        obj.extended, obj.stateful_nodes = bool(tags & EXTENDED_TAGS), "S" in tags
         return obj
 
     @property

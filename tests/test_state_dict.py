@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from scenarios import digest
@@ -160,3 +162,46 @@ def test_a_nested_tensor_and_a_state_dict_that_holds_itself_are_clear_errors() -
     cyclic["self"] = cyclic
     with pytest.raises(TypeError, match="holds itself"):
         as_tensor_aware(cyclic)
+
+
+def _format_of(root: Path, iteration: int) -> int:
+    from localckpt.storage.layout import list_shards
+
+    (ref,) = [r for r in list_shards(root, "s") if r.iteration == iteration]
+    return int(json.loads((ref.path / "zarr.json").read_text())["attributes"]["localckpt"]
+               ["manifest"]["format_version"])
+
+
+def test_a_numpy_scalar_key_is_saved_in_the_format_that_describes_it(root: Path) -> None:
+    """Before: a numpy scalar dict key was written in a format-1 manifest, which the reader
+    refuses: the finalized save could not be loaded (quarantined), and retention had deleted
+    the older iteration."""
+    with LocalCheckpointManager(root, "s", keep_last=1) as mgr:
+        mgr.save({"w": torch.zeros(2)}, 0)
+        mgr.save({"w": torch.ones(2), "by_class": {np.int64(7): torch.ones(2)}}, 1)
+    assert _format_of(root, 1) == 4
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, (iteration, _, _) = mgr.load()
+    assert iteration == 1 and list(loaded["by_class"]) == [7]
+    assert torch.equal(loaded["by_class"][7], torch.ones(2))
+
+
+@pytest.mark.parametrize("extra", ["numpy", "stateful"])
+def test_a_loaded_tensor_aware_state_dict_saves_again_in_its_format(root: Path,
+                                                                   extra: str) -> None:
+    """A BasicTensorAwareStateDict returned by load, saved again as it is: the manifest's
+    format says what its structure holds (before: always 1, so a numpy array in it made the
+    save unloadable, and a Stateful node was labelled for readers that refuse it)."""
+    from test_dtensor_layout import Loader
+
+    value = np.arange(3) if extra == "numpy" else Loader()
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save(BasicTensorAwareStateDict({"w": torch.ones(2), "x": value}), 1)
+        loaded, _ = mgr.load()
+        assert isinstance(loaded, BasicTensorAwareStateDict)
+        mgr.save(loaded, 2)
+    assert _format_of(root, 2) == _format_of(root, 1) == (4 if extra == "numpy" else 2)
+    with LocalCheckpointManager(root, "s") as mgr:
+        again, (iteration, _, _) = mgr.load()
+    assert iteration == 2
+    assert torch.equal(again.to_state_dict()["w"], torch.ones(2))

@@ -27,7 +27,7 @@ from replication.stripe_plans import parity_save_plan
 
 from ..control.coverage import check_capacity, decode_inventories, validate_save
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
-from ..hollow import uses_extended
+from ..hollow import EXTENDED_TAGS, tagged_nodes
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
@@ -109,10 +109,13 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
     # The lowest version that describes it: older readers read what they can, and refuse (not
     # misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept by another rank;
     # 4: numpy, Generator, dataclass and named tuple nodes.
-    extended = tasd.extended if type(tasd) is BasicTensorAwareStateDict else \
-        uses_extended(hollow)
+    if type(tasd) is BasicTensorAwareStateDict:  # known from its walk (or, loaded, its tags)
+        extended, stateful = tasd.extended, bool(statefuls) or tasd.stateful_nodes
+    else:
+        tags = {tag for tag, _ in tagged_nodes(hollow)}
+        extended, stateful = bool(tags & EXTENDED_TAGS), "S" in tags
     version = 4 if extended else 3 if deduped.expected else \
-        2 if tasd.layouts or statefuls else 1
+        2 if tasd.layouts or stateful else 1
     manifest = ShardManifest(
         session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
         world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,

@@ -181,8 +181,8 @@ class StagingArena:
                     events.append(self._stage_cuda(device, tensors,
                                                    [i for i in indices if i not in in_runs],
                                                    runs, layout, buf))
-                else:
-                    _stage_cpu(tensors, indices, layout, buf)
+                else:  # another accelerator's memory is no host address: torch copies it
+                    _stage_cpu(tensors, indices, layout, buf, host=device.type == "cpu")
         except BaseException:
             # Another device's copies may be queued already: none may still write into the
             # arena once this raised (the next save stages into it).
@@ -227,7 +227,7 @@ class StagingArena:
 
 
 def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: PackedLayout,
-               buf: torch.Tensor) -> None:
+               buf: torch.Tensor, host: bool = True) -> None:
     base = buf.data_ptr()
     offsets, sizes, memmove = layout.offsets, layout.sizes, ctypes.memmove
     for i in indices:
@@ -235,7 +235,8 @@ def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: Pack
         size = sizes[i]
         # A conjugate or negative view's memory is not its value, and an efficient zero tensor
         # has none (data_ptr 0): only torch's copy resolves them.
-        if size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        if host and size <= _MEMMOVE_MAX_NBYTES and t.is_contiguous() and not (
+                t.is_conj() or t.is_neg()):
             src = t.data_ptr()
             if src:
                 memmove(base + offsets[i], src, size)
