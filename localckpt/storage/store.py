@@ -90,8 +90,11 @@ def check_free_space(root: Path, needed: int) -> None:
 
 
 def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) -> int:
-    """Disk bytes a shard takes: chunks with their checksums, metadata, slack for inodes."""
-    return chunk_count * (chunk_nbytes + 4) + manifest_estimate + 64 * 1024
+    """Disk bytes a shard takes: chunk files with their checksums, each in whole 4 KiB blocks
+    (the 4-byte trailer of a 4 KiB chunk takes a block of its own), metadata, slack for
+    inodes."""
+    block = 4096
+    return chunk_count * -(-(chunk_nbytes + 4) // block) * block + manifest_estimate + 64 * 1024
 
 
 class ShardStore:
