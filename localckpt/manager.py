@@ -191,7 +191,7 @@ class LocalCheckpointManager:
             locks.append(lock)
             undo.append(lock.release)
             if durable is not None:  # settings a rank cannot use fail every rank here alike
-                durable.check_apart(root)
+                durable.check_apart(root, session_id)
                 tiers.append(DurableStore(durable.root, session_id, self.rank,
                                           io_threads=io_threads or 4, timeout=self.timeout,
                                           options=durable.options))

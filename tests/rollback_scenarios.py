@@ -122,3 +122,22 @@ def load_with(rank: int, world: int, base: str, args: list[dict[str, Any]],
             return {"error": type(exc).__name__, "message": str(exc),
                     "then": mgr.load()[1][0]}
         return {"loaded": ckpt_id[0], "error": None}
+
+
+def save_these(rank: int, world: int, base: str, iterations: list[int], offset: int) -> None:
+    with manager(rank, base, None) as mgr:
+        for it in iterations:
+            mgr.save(make_state(rank, it + offset), it)
+
+
+def load_twice(rank: int, world: int, base: str) -> list[str]:
+    """load() twice in one process, then find_latest(): what each gave."""
+    out = []
+    with manager(rank, base, None) as mgr:
+        for _ in range(2):
+            try:
+                out.append(f"loaded {mgr.load()[1][0]}")
+            except Exception as exc:
+                out.append(type(exc).__name__)
+        out.append(f"find_latest {mgr.find_latest()}")
+    return out

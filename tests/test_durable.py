@@ -224,16 +224,32 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any], says: str) -> None:
         DurableTier(**kwargs)
 
 
-@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_a_numpy_float_commit_timeout_is_accepted() -> None:
+    import numpy as np
+
+    assert DurableTier("x", commit_timeout=np.float64(600.0)).commit_timeout == 600.0
+
+
+
+
+@pytest.mark.parametrize("where", ["same", "in-session", "mount-inside", "parent"])
 def test_a_durable_directory_overlapping_the_node_root_is_refused(root: Path, tmp_path: Path,
                                                                   where: str) -> None:
-    """Before: accepted; the node root's shards counted as persisted, and durable retention
-    (keep=1) deleted what keep_last kept."""
+    """Refused when one tier's session directory holds the other's (before: accepted; the
+    node root's shards counted as persisted, and durable retention (keep=1) deleted what
+    keep_last kept); a separate directory inside the node root, or its parent, is another
+    copy (each tier writes under <root>/<session> only). Decided without touching the
+    durable path: a hung mount must not hang construction."""
     root.mkdir(parents=True, exist_ok=True)
-    shared = {"same": root, "inside": root / "durable", "around": root.parent}[where]
-    with pytest.raises(ConfigurationError, match="node root"):
-        LocalCheckpointManager(root, durable=DurableTier(shared, keep=1))
-    with LocalCheckpointManager(root, keep_last=3) as mgr:  # nothing was taken
+    shared = {"same": root, "in-session": root / "s" / "durable",
+              "mount-inside": root / "shared", "parent": root.parent}[where]
+    refused = where in ("same", "in-session")
+    if refused:
+        with pytest.raises(ConfigurationError, match="node root"):
+            LocalCheckpointManager(root, "s", durable=DurableTier(shared, keep=1))
+    else:
+        LocalCheckpointManager(root, "s", durable=DurableTier(shared, keep=1)).close()
+    with LocalCheckpointManager(root, "s", keep_last=3) as mgr:  # nothing was taken
         mgr.save({"w": torch.ones(2)}, 1)
 
 
@@ -308,6 +324,30 @@ def test_a_store_failing_every_copy_is_unavailable_not_an_empty_tier(
             pytest.raises(DurableTierUnavailableError, match="connection refused"):
         fresh.load()
     assert set(tried) == {2}
+
+
+def test_a_shard_the_tier_refuses_to_read_falls_back_to_an_older_iteration(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PermissionError on one iteration's objects (a wrong umask, a 403 on one key) is that
+    iteration's problem, not the store's: the older one is restored, as before."""
+    from localckpt.storage.durable_dir import DirectoryBackend
+
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)
+    real = DirectoryBackend.fill_chunk
+
+    def refused(self: Any, manifest: Any, index: int, out: Any) -> None:
+        if manifest.iteration == 2:
+            raise PermissionError(13, "Permission denied (injected)")
+        real(self, manifest, index, out)
+    monkeypatch.setattr(DirectoryBackend, "fill_chunk", refused)
+    with LocalCheckpointManager(root, durable=durable, timeout=5) as fresh:
+        state, (iteration, _, _) = fresh.load()
+    assert iteration == 1 and float(state["w"][0]) == 1.0
 
 
 def test_close_returns_after_a_copy_from_a_hung_store_was_given_up(

@@ -222,3 +222,24 @@ def test_the_save_loaded_is_the_newest_and_only_when_it_covers_every_rank() -> N
     chosen, why = covering_save([[[0, "A", 1.0], [1, "A", 1.0]], [[0, "B", 2.0]]], 2)
     assert chosen is None and "(B)" in why
     assert covering_save([[[0, None, 3.0], [1, "A", 1.0]], [[0, "A", 1.0]]], 2) == ("A", "")
+
+
+def test_an_only_iteration_of_two_saves_is_never_reported_as_nothing_saved(
+        tmp_path: Path, root: Path) -> None:
+    """Iteration 30 is the only one, and its shards come from two saves: every load in the
+    process raises CorruptShardError naming it (before: the first did, and a retry said
+    NoCheckpointError, which a job may take for "start afresh")."""
+    for r in run_ranks(sc.save_these, 2, tmp_path, str(root), [30], 0):
+        assert r.ok, r.message
+    backup = tmp_path / "first"
+    shutil.copytree(root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002", backup)
+    for node in (0, 1):
+        shutil.rmtree(root / f"node{node}" / "job" / "iter_0000000030")
+    for r in run_ranks(sc.save_these, 2, tmp_path, str(root), [30], 1000):
+        assert r.ok, r.message
+    shard = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    shutil.rmtree(shard)
+    shutil.copytree(backup, shard)
+    for r in run_ranks(sc.load_twice, 2, tmp_path, str(root)):
+        assert r.ok, r.message
+        assert r.value[:2] == ["CorruptShardError", "CorruptShardError"], r.value

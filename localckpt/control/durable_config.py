@@ -78,23 +78,29 @@ class DurableTier:
             raise ConfigurationError(f"DurableTier: keep_every: expected None or an int >= 1, "
                                      f"got {self.keep_every!r}")
         if self.commit_timeout is not None and not (  # inf: a rollback's wait overflows
-                type(self.commit_timeout) in (int, float)
+                isinstance(self.commit_timeout, (int, float))
+                and not isinstance(self.commit_timeout, bool)
                 and 0 < self.commit_timeout < math.inf):
             raise ConfigurationError(f"DurableTier: commit_timeout: expected None or a finite "
                                      f"number of seconds > 0, got {self.commit_timeout!r}")
 
-    def check_apart(self, node_root: Any) -> None:
-        """ConfigurationError when a directory tier is the node root, or one holds the other:
+    def check_apart(self, node_root: Any, session_id: str) -> None:
+        """ConfigurationError when a directory tier's session directory and the node root's
+        are one, or one holds the other (each tier writes under ``<root>/<session>`` only):
         its shards would pass for persisted copies, and durable retention would delete what
-        the node root's keep policy keeps."""
+        the node root's keep policy keeps. The durable path is compared as written (made
+        absolute, never resolved): a hung mount must not hang the manager's construction."""
         if self.is_object_store:
             return
-        shared, local = Path(self.root).resolve(), Path(node_root).resolve()
+        from ..storage.layout import session_dir
+
+        shared = session_dir(Path(os.path.abspath(self.root)), session_id)
+        local = session_dir(Path(node_root).resolve(), session_id)
         if shared == local or shared in local.parents or local in shared.parents:
             raise ConfigurationError(
-                f"durable: the durable tier's directory {shared} and the node root {local} "
-                "must be apart (neither inside the other): a second tier on the node root is "
-                "no second copy")
+                f"durable: the durable tier's session directory {shared} and the node root's "
+                f"{local} must be apart (neither inside the other): a second tier on the node "
+                "root is no second copy")
 
     @property
     def is_object_store(self) -> bool:

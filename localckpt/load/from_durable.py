@@ -145,9 +145,10 @@ def within(seconds: float, fn: Callable[[], T], stop: GiveUp | None = None) -> T
 
 
 # Failures of the store, not of a copy: an older candidate in the same store would fail alike.
+# (A permission error is not one: a wrong umask or a 403 on one key is that iteration's.)
 _UNAVAILABLE = {"TimeoutError", "ConnectionError", "ConnectionRefusedError",
                 "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
-                "PermissionError", "DurableTierUnavailableError"}
+                "DurableTierUnavailableError"}
 
 
 def fetch_from_durable(ctx: Context, tier: DurableStore,

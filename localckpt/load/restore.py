@@ -248,6 +248,10 @@ def restore(ctx: Context, iteration: int,
     :mod:`localckpt.load.destinations`); TypeError, on every rank, for a leaf ``save`` would
     refuse.
     """
+    hidden = {it: why for (it, world), why in ctx.unloadable.items()
+              if world == ctx.world_size}
+    if iteration < 0 and hidden:  # found unloadable earlier in this process: not "none"
+        raise nothing_left(ctx, max(hidden), [], hidden)
     if iteration < 0:
         lacks = why_incomplete(inventories, ctx.world_size, ctx.erasure) if inventories else ""
         raise NoCheckpointError(
@@ -292,7 +296,7 @@ def restore(ctx: Context, iteration: int,
                 raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: {why}")
             raise not_loadable(ctx, iteration, complete, quarantined)
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
-            raise nothing_left(ctx, iteration, quarantined, mixed)
+            raise nothing_left(ctx, iteration, quarantined, {**hidden, **mixed})
         if candidates[0] != iteration:
             if rank == 0:
                 why = mixed.get(iteration) or ("corrupt copies were quarantined: " + "; ".join(
