@@ -222,7 +222,7 @@ def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
         synchronize=lambda: synced.append("cuda:0"))}
     monkeypatch.setattr(arena, "_stage_cuda", lambda *args: synced.append("queued") or object())
 
-    def broken(*args: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("staging a CPU tensor failed (injected)")
 
     monkeypatch.setattr(staging, "_stage_cpu", broken)
