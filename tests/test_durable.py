@@ -300,6 +300,17 @@ def test_a_corrupt_local_copy_of_the_durable_iteration_is_copied_again(
         assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
 
 
+def _persisted_1_and_2_then_lost(root: Path, tmp_path: Path) -> DurableTier:
+    """Iterations 1 and 2 saved and persisted, then the node root lost; the tier."""
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)
+    return durable
+
+
 def test_a_store_failing_every_copy_is_unavailable_not_an_empty_tier(
         root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The job lost; the store lists its iterations but every read fails (connection refused):
@@ -308,12 +319,7 @@ def test_a_store_failing_every_copy_is_unavailable_not_an_empty_tier(
     from localckpt.errors import DurableTierUnavailableError
     from localckpt.storage.durable_dir import DirectoryBackend
 
-    durable = DurableTier(tmp_path / "d", keep=5)
-    with LocalCheckpointManager(root, durable=durable) as mgr:
-        for it in (1, 2):
-            mgr.save({"w": torch.full((3,), float(it))}, it)
-            assert mgr.wait_for_persist(30)
-    shutil.rmtree(root)
+    durable = _persisted_1_and_2_then_lost(root, tmp_path)
     tried: list[int] = []
 
     def refused(self: Any, manifest: Any, index: int, out: Any) -> None:
@@ -332,12 +338,7 @@ def test_a_shard_the_tier_refuses_to_read_falls_back_to_an_older_iteration(
     iteration's problem, not the store's: the older one is restored, as before."""
     from localckpt.storage.durable_dir import DirectoryBackend
 
-    durable = DurableTier(tmp_path / "d", keep=5)
-    with LocalCheckpointManager(root, durable=durable) as mgr:
-        for it in (1, 2):
-            mgr.save({"w": torch.full((3,), float(it))}, it)
-            assert mgr.wait_for_persist(30)
-    shutil.rmtree(root)
+    durable = _persisted_1_and_2_then_lost(root, tmp_path)
     real = DirectoryBackend.fill_chunk
 
     def refused(self: Any, manifest: Any, index: int, out: Any) -> None:

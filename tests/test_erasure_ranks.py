@@ -182,18 +182,26 @@ def test_corrupt_sources_in_several_iterations_fall_back_to_an_intact_one(tmp_pa
     assert [(v["latest"], v["ok"]) for v in values] == [(1, True)] * 4
 
 
+def _stale_parity_then_node0_lost(tmp_path: Path, root: Path, k: int, m: int,
+                                  node: int) -> Path:
+    """k+m on 4 nodes, iterations 5 and 7; stripe 0's parity block 0 (on ``node``) replaced by
+    another save's of 7; node 0 lost. The stale block's directory."""
+    other = tmp_path / "other"
+    saved(tmp_path, other, k, m, 4, 1, [7])
+    saved(tmp_path, root, k, m, 4, 1, [5, 7], keep_last=2)
+    block = block_dir(root, node, 7, parity_slot(0, 0), 4)
+    shutil.rmtree(block)
+    shutil.copytree(block_dir(other, node, 7, parity_slot(0, 0), 4), block)
+    shutil.rmtree(root / "node0")
+    return block
+
+
 def test_the_last_copy_of_a_parity_block_is_never_set_aside_as_stale(tmp_path: Path,
                                                                      root: Path) -> None:
     """Stripe 0's only parity block is another save's: iteration 7 cannot be rebuilt (every
     rank falls back to 5), but the block stays where it is: whether it or the members are the
     stale ones, deleting the last copy could only lose data."""
-    other = tmp_path / "other"
-    saved(tmp_path, other, 3, 1, 4, 1, [7])
-    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
-    block = block_dir(root, 3, 7, parity_slot(0, 0), 4)
-    shutil.rmtree(block)
-    shutil.copytree(block_dir(other, 3, 7, parity_slot(0, 0), 4), block)
-    shutil.rmtree(root / "node0")
+    block = _stale_parity_then_node0_lost(tmp_path, root, 3, 1, 3)
     values = loaded(tmp_path, root, 3, 1, 4, 1)
     assert [(v["latest"], v["ok"]) for v in values] == [(5, True)] * 4
     assert not list((root / "node3" / "job").glob(".quarantine-*")) and block.is_dir()
@@ -205,13 +213,7 @@ def test_a_stale_last_copy_of_one_parity_block_leaves_the_others_to_rebuild_from
     is good. Node 0 lost: its shard is rebuilt from member 1 and block 1, and iteration 7 loads
     (before: the stale block made 7 unusable, every rank fell back to 5, and `localckpt gc`,
     which counts 7 complete, could then delete 5)."""
-    other = tmp_path / "other"
-    saved(tmp_path, other, 2, 2, 4, 1, [7])
-    saved(tmp_path, root, 2, 2, 4, 1, [5, 7], keep_last=2)
-    block = block_dir(root, 2, 7, parity_slot(0, 0), 4)
-    shutil.rmtree(block)
-    shutil.copytree(block_dir(other, 2, 7, parity_slot(0, 0), 4), block)
-    shutil.rmtree(root / "node0")
+    _stale_parity_then_node0_lost(tmp_path, root, 2, 2, 2)
     values = loaded(tmp_path, root, 2, 2, 4, 1)
     assert [(v["latest"], v["ok"]) for v in values] == [(7, True)] * 4
     assert values[0]["rebuilt"] > 0
