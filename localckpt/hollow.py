@@ -382,9 +382,11 @@ def tagged_nodes(hollow: JSON) -> Iterator[tuple[str, Any]]:
             stack.extend(node.values())
 
 
-def uses_extended(hollow: JSON) -> bool:
-    """Whether ``hollow`` holds a node only format 4 describes."""
-    return any(tag in EXTENDED_TAGS for tag, _ in tagged_nodes(hollow))
+def format_nodes(hollow: JSON) -> tuple[bool, bool]:
+    """Whether ``hollow`` holds a node only format 4 describes, and a Stateful's ``{"S": ...}``
+    (format 2): what the manifest's format version must cover. One walk."""
+    tags = {tag for tag, _ in tagged_nodes(hollow)}
+    return bool(tags & EXTENDED_TAGS), "S" in tags
 
 
 def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None) -> torch.device:

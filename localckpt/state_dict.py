@@ -28,15 +28,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .dtensors import DTensorLayout
 from .hollow import (
-    EXTENDED_TAGS,
     JSON,
     Restorer,
     Walk,
     decode_hollow,
     encode_hollow,
+    format_nodes,
     is_stateful,
     resolve_device,
-    tagged_nodes,
 )
 from .save.staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
@@ -119,8 +118,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         obj.statefuls, obj.types, obj.copies = {}, dict(types or {}), set()
         # What its structure holds decides the format a save of it is written in (a load
         # returns it, and a job may save it again as it is): read from the tags, once.
-        tags = {tag for tag, _ in tagged_nodes(hollow)}
-        obj.extended, obj.stateful_nodes = bool(tags & EXTENDED_TAGS), "S" in tags
+        obj.extended, obj.stateful_nodes = format_nodes(hollow)
         return obj
 
     @property

@@ -27,7 +27,7 @@ from replication.stripe_plans import parity_save_plan
 
 from ..control.coverage import check_capacity, decode_inventories, validate_save
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
-from ..hollow import EXTENDED_TAGS, tagged_nodes
+from ..hollow import format_nodes
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
@@ -110,10 +110,9 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
     # misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept by another rank;
     # 4: numpy, Generator, dataclass and named tuple nodes.
     if type(tasd) is BasicTensorAwareStateDict:  # known from its walk (or, loaded, its tags)
-        extended, stateful = tasd.extended, bool(statefuls) or tasd.stateful_nodes
+        extended, stateful = tasd.extended, tasd.stateful_nodes
     else:
-        tags = {tag for tag, _ in tagged_nodes(hollow)}
-        extended, stateful = bool(tags & EXTENDED_TAGS), "S" in tags
+        extended, stateful = format_nodes(hollow)
     version = 4 if extended else 3 if deduped.expected else \
         2 if tasd.layouts or stateful else 1
     manifest = ShardManifest(
