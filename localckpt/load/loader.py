@@ -165,7 +165,6 @@ class LoadPath:
             if discard_newer:
                 self._discard_newer(iteration)
             return manifest, state
-        self.settle()
         if self.latest_iteration < 0:
             self.find_latest()
         if self._durable_candidates:  # newer than the local tiers: copied here first
@@ -206,7 +205,6 @@ class LoadPath:
     def _load_exactly(self, into: Any, iteration: int) -> tuple[ShardManifest, Any]:
         """``load(iteration=N)``: that iteration at this world size, or an error; never another
         one (a corrupt copy is replaced by another holder's, as for the newest)."""
-        self.settle()
         self._listed = None
         with self.ctx.timed("load", iteration) as box, gc_paused():
             try:
