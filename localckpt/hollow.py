@@ -124,6 +124,8 @@ class Walk:
     types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
     extended: bool = False  # a format-4 node was written
     copies: set[int] = field(default_factory=set)  # tensors that are not the caller's memory
+    # Called with (index, tensor) for each plain tensor as it is met (a save starts copying).
+    on_tensor: Callable[[int, torch.Tensor], None] | None = None
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -148,7 +150,10 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
         if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
             _check_tensor(obj, path)  # raises, naming the key
-        return {"T": walk.add(obj, path)}
+        i = walk.add(obj, path)
+        if walk.on_tensor is not None:
+            walk.on_tensor(i, obj)
+        return {"T": i}
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):
             where = path_str(path)

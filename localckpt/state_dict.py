@@ -83,8 +83,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     taken when the manager stages the tensors inside ``save``.
     """
 
-    def __init__(self, state_dict: Any) -> None:
-        walk = Walk()
+    def __init__(self, state_dict: Any,
+                 on_tensor: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """``on_tensor(index, tensor)``: called for each plain tensor as the walk meets it (a
+        save starts copying large ones then)."""
+        walk = Walk(on_tensor=on_tensor)
         try:
             self._hollow = encode_hollow(state_dict, walk)
         except RecursionError:  # not worth a check per container: the error says what to fix
@@ -145,11 +148,13 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return decode_hollow(self._hollow, self._tensors, self._dtensors, types=self.types)
 
 
-def as_tensor_aware(state_dict: Any) -> TensorAwareStateDict:
-    """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict."""
+def as_tensor_aware(state_dict: Any, on_tensor: Callable[[int, torch.Tensor], None] | None = None
+                    ) -> TensorAwareStateDict:
+    """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict
+    (whose walk calls ``on_tensor``)."""
     if isinstance(state_dict, TensorAwareStateDict):
         return state_dict
-    return BasicTensorAwareStateDict(state_dict)
+    return BasicTensorAwareStateDict(state_dict, on_tensor)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 22's GPU checks in one call of the device tool (a lent GPU machine; about 8 minutes on an
-# H100): the CUDA tests, scripts/bench_cuda.py, and a profile of the 15 %-small workload's stall
-# and load. Everything it prints and writes lands in $OUT (at most 8 files come back).
+# Issue 22's GPU checks in one call of the device tool (a lent GPU machine; about 4 minutes on an
+# H200): the CUDA tests, scripts/bench_cuda.py, and the time of each phase of the stall and of
+# the load (1 GiB, 1 % and 15 % small). Everything it prints and writes lands in $OUT (at most 8
+# files come back).
 #
 #   here:  bash scripts/device_wheels.sh    # the wheels that machine's Python lacks, into .whl/
 #   tool:  run(command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=600)
@@ -31,6 +32,10 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/test_
 # shellcheck disable=SC2086
 timeout 330 "$PY" scripts/bench_cuda.py ${BENCH_ARGS:---repeats 3} --out "$OUT" \
   2>&1 | tee "$OUT/bench_cuda.log"
-timeout 90 "$PY" scripts/profile_save_load.py --device cuda --size-mib 1024 --share 0.15 \
-  > "$OUT/profile.txt" 2>&1
+# Where the time of the stall and of the load goes, phase by phase (wall clock), for both
+# shares of small tensors.
+for share in 0.15 0.01; do
+  timeout 60 "$PY" scripts/profile_save_load.py --device cuda --size-mib 1024 --share $share \
+    --repeats 3 --phases
+done > "$OUT/phases.txt" 2>&1
 echo "device_check: done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

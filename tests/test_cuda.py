@@ -125,6 +125,33 @@ def test_async_save_and_load_cuda_state_dict(root: Path) -> None:
     assert loaded["cpu"].device.type == "cpu" and loaded["step"] == 11
 
 
+def test_an_async_save_snapshots_large_tensors_copied_as_the_walk_meets_them(root: Path) -> None:
+    """From the second save on, large CUDA tensors are copied while the state dict is walked:
+    the copies still come after the work queued on them, and training that goes on after the
+    stall does not reach the snapshot."""
+    big = [torch.randn(4 << 20, device="cuda") for _ in range(3)]  # 16 MiB each
+    state = {"small": torch.arange(10, device="cuda"), "big": big}
+    with LocalCheckpointManager(root, "s", keep_last=1) as mgr:
+        queue = AsyncCallsQueue()
+        mgr.save(state, 1)  # sizes the arena: the next saves copy early
+        for it in (2, 3, 4):
+            for t in big:  # queued on the current stream just before the save
+                t.mul_(2).add_(1)
+            expected = [t.clone() for t in big]
+            req = mgr.save(state, it, is_async=True)
+            for t in big:  # training goes on
+                t.fill_(-1)
+            queue.schedule_async_request(req)  # type: ignore[arg-type]
+            queue.maybe_finalize_async_calls(blocking=True)
+            loaded, _ = mgr.load()
+            assert all(torch.equal(a, b) for a, b in zip(expected, loaded["big"], strict=True))
+            assert torch.equal(loaded["small"], state["small"])
+        queue.close()
+        store = mgr._ctx.store
+        entries = {e.key_path: e.offset for e in store.read_manifest(store.ref(4, 0, 1)).tensors}
+    assert entries["big/0"] == 0  # copied early: placed first, ahead of the gathered run
+
+
 def test_nvml_inventory_names_the_gpus() -> None:
     pytest.importorskip("pynvml")
     status, gpus = health.gpu_inventory()

@@ -77,12 +77,20 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _Log:
     return log
 
 
-def _shard(tmp_path: Path, seed: int, chunk_nbytes: int, threads: int
+def _shard(tmp_path: Path, seed: int, chunk_nbytes: int, threads: int, back_to_back: bool = False
            ) -> tuple[ShardStore, Any, list[torch.Tensor], list[str]]:
+    """``back_to_back``: every tensor a multiple of 64 bytes, so no padding between any two
+    (the sources of a chunk are then cut with no gap pieces)."""
     rng = random.Random(seed)
     tensors, devices = [], []
     for _ in range(rng.randint(1, 60)):
         kind = rng.random()
+        if back_to_back:
+            t = torch.randn(16 * rng.randint(1, 20) if kind < 0.8 else
+                            16 * rng.randint(1, 3 * chunk_nbytes // 64))
+            tensors.append(t)
+            devices.append("cuda:0")
+            continue
         t = (torch.randn(()) if kind < 0.1 else torch.empty(0) if kind < 0.15
              else torch.randn(rng.randint(1, 300)) if kind < 0.7
              else torch.randn(rng.randint(1, 3 * chunk_nbytes // 4)))  # spans chunks
@@ -103,13 +111,16 @@ def _shard(tmp_path: Path, seed: int, chunk_nbytes: int, threads: int
     return store, ref, tensors, devices
 
 
+@pytest.mark.parametrize("back_to_back", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_every_byte_lands_where_it_belongs(tmp_path: Path, fake_cuda: _Log, seed: int) -> None:
+def test_every_byte_lands_where_it_belongs(tmp_path: Path, fake_cuda: _Log, seed: int,
+                                           back_to_back: bool) -> None:
     """Random shards (tensors within a chunk, across chunks, empty, 0-dim; host and "device"
-    ones mixed) through both copy paths, on 1 to 4 readers sharing few slots."""
+    ones mixed; or all on the device with no padding between them) through both copy paths,
+    on 1 to 4 readers sharing few slots."""
     rng = random.Random(seed)
     store, ref, tensors, devices = _shard(tmp_path, seed, rng.choice([256, 1024, 4096]),
-                                          rng.choice([1, 2, 4]))
+                                          rng.choice([1, 2, 4]), back_to_back)
     try:
         m = store.read_manifest(ref)
         out = [torch.full_like(t, 7) for t in tensors]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
 
 from localckpt.errors import CorruptShardError
-from localckpt.save.staging import StagingArena, plan_layout, unpack
+from localckpt.save.staging import EagerCopies, StagingArena, plan_layout, unpack
 
 
 def test_unpack_inverts_stage_into_separate_storages() -> None:
@@ -58,3 +59,105 @@ def test_layout_packs_gathered_tensors_back_to_back_in_capped_runs(
     back = unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
                         zip(tensors, layout.offsets, layout.sizes, strict=True)])
     assert all(torch.equal(t, b) for t, b in zip(tensors, back, strict=True))
+
+
+def _staged_back(arena: StagingArena, tensors: list[torch.Tensor], early: EagerCopies,
+                 total_extra: int = 0) -> list[torch.Tensor]:
+    """Offer ``tensors`` to ``early`` in order (as a walk does), then lay out and stage the rest
+    as a save does; the tensors unpacked from the arena."""
+    for i, t in enumerate(tensors):
+        early.offer(i, t)
+    layout = plan_layout(tensors, early.placed, early.end)
+    assert layout.copied == frozenset(early.placed)
+    buf = arena.stage(tensors, layout, layout.nbytes + total_extra)
+    spans = sorted((o, o + n) for o, n in zip(layout.offsets, layout.sizes, strict=True) if n)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    return unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
+                        zip(tensors, layout.offsets, layout.sizes, strict=True)])
+
+
+def _mixed(seed: int, big: int = 300_000) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(big, generator=g), torch.randn(7, generator=g),
+            torch.randn(600, 700, generator=g).t(),  # large and not contiguous
+            torch.arange(5, dtype=torch.int16), torch.randn(big // 2, generator=g).double(),
+            torch.randn(3, generator=g)]
+
+
+def test_large_tensors_are_copied_as_the_walk_meets_them_from_the_second_save_on() -> None:
+    arena = StagingArena(pin=False)
+    first = EagerCopies(arena)  # no buffer yet: nothing copied early
+    tensors = _mixed(0)
+    back = _staged_back(arena, tensors, first)
+    assert first.placed == {} and all(map(torch.equal, tensors, back))
+    early = EagerCopies(arena)
+    tensors = _mixed(1)  # other values, same sizes
+    back = _staged_back(arena, tensors, early)
+    assert sorted(early.placed) == [0, 2, 4]  # the large ones, in the order met, from 0
+    assert early.placed[0] == 0 and all(o % 64 == 0 for o in early.placed.values())
+    assert all(map(torch.equal, tensors, back))
+
+
+def test_tensors_that_no_longer_fit_go_where_the_layout_puts_them() -> None:
+    arena = StagingArena(pin=False)
+    _staged_back(arena, _mixed(0), EagerCopies(arena))
+    early = EagerCopies(arena)
+    tensors = _mixed(2)
+    tensors[0] = torch.randn(arena.capacity // 4 + 1)  # grew: no longer fits, nor do later ones
+    back = _staged_back(arena, tensors, early)
+    assert early.placed == {} and all(map(torch.equal, tensors, back))
+    tensors = _mixed(3)
+    tensors[4] = torch.randn(arena.capacity // 8, dtype=torch.float64)  # the third one grew
+    early = EagerCopies(arena)
+    back = _staged_back(arena, tensors, early)
+    assert sorted(early.placed) == [0, 2] and all(map(torch.equal, tensors, back))
+
+
+def test_a_stage_that_needs_a_larger_buffer_copies_the_early_ones_again() -> None:
+    """The early copies went to the buffer a larger stage replaces: made again into the new."""
+    arena = StagingArena(pin=False)
+    _staged_back(arena, _mixed(0), EagerCopies(arena))
+    before = arena.allocations
+    early = EagerCopies(arena)
+    tensors = _mixed(4)
+    back = _staged_back(arena, tensors, early, total_extra=arena.capacity)
+    assert early.placed and arena.allocations == before + 1
+    assert all(map(torch.equal, tensors, back))
+
+
+def test_lazy_views_zero_tensors_and_small_ones_are_left_to_the_layout() -> None:
+    arena = StagingArena(pin=False)
+    arena.reserve(1 << 24)
+    early = EagerCopies(arena)
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(300_000, dtype=torch.complex64, generator=g).conj(),
+               torch._efficientzerotensor(300_000), torch.randn(1000, generator=g),
+               torch.randn(300_000, generator=g)._neg_view(),
+               torch.randn(300_000, generator=g)]
+    back = _staged_back(arena, tensors, early)
+    assert list(early.placed) == [4]
+    assert all(map(torch.equal, tensors, back))
+
+
+def test_a_save_that_fails_after_early_copies_waits_for_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leaf the walk refuses after a large tensor was queued: nothing may still write into the
+    arena when the error returns (the next save stages into it)."""
+    from localckpt.save import prepare
+
+    synced: list[str] = []
+    arena = StagingArena(pin=False)
+    arena.reserve(1 << 24)
+    monkeypatch.setattr(arena, "synchronize", lambda: synced.append("synchronized"))
+    real = EagerCopies.offer
+
+    def offer(self: EagerCopies, i: int, t: torch.Tensor) -> None:
+        real(self, i, t)
+        self._streams.add(torch.device("cuda:0"))  # as if it had queued a device copy
+
+    monkeypatch.setattr(EagerCopies, "offer", offer)
+    ctx = types.SimpleNamespace(rank=0)
+    with pytest.raises(TypeError, match="unsupported value"):
+        prepare.stage_shard(ctx, arena, {"w": torch.randn(300_000), "x": object()},  # type: ignore[arg-type]
+                            1, None, None, True)
+    assert synced == ["synchronized"]

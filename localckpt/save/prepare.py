@@ -35,7 +35,7 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
-from .staging import PackedLayout, StagingArena, plan_layout
+from .staging import EagerCopies, PackedLayout, StagingArena, plan_layout
 
 if TYPE_CHECKING:
     from ..control.collectives import CheckpointGroup
@@ -73,13 +73,19 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
     meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
     meta["save_id"] = uuid.uuid4().hex  # rank 0's is kept: names this save's shards
-    tasd = as_tensor_aware(state_dict)
-    deduped = dedupe(tasd, dedupe_replicated)
-    layout = plan_layout(deduped.tensors)
-    chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
-    fault_point("staging", ctx.rank, iteration)
-    # The manifest is built while the copies from the GPU run; nothing returns before they end.
-    payload, settle = arena.stage_begin(deduped.tensors, layout, chunk_nbytes * chunk_count)
+    early = EagerCopies(arena)  # large tensors are copied as the walk meets them
+    try:
+        tasd = as_tensor_aware(state_dict, early.offer)
+        deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
+        layout = plan_layout(deduped.tensors, early.placed, early.end)
+        chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
+        fault_point("staging", ctx.rank, iteration)
+        # The manifest is built while the copies from the GPU run; nothing returns before
+        # they end.
+        payload, settle = arena.stage_begin(deduped.tensors, layout, chunk_nbytes * chunk_count)
+    except BaseException:
+        early.abandon()
+        raise
     try:
         manifest, request = _describe(ctx, tasd, deduped, layout, chunk_nbytes, chunk_count,
                                       iteration, meta, state_dict)

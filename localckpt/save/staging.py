@@ -7,13 +7,19 @@ and reallocated only when a save needs more than it holds. On CUDA the buffer is
 device-to-host copies run on a side stream, ordered after the work already queued on the current
 stream and finished by an event; small CUDA tensors of one device and dtype are packed next to
 each other, so that they are gathered on the GPU and cross to the host in one copy.
+
+The copies of large tensors start while the state dict is still being walked
+(:class:`EagerCopies`): from the second save on, the arena is as large as the last save needed,
+so a large tensor's place in it is known the moment the walk meets it, and the device copies it
+while the Python work of the rest of the walk, the layout and the manifest runs (the stall is
+then that work or the copy, whichever is longer, instead of both).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +52,14 @@ class PackedLayout:
 
     ``runs``: groups of tensor indices (one CUDA device and dtype each) whose bytes lie back to
     back from an aligned offset, in the order listed: each run is staged as one copy.
+    ``copied``: indices whose copy into the arena was queued while the state dict was walked.
     """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
     runs: tuple[tuple[int, ...], ...] = ()
+    copied: frozenset[int] = frozenset()  # copied into the arena already (EagerCopies)
 
 
 def _gatherable(t: torch.Tensor, size: int) -> bool:
@@ -61,12 +69,16 @@ def _gatherable(t: torch.Tensor, size: int) -> bool:
             and not (t.is_conj() or t.is_neg() or t._is_zerotensor()))
 
 
-def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
-    """Offsets for ``tensors`` (pure): small CUDA tensors first, back to back in runs of one
-    device and dtype; then every other tensor in order, each at a 64-byte aligned offset."""
+def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | None = None,
+                start: int = 0) -> PackedLayout:
+    """Offsets for ``tensors`` (pure): those in ``placed`` (index -> offset, all below
+    ``start``: copied while the walk ran, see :class:`EagerCopies`) where they are; from
+    ``start`` on, small CUDA tensors back to back in runs of one device and dtype, then every
+    other tensor in order, each at a 64-byte aligned offset."""
     sizes = []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
+    placed = placed or {}
     storable: set[torch.dtype] = set()  # checked once per dtype: 7,500 tensors take 0.5 us each
     for i, t in enumerate(tensors):
         dtype = t.dtype
@@ -78,14 +90,19 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
             storable.add(dtype)
         size = t.nbytes
         sizes.append(size)
+        if i in placed:
+            continue
         if _gatherable(t, size):
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
             rest.append(i)
     offsets = [0] * len(tensors)
+    end = start
+    for i, off in placed.items():
+        offsets[i] = off
+        end = max(end, off + sizes[i])
     runs = [run for members in groups.values()
             for run in split_runs(members, [sizes[i] for i in members], GATHER_RUN_MAX_NBYTES)]
-    end = 0
     for run in runs:
         end = aligned(end)
         for i in run:
@@ -94,7 +111,7 @@ def plan_layout(tensors: Sequence[torch.Tensor]) -> PackedLayout:
     for i in rest:
         offsets[i] = aligned(end)
         end = offsets[i] + sizes[i]
-    return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs))
+    return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs), frozenset(placed))
 
 
 def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
@@ -167,12 +184,21 @@ class StagingArena:
         still run when this returns (CPU tensors are copied), and ``settle()`` blocks until
         they are complete. Until then the caller must not modify the source tensors, and must
         call it before the buffer is read or staged into again."""
+        copied = layout.copied
+        if copied and total_nbytes > self.capacity:
+            # The buffer the early copies went to is replaced: they are made again into the
+            # new one, once none of them can still write into the old one.
+            self.synchronize()
+            copied = frozenset()
         buf = self.buffer(total_nbytes)
         buf[layout.nbytes :].zero_()
         events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            by_device.setdefault(t.device, []).append(i)
+            if i in copied:  # its device still gets an event below, which covers that copy
+                by_device.setdefault(t.device, [])
+            else:
+                by_device.setdefault(t.device, []).append(i)
         try:
             for device, indices in by_device.items():
                 if device.type == "cuda":
@@ -186,8 +212,7 @@ class StagingArena:
         except BaseException:
             # Another device's copies may be queued already: none may still write into the
             # arena once this raised (the next save stages into it).
-            for stream in self._streams.values():
-                stream.synchronize()
+            self.synchronize()
             raise
 
         def settle() -> None:
@@ -196,12 +221,22 @@ class StagingArena:
 
         return buf, settle
 
-    def _stage_cuda(self, device: torch.device, tensors: Sequence[torch.Tensor],
-                    indices: list[int], runs: list[tuple[int, ...]], layout: PackedLayout,
-                    buf: torch.Tensor) -> torch.cuda.Event:
+    def synchronize(self) -> None:
+        """Block until no copy queued into the arena can still write into it."""
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream the copies from ``device`` run on (made on first use)."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def _stage_cuda(self, device: torch.device, tensors: Sequence[torch.Tensor],
+                    indices: list[int], runs: list[tuple[int, ...]], layout: PackedLayout,
+                    buf: torch.Tensor) -> torch.cuda.Event:
+        stream = self.side_stream(device)
         # The side stream must see every kernel already queued that writes these tensors.
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.no_grad():
@@ -224,6 +259,70 @@ class StagingArena:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event
+
+
+class EagerCopies:
+    """Copies of a save's large tensors queued while its state dict is still being walked.
+
+    :meth:`offer` is the walk's ``on_tensor`` (:func:`localckpt.state_dict.as_tensor_aware`):
+    each large CPU or CUDA tensor it is handed goes into the arena's buffer as it is, at the next
+    aligned offset in the order met, as long as it fits: the device copies it while the walk,
+    the layout and the manifest are built. Small CUDA tensors (gathered later, in runs), lazy
+    views and efficient zero tensors are left to the layout, and so is every tensor of a save
+    the buffer cannot hold yet (the first one). Then :attr:`placed` and :attr:`end` go to
+    :func:`plan_layout`, which places the others after them, and
+    :meth:`StagingArena.stage_begin` copies the others. Training thread; whoever gives up
+    before the stage began must call :meth:`abandon` (no copy may write into the arena after)."""
+
+    def __init__(self, arena: StagingArena) -> None:
+        self._arena = arena
+        self._buffer = arena._buffer  # None before the first save
+        self._capacity = arena.capacity
+        self._streams: set[torch.device] = set()
+        self._storable: set[torch.dtype] = set()
+        self.placed: dict[int, int] = {}  # tensor index -> its offset in the arena
+        self.end = 0
+
+    def offer(self, i: int, t: torch.Tensor) -> None:
+        """Copy tensor ``i`` of the walk into the arena now, if it is one copied early."""
+        if self._buffer is None:
+            return
+        size = t.nbytes
+        if size <= GATHER_MAX_NBYTES or t.device.type not in ("cpu", "cuda"):
+            return
+        dtype = t.dtype
+        if dtype not in self._storable:  # the layout raises on a dtype that cannot be stored
+            try:
+                dtype_name(dtype)
+            except TypeError:
+                return
+            if t.is_quantized:
+                return
+            self._storable.add(dtype)
+        if t.is_conj() or t.is_neg() or t._is_zerotensor():
+            return
+        offset = aligned(self.end)
+        if offset + size > self._capacity:
+            self._buffer = None  # the rest go where the layout puts them
+            return
+        dst = tensor_view(self._buffer, offset, size, dtype, t.shape)
+        with torch.no_grad():
+            if t.is_cuda:
+                stream = self._arena.side_stream(t.device)
+                if t.device not in self._streams:  # after what is queued on the tensors
+                    stream.wait_stream(torch.cuda.current_stream(t.device))
+                    self._streams.add(t.device)
+                with torch.cuda.stream(stream):
+                    dst.copy_(t, non_blocking=self._arena._pin)
+            else:
+                dst.copy_(t)
+        self.placed[i] = offset
+        self.end = offset + size
+
+    def abandon(self) -> None:
+        """The save gave up before its stage began: wait for the copies queued."""
+        if self._streams:
+            self._arena.synchronize()
 
 
 def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: PackedLayout,

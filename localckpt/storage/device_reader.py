@@ -144,16 +144,22 @@ class DeviceScatter:
             slot.staging = torch.empty(self.chunk_nbytes, dtype=torch.uint8, device=self.device)
         lo, hi = pieces[0][3], pieces[-1][3] + pieces[-1][2] - pieces[-1][1]
         slot.staging[lo:hi].copy_(slot.pinned[lo:hi], non_blocking=True)
-        # The sources cut in one call (gaps between them: alignment padding), the destinations
-        # sliced only where a tensor spans chunks: a chunk of small tensors holds hundreds.
-        sizes: list[int] = []
-        pos = lo
+        # The sources cut in one call, the destinations sliced only where a tensor spans chunks:
+        # a chunk of small tensors holds hundreds. Gaps between sources (alignment padding) are
+        # cut as pieces of their own only where there are any: each piece is a view to make.
+        sizes = [b - a for _, a, b, _ in pieces]
+        pos, gaps = lo, []
         for _, a, b, at in pieces:
-            sizes += (at - pos, b - a)
+            gaps.append(at - pos)
             pos = at + b - a
-        sources = torch.split_with_sizes(slot.staging[lo:hi], sizes)[1::2]
+        if any(gaps):
+            pairs = zip(gaps, sizes, strict=True)
+            cut = torch.split_with_sizes(slot.staging[lo:hi], [n for p in pairs for n in p])
+            sources = cut[1::2]
+        else:
+            sources = torch.split_with_sizes(slot.staging[lo:hi], sizes)
         torch._foreach_copy_([view if a == 0 and b == view.numel() else view[a:b]
-                              for view, a, b, _ in pieces], sources)
+                              for view, a, b, _ in pieces], list(sources))
 
     def finish(self) -> None:
         """Block until everything queued on the slots' streams is complete (every slot's, even
