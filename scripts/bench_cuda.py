@@ -340,6 +340,11 @@ def main() -> int:
             rows.append(measure_case(case, repeats, root, device, a.keep_last))
         finally:
             shutil.rmtree(root, ignore_errors=True)
+        m = rows[-1]["median_s"]  # in the log as it comes: a later case that fails keeps it
+        print(f"     stall {m['save_stall'] * 1e3:.1f} ms, finalized "
+              f"{m['async_save_to_finalized'] * 1e3:.0f} ms, load {m['load_to_device'] * 1e3:.0f} "
+              f"ms; ratios " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1]["ratios"].items()),
+              flush=True)
     result = {
         "command": " ".join(["python scripts/bench_cuda.py", *_args_but_out(sys.argv[1:])]),
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,

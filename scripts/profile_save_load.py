@@ -114,6 +114,35 @@ def top(profile: cProfile.Profile, lines: int) -> str:
     return out.getvalue()
 
 
+def op_costs(device: torch.device, n: int = 2000) -> str:
+    """Microseconds per call of the torch operations a load or a stall makes per tensor on
+    ``device`` (the floor of a path that makes them once per tensor)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t = torch.randn(1024, device=device)
+    flat = torch.zeros(n * 64, dtype=torch.uint8, device=device)
+    dst = [torch.empty(64, dtype=torch.uint8, device=device) for _ in range(n)]
+    ops: dict[str, Callable[[], object]] = {
+        "torch.empty(shape, dtype, device)": lambda: [
+            torch.empty((1024,), dtype=torch.float32, device=device) for _ in range(n)],
+        "t.view(torch.uint8)": lambda: [t.view(torch.uint8) for _ in range(n)],
+        "t.reshape(-1)": lambda: [t.reshape(-1) for _ in range(n)],
+        "split_with_sizes, per piece": lambda: torch.split_with_sizes(flat, [64] * n),
+        "_foreach_copy_, per pair": lambda: torch._foreach_copy_(
+            dst, list(torch.split_with_sizes(flat, [64] * n))),
+        "t.device": lambda: [t.device for _ in range(n)],
+        "t.nbytes + t.dtype + t.shape": lambda: [(t.nbytes, t.dtype, t.shape) for _ in range(n)],
+    }
+    lines = ["operation | us per tensor", "---|---:"]
+    for name, op in ops.items():
+        op()
+        sync()
+        start = time.perf_counter()
+        op()
+        sync()
+        lines.append(f"{name} | {(time.perf_counter() - start) / n * 1e6:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,6 +203,7 @@ def main() -> int:
           f"ms (medians of {a.repeats}; the profiled runs are slower)")
     if a.phases:
         print("\n=== wall-clock time per phase (main thread; medians)\n" + clock.report())
+        print(f"\n=== torch operations on {device}\n" + op_costs(device))
         return 0
     print("\n=== the stall of save(is_async=True)\n" + top(stall_profile, a.lines))
     print("\n=== a fresh manager's load()\n" + top(load_profile, a.lines))
