@@ -236,3 +236,32 @@ def test_a_huge_number_in_a_spaced_manifest_is_corruption() -> None:
     body["created_unix"] = 10**400
     with pytest.raises(CorruptShardError, match="shard-x"):
         ShardManifest.from_json_dict({"manifest": body, "crc32c": _crc_of(body)}, "shard-x")
+
+
+@pytest.mark.parametrize("item", [
+    {"key_path": "a/b", "dtype": "float32", "shape": [2, 3], "offset": 64, "nbytes": 24,
+     "device": "cuda:0"},
+    {"key_path": 5, "dtype": "float32", "shape": [2.0, True], "offset": True, "nbytes": 8.0,
+     "device": "cpu"},  # types a writer never produces: converted as str and int take them
+    {"key_path": "a", "dtype": "int8", "shape": [], "offset": "64", "nbytes": 1, "device": "cpu"},
+    {"key_path": "a", "dtype": "int8", "shape": [1], "offset": 0, "nbytes": 1},  # no device
+    {"key_path": "a", "dtype": "int8", "shape": 3, "offset": 0, "nbytes": 1, "device": "cpu"},
+    {"key_path": "a", "dtype": "int8", "shape": [1], "offset": "x", "nbytes": 1, "device": "cpu"},
+    ["key_path", "dtype"],  # not an object
+])
+def test_entries_are_read_as_str_and_int_take_them(item: object) -> None:
+    from localckpt.storage.manifest import TensorEntry, _entries
+
+    def as_before(t: dict) -> TensorEntry:  # type: ignore[type-arg]
+        return TensorEntry(str(t["key_path"]), str(t["dtype"]), tuple(map(int, t["shape"])),
+                           int(t["offset"]), int(t["nbytes"]), str(t["device"]))
+
+    try:
+        expected: object = (as_before(item),)
+    except (KeyError, TypeError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            _entries([item])
+        return
+    got = _entries([item])
+    assert got == expected and type(got[0]) is TensorEntry
+    assert [type(v) for v in got[0]] == [type(v) for v in expected[0]]  # type: ignore[index]

@@ -17,6 +17,7 @@ import functools
 import itertools
 import json
 import math
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -262,10 +263,7 @@ class ShardManifest:
                 f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         try:
-            tensors = tuple([
-                TensorEntry(str(t["key_path"]), str(t["dtype"]), tuple(map(int, t["shape"])),
-                            int(t["offset"]), int(t["nbytes"]), str(t["device"]))
-                for t in body["tensors"]])
+            tensors = _entries(body["tensors"])
             manifest = cls(
                 session_id=str(body["session_id"]),
                 iteration=int(body["iteration"]),
@@ -289,6 +287,26 @@ class ShardManifest:
             raise CorruptShardError(f"{where}: malformed manifest ({exc!r})") from exc
         check_consistent(manifest, where)
         return manifest
+
+
+_ENTRY_FIELDS = operator.itemgetter(*TensorEntry._fields)
+_new_entry = tuple.__new__  # TensorEntry(...) goes through a Python __new__: a frame per entry
+
+
+def _entries(items: list[Any]) -> tuple[TensorEntry, ...]:
+    """The TensorEntry of each parsed JSON entry, its fields converted as ``str`` and ``int``
+    take them (KeyError, TypeError, ValueError otherwise). Entries of the exact JSON types, as
+    every writer produces them, skip the conversions: a load parses thousands."""
+    out = []
+    for item in items:
+        key_path, dtype, shape, offset, nbytes, device = _ENTRY_FIELDS(item)
+        if not (type(key_path) is str and type(dtype) is str and type(device) is str
+                and type(offset) is int and type(nbytes) is int):
+            key_path, dtype, device = str(key_path), str(dtype), str(device)
+            offset, nbytes = int(offset), int(nbytes)
+        out.append(_new_entry(TensorEntry, (key_path, dtype, tuple(map(int, shape)), offset,
+                                            nbytes, device)))
+    return tuple(out)
 
 
 def _metadata_of(value: Any) -> dict[str, Any]:
