@@ -495,3 +495,42 @@ def test_verify_of_a_bucket_skips_names_of_no_shard(s3: Any, root: Path,
                            Body=b"stray")
     assert main(["verify", url]) == 0
     assert "1 shards verified, 0 corrupt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fault", ["refused", "no answer"])
+def test_a_bucket_that_stops_answering_is_unavailable_not_an_empty_tier(
+        s3: Any, root: Path, fault: str) -> None:
+    """The job lost; the bucket lists its iterations, then stops answering (its connections
+    refused, or accepted and never answered). DurableTierUnavailableError after the first
+    candidate, not NoCheckpointError after each one in turn (which a job may take for "nothing
+    was saved" and start afresh): obstore's errors must keep saying what they are."""
+    import shutil
+    import socket
+    from datetime import timedelta
+
+    from obstore.store import S3Store
+
+    from localckpt.errors import DurableTierUnavailableError
+
+    bucket = s3.bucket()
+    durable = DurableTier(f"s3://{bucket}/ckpt", keep=5)
+    with LocalCheckpointManager(root, durable=durable) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)  # every node lost
+    with socket.socket() as server, LocalCheckpointManager(root, durable=durable,
+                                                           timeout=4) as fresh:
+        server.bind(("127.0.0.1", 0))
+        if fault == "no answer":
+            server.listen(16)  # the kernel accepts; nothing ever answers
+        assert fresh.find_latest() == 2
+        backend = fresh._load.durable.backend  # type: ignore[union-attr]
+        backend._store = S3Store(  # the same bucket, now at an address that fails
+            bucket, endpoint=f"http://127.0.0.1:{server.getsockname()[1]}", allow_http=True,
+            region="us-east-1", skip_signature=True,
+            client_options={"connect_timeout": timedelta(seconds=1),
+                            "timeout": timedelta(seconds=1)},
+            retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)})
+        with pytest.raises(DurableTierUnavailableError, match="retry once the store is back"):
+            fresh.load()

@@ -71,13 +71,32 @@ def _last(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
+# obstore reports a timeout, a refused or reset connection and a server that is down alike, as a
+# GenericError whose debug text names the kind. Which it is decides a restore: a store that does
+# not answer fails every older iteration alike (DurableTierUnavailableError: retry later), a bad
+# object only its own (try an older one); the load tells them apart by the builtin class.
+_TIMED_OUT = ("kind: Timeout", "TimedOut", "timed out")
+_UNREACHABLE = ("kind: Connect", "error sending request", "ConnectionRefused",
+                "ConnectionReset", "ConnectionAborted", "BrokenPipe", "dns error")
+_DOWN = re.compile(r"status code: 50[234]\b")
+
+
 def _translate(exc: Exception, what: str) -> OSError:
     import obstore.exceptions as obs_errors
 
     if isinstance(exc, (obs_errors.NotFoundError, FileNotFoundError)):
         return FileNotFoundError(f"{what}: not found")
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return OSError(f"{what}: {type(exc).__name__}: {first}")
+    text = str(exc)
+    first = text.splitlines()[0] if text else ""
+    message = f"{what}: {type(exc).__name__}: {first}"
+    if isinstance(exc, OSError):  # a builtin already says what it is
+        return type(exc)(message)
+    if isinstance(exc, obs_errors.GenericError):
+        if any(mark in text for mark in _TIMED_OUT):
+            return TimeoutError(message)
+        if any(mark in text for mark in _UNREACHABLE) or _DOWN.search(text):
+            return ConnectionError(message)
+    return OSError(message)
 
 
 # obstore's S3 settings that name the endpoint (an http:// one needs allow_http), the bucket
