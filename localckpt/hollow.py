@@ -124,8 +124,10 @@ class Walk:
     types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
     extended: bool = False  # a format-4 node was written
     copies: set[int] = field(default_factory=set)  # tensors that are not the caller's memory
-    # Called with (index, tensor) for each plain tensor as it is met (a save starts copying).
+    # Called with (index, tensor) for each plain tensor as it is met (a save starts copying),
+    # and before each Stateful's state_dict() runs (user code: it may change tensors met).
     on_tensor: Callable[[int, torch.Tensor], None] | None = None
+    on_stateful: Callable[[], None] | None = None
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -241,6 +243,8 @@ def _encode_stateful(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     walk.open.add(id(obj))
     walk.within += 1
     try:
+        if walk.on_stateful is not None:
+            walk.on_stateful()
         return {"S": encode_hollow(obj.state_dict(), walk, path)}
     finally:
         walk.within -= 1

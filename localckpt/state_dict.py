@@ -84,10 +84,12 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     """
 
     def __init__(self, state_dict: Any,
-                 on_tensor: Callable[[int, torch.Tensor], None] | None = None) -> None:
+                 on_tensor: Callable[[int, torch.Tensor], None] | None = None,
+                 on_stateful: Callable[[], None] | None = None) -> None:
         """``on_tensor(index, tensor)``: called for each plain tensor as the walk meets it (a
-        save starts copying large ones then)."""
-        walk = Walk(on_tensor=on_tensor)
+        save starts copying large ones then); ``on_stateful()``: before each Stateful's
+        ``state_dict()`` runs (it may change tensors met before)."""
+        walk = Walk(on_tensor=on_tensor, on_stateful=on_stateful)
         try:
             self._hollow = encode_hollow(state_dict, walk)
         except RecursionError:  # not worth a check per container: the error says what to fix
@@ -148,13 +150,13 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return decode_hollow(self._hollow, self._tensors, self._dtensors, types=self.types)
 
 
-def as_tensor_aware(state_dict: Any, on_tensor: Callable[[int, torch.Tensor], None] | None = None
-                    ) -> TensorAwareStateDict:
+def as_tensor_aware(state_dict: Any, on_tensor: Callable[[int, torch.Tensor], None] | None = None,
+                    on_stateful: Callable[[], None] | None = None) -> TensorAwareStateDict:
     """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict
-    (whose walk calls ``on_tensor``)."""
+    (whose walk calls ``on_tensor`` and ``on_stateful``)."""
     if isinstance(state_dict, TensorAwareStateDict):
         return state_dict
-    return BasicTensorAwareStateDict(state_dict, on_tensor)
+    return BasicTensorAwareStateDict(state_dict, on_tensor, on_stateful)
 
 
 # --------------------------------------------------------------------------------------------

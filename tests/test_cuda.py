@@ -152,6 +152,29 @@ def test_an_async_save_snapshots_large_tensors_copied_as_the_walk_meets_them(roo
     assert entries["big/0"] == 0  # copied early: placed first, ahead of the gathered run
 
 
+def test_a_tensor_a_stateful_makes_after_an_early_copy_is_staged_after_its_kernel(
+        root: Path) -> None:
+    """The walk runs a Stateful's state_dict() after a large tensor was already copied early;
+    the tensor it returns is made by a kernel queued then (here behind a 100 ms sleep on the
+    GPU): its copy must wait for that kernel, not only for what was queued before the walk."""
+    first = torch.randn(4 << 20, device="cuda")
+    w = torch.randn(4 << 20, device="cuda")
+
+    class Doubled:
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]
+            return {"w": w * 2}
+
+        def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+            pass
+
+    with LocalCheckpointManager(root, "s") as mgr:
+        for it in (1, 2, 3):  # from the second save on, "first" is copied early
+            mgr.save({"first": first, "doubled": Doubled()}, it)
+            back, _ = mgr.load()
+            assert torch.equal(back["doubled"]["w"], w * 2), it
+
+
 def test_nvml_inventory_names_the_gpus() -> None:
     pytest.importorskip("pynvml")
     status, gpus = health.gpu_inventory()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import types
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
+from localckpt import LocalCheckpointManager
 from localckpt.errors import CorruptShardError
 from localckpt.save.staging import EagerCopies, StagingArena, plan_layout, unpack
 
@@ -161,3 +165,69 @@ def test_a_save_that_fails_after_early_copies_waits_for_them(
         prepare.stage_shard(ctx, arena, {"w": torch.randn(300_000), "x": object()},  # type: ignore[arg-type]
                             1, None, None, True)
     assert synced == ["synchronized"]
+
+
+def test_a_stateful_that_updates_tensors_met_before_it_is_saved_as_it_left_them(
+        tmp_path: Path) -> None:
+    """A Stateful's state_dict() may apply pending updates to tensors the walk met before it
+    (a lazy EMA flushed on save): the save holds every tensor as it is after that, the large
+    ones copied early included, never a mix of before and after."""
+    big, small = torch.zeros(1 << 19), torch.zeros(16)  # 2 MiB: copied early
+
+    class Lazy:
+        pending = 0.0
+
+        def state_dict(self) -> dict[str, int]:
+            big.add_(self.pending)
+            small.add_(self.pending)
+            self.pending = 0.0
+            return {"n": 1}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            pass
+
+    lazy = Lazy()
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        for it in (1, 2, 3):
+            lazy.pending = float(it)
+            mgr.save({"big": big, "small": small, "ema": lazy, "after": torch.ones(1 << 19)},
+                     it)
+            back, _ = mgr.load()
+            assert torch.equal(back["big"], big) and torch.equal(back["small"], small), it
+
+
+def test_a_growing_arena_never_holds_the_old_buffer_and_the_new_one_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned on a GPU machine: both at once would double the host memory of a large shard."""
+    alive: list[bool] = []
+    grow = StagingArena.buffer
+
+    def buffer(self: StagingArena, nbytes: int, slack: int = 0) -> torch.Tensor:
+        if self._buffer is not None and self._buffer.numel() < nbytes:
+            old = weakref.ref(self._buffer.untyped_storage())
+            self._buffer = None
+            gc.collect()
+            alive.append(old() is not None)
+        return grow(self, nbytes, slack)
+
+    monkeypatch.setattr(StagingArena, "buffer", buffer)
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        mgr.save({"w": torch.randn(1 << 19)}, 1)
+        mgr.save({"w": torch.randn(1 << 19), "v": torch.randn(1 << 15)}, 2)  # grows: 128 KiB
+    assert alive == [False]
+
+
+def test_the_first_saves_after_reserve_fit_the_reserved_arena(tmp_path: Path) -> None:
+    """reserve() sizes the arena once; the saves after it (whose large tensors come first,
+    with other padding) fit it, so none allocates again and copies everything twice."""
+    sd = {"w1": torch.randn(262145), "step": torch.zeros(15), "w2": torch.randn(262145)}
+    # 1 MiB + 4 B, 60 B, 1 MiB + 4 B: the padding differs with the order
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        mgr.reserve(sd)
+        arena = mgr._save._arena
+        assert arena.allocations == 1
+        for it in (1, 2, 3):
+            mgr.save(sd, it)
+        assert arena.allocations == 1
+        back, _ = mgr.load()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)

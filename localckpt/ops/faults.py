@@ -9,7 +9,8 @@ A fault is armed by the environment variable ``LOCALCKPT_FAULTS`` (read at impor
 Points (where localckpt calls :func:`fault_point`):
 
 ================ ==========================================================================
-staging          in ``save``, before the tensors are copied into the staging arena
+staging          in ``save``, after the walk (large tensors copied early), before the others are
+                 copied into the staging arena
 local_write      writing the first chunk file of the rank's own shard
 before_commit    the own shard is fully written, before the rename that commits it
 replica_send     handing a shard to the executor for a peer (save or restore)

@@ -44,7 +44,7 @@ from .job import SaveJob, wait_for_save
 from .persist import Persister
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
-from .staging import StagingArena, plan_layout
+from .staging import StagingArena, growth_slack, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SavePath:
         chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
-        self._arena.reserve(nbytes)
+        self._arena.reserve(nbytes, growth_slack(len(tensors)))
         files = self.ctx.store.files
         if files is not None:
             held = sum(self.ctx.rank in h for h in self.ctx.placement.holders)

@@ -52,7 +52,8 @@ class PackedLayout:
 
     ``runs``: groups of tensor indices (one CUDA device and dtype each) whose bytes lie back to
     back from an aligned offset, in the order listed: each run is staged as one copy.
-    ``copied``: indices whose copy into the arena was queued while the state dict was walked.
+    ``copied``: indices whose copy into the arena, queued while the state dict was walked, is
+    their value (the stage copies every other tensor).
     """
 
     offsets: tuple[int, ...]
@@ -70,11 +71,12 @@ def _gatherable(t: torch.Tensor, size: int) -> bool:
 
 
 def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | None = None,
-                start: int = 0) -> PackedLayout:
+                start: int = 0, copied: frozenset[int] | None = None) -> PackedLayout:
     """Offsets for ``tensors`` (pure): those in ``placed`` (index -> offset, all below
-    ``start``: copied while the walk ran, see :class:`EagerCopies`) where they are; from
-    ``start`` on, small CUDA tensors back to back in runs of one device and dtype, then every
-    other tensor in order, each at a 64-byte aligned offset."""
+    ``start``: placed while the walk ran, see :class:`EagerCopies`; ``copied``, default all of
+    them, need no copy at the stage) where they are; from ``start`` on, small CUDA tensors back
+    to back in runs of one device and dtype, then every other tensor in order, each at a 64-byte
+    aligned offset."""
     sizes = []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
@@ -111,7 +113,8 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
     for i in rest:
         offsets[i] = aligned(end)
         end = offsets[i] + sizes[i]
-    return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs), frozenset(placed))
+    return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs),
+                        frozenset(placed) if copied is None else copied)
 
 
 def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
@@ -126,6 +129,14 @@ def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[t
         runs[-1].append(item)
         total += size
     return [tuple(run) for run in runs]
+
+
+def growth_slack(count: int) -> int:
+    """Bytes an arena grown for ``count`` tensors takes beyond what the save needs: the same
+    tensors in another order (large ones first, once they are copied early) pad differently,
+    by up to ALIGNMENT each, and the chunking rounds the total up; a save that did not fit
+    would allocate again and copy its early tensors twice."""
+    return ALIGNMENT * count + (64 << 10)
 
 
 def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
@@ -150,19 +161,23 @@ class StagingArena:
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def reserve(self, nbytes: int) -> None:
-        """Grow the arena to ``nbytes`` now and touch every page, so that the first save does
-        not pay the page faults (on this machine they cost more than the copy itself)."""
+    def reserve(self, nbytes: int, slack: int = 0) -> None:
+        """Grow the arena to ``nbytes`` (and ``slack`` more) now and touch every page, so that
+        the first save does not pay the page faults (on this machine they cost more than the
+        copy itself)."""
         before = self.allocations
-        buf = self.buffer(nbytes)
+        self.buffer(nbytes, slack)
         if self.allocations != before:
-            buf.zero_()
+            assert self._buffer is not None
+            self._buffer.zero_()
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of the arena, growing it if needed (contents then undefined)."""
+    def buffer(self, nbytes: int, slack: int = 0) -> torch.Tensor:
+        """The first ``nbytes`` of the arena, growing it if needed to ``nbytes + slack``
+        (contents then undefined)."""
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None  # free the old one before allocating the new one
-            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self._pin)
+            self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
+                                       pin_memory=self._pin)
             self.allocations += 1
         return self._buffer[:nbytes]
 
@@ -190,7 +205,7 @@ class StagingArena:
             # new one, once none of them can still write into the old one.
             self.synchronize()
             copied = frozenset()
-        buf = self.buffer(total_nbytes)
+        buf = self.buffer(total_nbytes, growth_slack(len(tensors)))
         buf[layout.nbytes :].zero_()
         events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
@@ -271,21 +286,33 @@ class EagerCopies:
     views and efficient zero tensors are left to the layout, and so is every tensor of a save
     the buffer cannot hold yet (the first one). Then :attr:`placed` and :attr:`end` go to
     :func:`plan_layout`, which places the others after them, and
-    :meth:`StagingArena.stage_begin` copies the others. Training thread; whoever gives up
-    before the stage began must call :meth:`abandon` (no copy may write into the arena after)."""
+    :meth:`StagingArena.stage_begin` copies the others, and again those a Stateful met after
+    their copy may have changed (:meth:`stateful_met`, the walk's ``on_stateful``). Training
+    thread; whoever gives up before the stage began must call :meth:`abandon` (no copy may
+    write into the arena after)."""
 
     def __init__(self, arena: StagingArena) -> None:
         self._arena = arena
-        self._buffer = arena._buffer  # None before the first save
-        self._capacity = arena.capacity
+        self._full = arena.capacity == 0  # before the first save: nothing is copied early
         self._streams: set[torch.device] = set()
         self._storable: set[torch.dtype] = set()
+        self._stale: set[int] = set()
         self.placed: dict[int, int] = {}  # tensor index -> its offset in the arena
         self.end = 0
 
+    @property
+    def copied(self) -> frozenset[int]:
+        """The placed tensors whose early copy is their value at the stage."""
+        return frozenset(self.placed.keys() - self._stale)
+
+    def stateful_met(self) -> None:
+        """A Stateful's ``state_dict()`` is about to run: it may change tensors already copied,
+        which are therefore copied again at the stage (in place, after the early copy)."""
+        self._stale.update(self.placed)
+
     def offer(self, i: int, t: torch.Tensor) -> None:
         """Copy tensor ``i`` of the walk into the arena now, if it is one copied early."""
-        if self._buffer is None:
+        if self._full:
             return
         size = t.nbytes
         if size <= GATHER_MAX_NBYTES or t.device.type not in ("cpu", "cuda"):
@@ -302,16 +329,18 @@ class EagerCopies:
         if t.is_conj() or t.is_neg() or t._is_zerotensor():
             return
         offset = aligned(self.end)
-        if offset + size > self._capacity:
-            self._buffer = None  # the rest go where the layout puts them
+        buffer = self._arena._buffer
+        if buffer is None or offset + size > buffer.numel():
+            self._full = True  # the rest go where the layout puts them
             return
-        dst = tensor_view(self._buffer, offset, size, dtype, t.shape)
+        dst = tensor_view(buffer, offset, size, dtype, t.shape)
         with torch.no_grad():
             if t.is_cuda:
                 stream = self._arena.side_stream(t.device)
-                if t.device not in self._streams:  # after what is queued on the tensors
-                    stream.wait_stream(torch.cuda.current_stream(t.device))
-                    self._streams.add(t.device)
+                self._streams.add(t.device)
+                # After all that is queued so far, each time: the walk runs user code (a
+                # Stateful's state_dict()) that may have queued the kernels making this tensor.
+                stream.wait_stream(torch.cuda.current_stream(t.device))
                 with torch.cuda.stream(stream):
                     dst.copy_(t, non_blocking=self._arena._pin)
             else:
