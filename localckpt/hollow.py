@@ -127,7 +127,7 @@ class Walk:
     # Called with (index, tensor) for each plain tensor as it is met (a save starts copying),
     # and before each Stateful's state_dict() runs (user code: it may change tensors met).
     on_tensor: Callable[[int, torch.Tensor], None] | None = None
-    on_stateful: Callable[[], None] | None = None
+    on_stateful: Callable[[Any], None] | None = None
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         self.tensors.append(t)
@@ -244,7 +244,7 @@ def _encode_stateful(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     walk.within += 1
     try:
         if walk.on_stateful is not None:
-            walk.on_stateful()
+            walk.on_stateful(obj)
         return {"S": encode_hollow(obj.state_dict(), walk, path)}
     finally:
         walk.within -= 1

@@ -85,9 +85,9 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def __init__(self, state_dict: Any,
                  on_tensor: Callable[[int, torch.Tensor], None] | None = None,
-                 on_stateful: Callable[[], None] | None = None) -> None:
+                 on_stateful: Callable[[Any], None] | None = None) -> None:
         """``on_tensor(index, tensor)``: called for each plain tensor as the walk meets it (a
-        save starts copying large ones then); ``on_stateful()``: before each Stateful's
+        save starts copying large ones then); ``on_stateful(obj)``: before each Stateful's
         ``state_dict()`` runs (it may change tensors met before)."""
         walk = Walk(on_tensor=on_tensor, on_stateful=on_stateful)
         try:
@@ -151,7 +151,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
 
 def as_tensor_aware(state_dict: Any, on_tensor: Callable[[int, torch.Tensor], None] | None = None,
-                    on_stateful: Callable[[], None] | None = None) -> TensorAwareStateDict:
+                    on_stateful: Callable[[Any], None] | None = None) -> TensorAwareStateDict:
     """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict
     (whose walk calls ``on_tensor`` and ``on_stateful``)."""
     if isinstance(state_dict, TensorAwareStateDict):

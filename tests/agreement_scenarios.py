@@ -111,7 +111,7 @@ def staging_fails_on(rank: int, world: int, base: str, bad_rank: int,
         if rank == bad_rank and what == "stage":
             faults.arm(faults.Fault("staging", "raise", iteration=2))
         elif rank == bad_rank and what == "grow":
-            def no_memory(self: Any, nbytes: int) -> Any:
+            def no_memory(self: Any, nbytes: int, slack: int = 0) -> Any:
                 raise RuntimeError("cannot allocate pinned host memory (injected)")
             StagingArena.buffer = no_memory  # type: ignore[method-assign]
         elif rank == bad_rank and what == "manifest":

@@ -7,6 +7,7 @@ import itertools
 import types
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -231,3 +232,82 @@ def test_the_first_saves_after_reserve_fit_the_reserved_arena(tmp_path: Path) ->
         assert arena.allocations == 1
         back, _ = mgr.load()
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_a_stateful_that_grows_a_tensor_met_before_it_never_corrupts_the_shard(
+        tmp_path: Path) -> None:
+    """A Stateful's state_dict() resizes a tensor already copied early: that tensor no longer
+    fits its early slot, so the layout places it anew instead of letting it overlap the next."""
+    big, after = torch.zeros(1 << 19), torch.full((1 << 19,), 7.0)  # 2 MiB each
+
+    class Grow:
+        grow = False
+
+        def state_dict(self) -> dict[str, int]:
+            if self.grow:
+                big.resize_(1 << 20)
+                big.fill_(1.0)
+            return {"n": 1}
+
+        def load_state_dict(self, sd: dict[str, int]) -> None:
+            pass
+
+    grows = Grow()
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        for it in (1, 2, 3):
+            grows.grow = it == 2
+            mgr.save({"big": big, "s": grows, "after": after}, it)
+            back, _ = mgr.load()
+            assert torch.equal(back["big"], big) and torch.equal(back["after"], after), it
+
+
+def test_a_module_and_an_optimizer_met_as_statefuls_keep_the_early_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's modules, optimizers and schedulers change no tensor in state_dict(): the large
+    tensors met before them are not copied a second time (each would cross twice)."""
+    model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight
+    opt = torch.optim.Adam(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    copied: list[frozenset[int]] = []
+    stage = StagingArena.stage_begin
+
+    def spy(self: StagingArena, tensors: Any, layout: Any, total: int) -> Any:
+        copied.append(layout.copied)
+        return stage(self, tensors, layout, total)
+
+    monkeypatch.setattr(StagingArena, "stage_begin", spy)
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        for it in (1, 2):
+            mgr.save({"model": model, "optim": opt, "sched": sched}, it)
+        back, _ = mgr.load()
+    assert copied[0] == frozenset() and len(copied[1]) == 3  # weight, exp_avg, exp_avg_sq
+    assert torch.equal(back["model"]["weight"], model.weight.detach())
+
+
+def test_an_in_place_change_by_a_stateful_is_copied_again(tmp_path: Path) -> None:
+    """A user's Stateful is not trusted to leave other tensors alone, and an in-place change
+    (a new version of the tensor) is seen even from torch's own (here a module's hook)."""
+    model = torch.nn.Linear(1024, 1024)
+    big = torch.zeros(1 << 19)
+
+    def bump(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        big.add_(1)  # a state dict hook of the module changes a tensor met before it
+
+    model._register_state_dict_hook(bump)
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"big": big, "model": model}, it)
+            back, _ = mgr.load()
+            assert torch.equal(back["big"], big), it
+
+
+def test_inference_tensors_are_saved_though_they_keep_no_version(tmp_path: Path) -> None:
+    with torch.inference_mode():
+        big = torch.randn(1 << 19)  # 2 MiB: large enough to be copied early
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        for it in (1, 2):
+            mgr.save({"big": big, "after": torch.randn(1 << 19)}, it)
+        back, _ = mgr.load()
+    assert torch.equal(back["big"], big)

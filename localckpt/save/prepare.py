@@ -77,7 +77,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     try:
         tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met)
         deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
-        layout = plan_layout(deduped.tensors, early.placed, early.end, early.copied)
+        layout = plan_layout(deduped.tensors, *early.placement())
         chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
         fault_point("staging", ctx.rank, iteration)
         # The manifest is built while the copies from the GPU run; nothing returns before

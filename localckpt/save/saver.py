@@ -125,7 +125,7 @@ class SavePath:
         chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
-        self._arena.reserve(nbytes, growth_slack(len(tensors)))
+        self._arena.reserve(nbytes, growth_slack(len(tensors), nbytes))
         files = self.ctx.store.files
         if files is not None:
             held = sum(self.ctx.rank in h for h in self.ctx.placement.holders)

@@ -17,10 +17,12 @@ then that work or the copy, whichever is longer, instead of both).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -131,12 +133,24 @@ def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[t
     return [tuple(run) for run in runs]
 
 
-def growth_slack(count: int) -> int:
-    """Bytes an arena grown for ``count`` tensors takes beyond what the save needs: the same
-    tensors in another order (large ones first, once they are copied early) pad differently,
-    by up to ALIGNMENT each, and the chunking rounds the total up; a save that did not fit
-    would allocate again and copy its early tensors twice."""
-    return ALIGNMENT * count + (64 << 10)
+def _release_cached_pinned() -> None:
+    """Give the pinned blocks torch keeps for reuse back to the system (a grown arena's old
+    buffer among them: kept, it would hold the host memory of a shard twice). Where this torch
+    has no such call, nothing happens."""
+    release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        with contextlib.suppress(RuntimeError):  # an optimization: a save never fails on it
+            release()
+
+
+def growth_slack(count: int, nbytes: int) -> int:
+    """Bytes an arena grown for ``count`` tensors of ``nbytes`` in all takes beyond them: the
+    same tensors in another order (large ones first, once they are copied early) pad
+    differently, by up to ALIGNMENT each, and the chunking rounds the total up (by less than a
+    byte per chunk: chunks are 4 KiB or more); a save that did not fit would allocate again
+    and copy its early tensors twice."""
+    return ALIGNMENT * count + max(64 << 10, nbytes >> 12)
 
 
 def tensor_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
@@ -175,7 +189,10 @@ class StagingArena:
         """The first ``nbytes`` of the arena, growing it if needed to ``nbytes + slack``
         (contents then undefined)."""
         if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None  # free the old one before allocating the new one
+            if self._buffer is not None and self._pin:
+                self._buffer = None  # free the old one before allocating the new one,
+                _release_cached_pinned()  # out of torch's cache of pinned blocks too
+            self._buffer = None
             self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
                                        pin_memory=self._pin)
             self.allocations += 1
@@ -205,7 +222,7 @@ class StagingArena:
             # new one, once none of them can still write into the old one.
             self.synchronize()
             copied = frozenset()
-        buf = self.buffer(total_nbytes, growth_slack(len(tensors)))
+        buf = self.buffer(total_nbytes, growth_slack(len(tensors), total_nbytes))
         buf[layout.nbytes :].zero_()
         events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
@@ -276,6 +293,12 @@ class StagingArena:
         return event
 
 
+# Their state_dict() reads, never writes, the tensors of a state dict (a state dict hook still
+# may: an in-place change is seen by the tensor's version either way).
+_READ_ONLY_STATEFULS = (torch.nn.Module, torch.optim.Optimizer,
+                        torch.optim.lr_scheduler.LRScheduler)
+
+
 class EagerCopies:
     """Copies of a save's large tensors queued while its state dict is still being walked.
 
@@ -284,12 +307,13 @@ class EagerCopies:
     aligned offset in the order met, as long as it fits: the device copies it while the walk,
     the layout and the manifest are built. Small CUDA tensors (gathered later, in runs), lazy
     views and efficient zero tensors are left to the layout, and so is every tensor of a save
-    the buffer cannot hold yet (the first one). Then :attr:`placed` and :attr:`end` go to
+    the buffer cannot hold yet (the first one). After the walk, :meth:`placement` goes to
     :func:`plan_layout`, which places the others after them, and
-    :meth:`StagingArena.stage_begin` copies the others, and again those a Stateful met after
-    their copy may have changed (:meth:`stateful_met`, the walk's ``on_stateful``). Training
-    thread; whoever gives up before the stage began must call :meth:`abandon` (no copy may
-    write into the arena after)."""
+    :meth:`StagingArena.stage_begin` copies the others, and again those the walk may have
+    changed after their copy: the user code it runs (a Stateful's ``state_dict()``, see
+    :meth:`stateful_met`) may write into tensors met before. Training thread; whoever gives
+    up before the stage began must call :meth:`abandon` (no copy may write into the arena
+    after)."""
 
     def __init__(self, arena: StagingArena) -> None:
         self._arena = arena
@@ -297,18 +321,33 @@ class EagerCopies:
         self._streams: set[torch.device] = set()
         self._storable: set[torch.dtype] = set()
         self._stale: set[int] = set()
+        # index -> the tensor, its version, memory and size when it was copied
+        self._copied: dict[int, tuple[torch.Tensor, int, int, int]] = {}
         self.placed: dict[int, int] = {}  # tensor index -> its offset in the arena
         self.end = 0
 
-    @property
-    def copied(self) -> frozenset[int]:
-        """The placed tensors whose early copy is their value at the stage."""
-        return frozenset(self.placed.keys() - self._stale)
+    def stateful_met(self, obj: Any) -> None:
+        """The walk is about to run ``obj.state_dict()``: unless it is one of torch's that only
+        read, the tensors copied so far are copied again at the stage (in place, after the
+        early copy)."""
+        if not isinstance(obj, _READ_ONLY_STATEFULS):
+            self._stale.update(self.placed)
 
-    def stateful_met(self) -> None:
-        """A Stateful's ``state_dict()`` is about to run: it may change tensors already copied,
-        which are therefore copied again at the stage (in place, after the early copy)."""
-        self._stale.update(self.placed)
+    def placement(self) -> tuple[dict[int, int], int, frozenset[int]]:
+        """After the walk, for :func:`plan_layout`: the tensors placed (index -> offset), where
+        the others start, and those whose early copy is their value. One changed since its
+        copy (a new version, other memory) is copied again; one of another size no longer fits
+        its slot and is placed anew (the slot stays unused)."""
+        placed: dict[int, int] = {}
+        copied: set[int] = set()
+        for i, offset in self.placed.items():
+            t, version, address, size = self._copied[i]
+            if t.nbytes != size:
+                continue
+            placed[i] = offset
+            if i not in self._stale and t._version == version and t.data_ptr() == address:
+                copied.add(i)
+        return placed, self.end, frozenset(copied)
 
     def offer(self, i: int, t: torch.Tensor) -> None:
         """Copy tensor ``i`` of the walk into the arena now, if it is one copied early."""
@@ -328,6 +367,10 @@ class EagerCopies:
             self._storable.add(dtype)
         if t.is_conj() or t.is_neg() or t._is_zerotensor():
             return
+        try:
+            version = t._version  # how placement() tells a tensor changed after its copy
+        except RuntimeError:  # an inference tensor keeps none: copied at the stage
+            return
         offset = aligned(self.end)
         buffer = self._arena._buffer
         if buffer is None or offset + size > buffer.numel():
@@ -346,6 +389,7 @@ class EagerCopies:
             else:
                 dst.copy_(t)
         self.placed[i] = offset
+        self._copied[i] = (t, version, t.data_ptr(), size)
         self.end = offset + size
 
     def abandon(self) -> None:
