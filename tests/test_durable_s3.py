@@ -534,3 +534,59 @@ def test_a_bucket_that_stops_answering_is_unavailable_not_an_empty_tier(
             retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)})
         with pytest.raises(DurableTierUnavailableError, match="retry once the store is back"):
             fresh.load()
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ((503, b"<Error><Code>SlowDown</Code></Error>", 0, 0), ConnectionError),
+    ((500, b"<Error><Code>InternalError</Code></Error>", 0, 0), ConnectionError),
+    ((200, b"x" * 100, 1000, 0), ConnectionError),  # the connection closed mid-body
+    ((200, b"x" * 100, 1000, 3), TimeoutError),  # the body stalls
+    ((400, b"<Error><Message>upstream timed out;\nerror sending request; kind: Timeout"
+           b"</Message></Error>", 0, 0), OSError),  # words in a body say nothing
+    ((404, b"<Error><Code>NoSuchKey</Code></Error>", 0, 0), FileNotFoundError),
+])
+def test_the_store_s_errors_say_whether_it_serves(answer: tuple[int, bytes, int, int],
+                                                  expected: type[OSError]) -> None:
+    """What a restore decides by: a timeout or a store that does not serve (TimeoutError,
+    ConnectionError: stop, the store is unavailable) or one object's trouble (another OSError:
+    try an older iteration), read from obstore's structured error, never from a body."""
+    import http.server
+    import socket
+    from datetime import timedelta
+
+    import obstore
+    from obstore.store import S3Store
+
+    from localckpt.storage.durable_object import _translate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:  # the name http.server calls
+            code, body, missing, stall = answer
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body) + missing))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+            if stall:
+                time.sleep(stall)
+            elif missing:
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = S3Store("b", endpoint=f"http://127.0.0.1:{server.server_address[1]}",
+                        skip_signature=True, region="us-east-1",
+                        client_options={"allow_http": True, "timeout": timedelta(seconds=1)},
+                        retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)})
+        with pytest.raises(Exception) as raised:
+            obstore.get(store, "k").bytes()
+        got = _translate(raised.value, "s3://b/k")
+    finally:
+        server.shutdown()
+    assert type(got) is expected, (got, str(raised.value)[:300])

@@ -71,14 +71,18 @@ def _last(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-# obstore reports a timeout, a refused or reset connection and a server that is down alike, as a
-# GenericError whose debug text names the kind. Which it is decides a restore: a store that does
-# not answer fails every older iteration alike (DurableTierUnavailableError: retry later), a bad
-# object only its own (try an older one); the load tells them apart by the builtin class.
-_TIMED_OUT = ("kind: Timeout", "TimedOut", "timed out")
-_UNREACHABLE = ("kind: Connect", "error sending request", "ConnectionRefused",
-                "ConnectionReset", "ConnectionAborted", "BrokenPipe", "dns error")
-_DOWN = re.compile(r"status code: 50[234]\b")
+# obstore reports a timeout, a refused or reset connection, a body cut off and a server that
+# answers 5xx alike, as a GenericError; the structured part of its text (after "Debug source:",
+# where strings such as a response body are quoted on one line) names the kind. Which it is
+# decides a restore: a store that does not serve fails every older iteration alike
+# (DurableTierUnavailableError: retry later), a bad object only its own (try an older one); the
+# load tells them apart by the builtin class. A 5xx that concerns one object only (an
+# unreadable one) is taken for the store's: the job then waits instead of loading an older one,
+# which is recoverable; the other way round it could start afresh.
+_TIMED_OUT = re.compile(r"^\s*(kind: Timeout|source: TimedOut),?$", re.MULTILINE)
+_UNREACHABLE = re.compile(
+    r"^\s*kind: (Connect|Interrupted|ConnectionRefused|ConnectionReset|ConnectionAborted|"
+    r"NotConnected|UnexpectedEof|BrokenPipe),?$|^\s*status: 5\d\d,?$", re.MULTILINE)
 
 
 def _translate(exc: Exception, what: str) -> OSError:
@@ -91,10 +95,11 @@ def _translate(exc: Exception, what: str) -> OSError:
     message = f"{what}: {type(exc).__name__}: {first}"
     if isinstance(exc, OSError):  # a builtin already says what it is
         return type(exc)(message)
-    if isinstance(exc, obs_errors.GenericError):
-        if any(mark in text for mark in _TIMED_OUT):
+    if isinstance(exc, obs_errors.GenericError) and "Debug source:" in text:
+        structured = text.split("Debug source:", 1)[1]
+        if _TIMED_OUT.search(structured):
             return TimeoutError(message)
-        if any(mark in text for mark in _UNREACHABLE) or _DOWN.search(text):
+        if _UNREACHABLE.search(structured):
             return ConnectionError(message)
     return OSError(message)
 
