@@ -124,9 +124,11 @@ class Walk:
     types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
     extended: bool = False  # a format-4 node was written
     copies: set[int] = field(default_factory=set)  # tensors that are not the caller's memory
-    # Called with (index, tensor) for each plain tensor as it is met (a save starts copying),
+    # Called with (index, tensor) for each plain tensor larger than on_tensor_above bytes as it
+    # is met (a save starts copying),
     # and before each Stateful's state_dict() runs (user code: it may change tensors met).
     on_tensor: Callable[[int, torch.Tensor], None] | None = None
+    on_tensor_above: int = 0  # bytes: smaller tensors are not handed to on_tensor (a call each)
     on_stateful: Callable[[Any], None] | None = None
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
@@ -153,7 +155,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
             _check_tensor(obj, path)  # raises, naming the key
         i = walk.add(obj, path)
-        if walk.on_tensor is not None:
+        if walk.on_tensor is not None and obj.nbytes > walk.on_tensor_above:
             walk.on_tensor(i, obj)
         return {"T": i}
     if isinstance(obj, torch.Tensor):

@@ -85,11 +85,14 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def __init__(self, state_dict: Any,
                  on_tensor: Callable[[int, torch.Tensor], None] | None = None,
-                 on_stateful: Callable[[Any], None] | None = None) -> None:
-        """``on_tensor(index, tensor)``: called for each plain tensor as the walk meets it (a
-        save starts copying large ones then); ``on_stateful(obj)``: before each Stateful's
-        ``state_dict()`` runs (it may change tensors met before)."""
-        walk = Walk(on_tensor=on_tensor, on_stateful=on_stateful)
+                 on_stateful: Callable[[Any], None] | None = None,
+                 on_tensor_above: int = 0) -> None:
+        """``on_tensor(index, tensor)``: called for each plain tensor of more than
+        ``on_tensor_above`` bytes as the walk meets it (a save starts copying large ones then);
+        ``on_stateful(obj)``: before each Stateful's ``state_dict()`` runs (it may change
+        tensors met before)."""
+        walk = Walk(on_tensor=on_tensor, on_tensor_above=on_tensor_above,
+                    on_stateful=on_stateful)
         try:
             self._hollow = encode_hollow(state_dict, walk)
         except RecursionError:  # not worth a check per container: the error says what to fix
@@ -151,12 +154,13 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
 
 def as_tensor_aware(state_dict: Any, on_tensor: Callable[[int, torch.Tensor], None] | None = None,
-                    on_stateful: Callable[[Any], None] | None = None) -> TensorAwareStateDict:
+                    on_stateful: Callable[[Any], None] | None = None,
+                    on_tensor_above: int = 0) -> TensorAwareStateDict:
     """``state_dict`` itself if it is tensor-aware, else wrapped in BasicTensorAwareStateDict
     (whose walk calls ``on_tensor`` and ``on_stateful``)."""
     if isinstance(state_dict, TensorAwareStateDict):
         return state_dict
-    return BasicTensorAwareStateDict(state_dict, on_tensor, on_stateful)
+    return BasicTensorAwareStateDict(state_dict, on_tensor, on_stateful, on_tensor_above)
 
 
 # --------------------------------------------------------------------------------------------

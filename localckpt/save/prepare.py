@@ -35,7 +35,7 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
-from .staging import EagerCopies, PackedLayout, StagingArena, plan_layout
+from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
 
 if TYPE_CHECKING:
     from ..control.collectives import CheckpointGroup
@@ -75,7 +75,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     meta["save_id"] = uuid.uuid4().hex  # rank 0's is kept: names this save's shards
     early = EagerCopies(arena)  # large tensors are copied as the walk meets them
     try:
-        tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met)
+        tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met, GATHER_MAX_NBYTES)
         deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
         layout = plan_layout(deduped.tensors, *early.placement())
         chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)

@@ -94,7 +94,7 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
             storable.add(dtype)
         size = t.nbytes
         sizes.append(size)
-        if i in placed:
+        if placed and i in placed:
             continue
         if _gatherable(t, size):
             groups.setdefault((t.device, t.dtype), []).append(i)
@@ -227,7 +227,7 @@ class StagingArena:
         events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            if i in copied:  # its device still gets an event below, which covers that copy
+            if copied and i in copied:  # its device still gets an event below (covers it)
                 by_device.setdefault(t.device, [])
             else:
                 by_device.setdefault(t.device, []).append(i)
