@@ -258,11 +258,24 @@ def mixed_save(rank: int, world: int, base: str) -> None:
         mgr.save({**_mixed_state(world), "rank": rank}, 3)
 
 
-def mixed_load(rank: int, world: int, base: str) -> dict[str, Any]:
+def mixed_load(rank: int, world: int, base: str, round_nbytes: int = 0) -> dict[str, Any]:
     """Load the mixed state saved by another world size into zeros on this one; then a
     rejected save must not lose the loadable checkpoint, and a save not newer than the loaded
-    iteration is refused (it would be shadowed by it on the next start)."""
+    iteration is refused (it would be shadowed by it on the next start). ``round_nbytes``: the
+    all-to-all moves at most that many bytes per rank and round (several rounds)."""
     from torch.distributed.tensor import DTensor
+
+    import localckpt.load.reshard as reshard
+
+    if round_nbytes:
+        reshard.ROUND_NBYTES = round_nbytes
+        calls: list[int] = []
+        real = reshard.dist.all_to_all_single
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return real(*args, **kwargs)
+        reshard.dist.all_to_all_single = counted  # type: ignore[assignment]
 
     want = _mixed_state(world)
     into = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
@@ -289,6 +302,8 @@ def mixed_load(rank: int, world: int, base: str) -> dict[str, Any]:
             out["older"] = f"{type(exc).__name__}: {exc}"
         mgr.save({"x": torch.ones(1)}, 4)
         out["after"] = mgr.find_latest()
+    if round_nbytes:
+        out["rounds"] = len(calls)
     return out
 
 

@@ -88,6 +88,30 @@ def test_mixed_dtypes_and_uneven_shards_reshard_byte_exactly(
         assert v["after"] == 4
 
 
+def test_a_reshard_larger_than_one_round_moves_in_rounds_byte_exactly(
+        tmp_path: Path, root: Path) -> None:
+    """Each round of the all-to-all is bounded by the group's timeout: a reshard that could
+    not move in one moves in several (here 256 bytes per rank a round), every byte in place."""
+    saved = run_ranks(dtensor_scenarios.mixed_save, 2, tmp_path, str(root), deadline=120)
+    assert all(r.ok for r in saved), [r.message for r in saved if not r.ok]
+    loaded = run_ranks(dtensor_scenarios.mixed_load, 3, tmp_path, str(root), 256, deadline=120)
+    assert all(r.ok for r in loaded), [r.message for r in loaded if not r.ok]
+    rounds = {r.value["rounds"] for r in loaded}
+    assert len(rounds) == 1 and rounds.pop() > 1  # the same rounds on every rank
+    for r in loaded:
+        assert all(r.value["exact"].values()), r.value["exact"]
+        assert r.value["after"] == 4
+
+
+def test_rounds_bound_what_each_rank_moves() -> None:
+    from localckpt.load.reshard import rounds_of
+
+    assert rounds_of(0, 4, 1 << 30) == ((1 << 30) // 4, 1)
+    assert rounds_of(1 << 30, 4, 1 << 30) == ((1 << 30) // 4, 4)
+    assert rounds_of(100, 3, 256) == (64, 2)  # 85 bytes a pair, aligned down to 64
+    assert rounds_of(10, 1000, 256) == (64, 1)  # never less than ALIGN a pair
+
+
 def test_replicated_shards_are_stored_once_per_replica_group(tmp_path: Path,
                                                              root: Path) -> None:
     """HSDP (replicate=2 x shard=2): each replicated shard is stored by one member of its group

@@ -10,7 +10,8 @@ Collective, in three agreed steps and one transfer, on the library's groups:
    same pieces (pure, :func:`localckpt.control.reshard.plan_reshard`);
 2. **read**: every serving rank reads its old shards (every chunk's checksum verified) and packs
    the pieces for each destination;
-3. one ``all_to_all`` on the data group moves them;
+3. an ``all_to_all`` on the data group moves them (in rounds of at most ROUND_NBYTES per rank,
+   each bounded by the group's timeout);
 4. **build**: every rank copies its pieces into its DTensors' local shards and builds its state
    dict (Stateful objects restored) from its plain owner's structure.
 
@@ -46,6 +47,41 @@ from .destinations import Destinations, Into, Rewrap
 logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes: every piece starts at a multiple of this in the send and receive buffers
+# What one round of the all-to-all moves per rank at most: each round is one collective bounded
+# by the data group's timeout, so a reshard that could not move in one timeout at the network's
+# speed moves in several rounds instead of failing every attempt alike.
+ROUND_NBYTES = 1 << 30
+
+
+def rounds_of(largest_pair: int, world: int, limit: int) -> tuple[int, int]:
+    """(bytes each pair of ranks moves per round, rounds) for an all-to-all in which no pair
+    moves more than ``largest_pair`` bytes and no rank more than about ``limit`` a round (pure:
+    the same on every rank)."""
+    per_pair = max(ALIGN, limit // max(1, world) // ALIGN * ALIGN)
+    return per_pair, max(1, -(-largest_pair // per_pair))
+
+
+def _all_to_all(group: Any, received: torch.Tensor, sent: torch.Tensor, recv_splits: list[int],
+                send_splits: list[int], per_pair: int, rounds: int) -> None:
+    """``all_to_all_single`` of ``sent`` into ``received``, in ``rounds`` collectives that each
+    move at most ``per_pair`` bytes of every pair's segment (the same rounds on every rank)."""
+    if rounds == 1:
+        dist.all_to_all_single(received, sent, recv_splits, send_splits, group=group)
+        return
+    send_at = [sum(send_splits[:d]) for d in range(len(send_splits))]
+    recv_at = [sum(recv_splits[:s]) for s in range(len(recv_splits))]
+    for r in range(rounds):
+        lo = r * per_pair
+        out_splits = [max(0, min(per_pair, n - lo)) for n in send_splits]
+        in_splits = [max(0, min(per_pair, n - lo)) for n in recv_splits]
+        out = torch.cat([sent[a + lo : a + lo + n] for a, n in zip(send_at, out_splits,
+                                                                   strict=True)])
+        into = torch.empty(sum(in_splits), dtype=torch.uint8)
+        dist.all_to_all_single(into, out, in_splits, out_splits, group=group)
+        pos = 0
+        for a, n in zip(recv_at, in_splits, strict=True):
+            received[a + lo : a + lo + n].copy_(into[pos : pos + n])
+            pos += n
 
 
 def _entry_tensor(manifest: ShardManifest, buffer: torch.Tensor, i: int) -> torch.Tensor:
@@ -172,6 +208,10 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             incoming[p.src].append(p)
     send_splits = [sum(map(nbytes, outgoing[d])) for d in range(world)]
     recv_splits = [sum(map(nbytes, incoming[s])) for s in range(world)]
+    pairs: dict[tuple[int, int], int] = defaultdict(int)
+    for p in pieces:  # every rank's pairs: every rank agrees on the rounds
+        pairs[p.src, p.dst] += nbytes(p)
+    per_pair, rounds = rounds_of(max(pairs.values(), default=0), world, ROUND_NBYTES)
     sent: list[torch.Tensor] = []
     group = ctx.data_group
     received: list[torch.Tensor] = []
@@ -214,8 +254,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     else:
         begun = time.monotonic()
         try:
-            dist.all_to_all_single(received[0], sent[0], recv_splits, send_splits,
-                                   group=group.group)
+            _all_to_all(group.group, received[0], sent[0], recv_splits, send_splits, per_pair,
+                        rounds)
         except RuntimeError as exc:
             err = collective_error(f"{step}: transfer", exc, time.monotonic() - begun,
                                    group.timeout)
