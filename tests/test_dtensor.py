@@ -104,12 +104,20 @@ def test_a_reshard_larger_than_one_round_moves_in_rounds_byte_exactly(
 
 
 def test_rounds_bound_what_each_rank_moves() -> None:
-    from localckpt.load.reshard import rounds_of
+    """The fewest rounds that keep every rank's bytes a round near the limit, whatever the
+    world size; each pair's share of a round the same at both of its ends."""
+    from localckpt.load.reshard import ALIGN, _round_splits, round_count, round_share
 
-    assert rounds_of(0, 4, 1 << 30) == ((1 << 30) // 4, 1)
-    assert rounds_of(1 << 30, 4, 1 << 30) == ((1 << 30) // 4, 4)
-    assert rounds_of(100, 3, 256) == (64, 2)  # 85 bytes a pair, aligned down to 64
-    assert rounds_of(10, 1000, 256) == (64, 1)  # never less than ALIGN a pair
+    assert round_count({}, 1 << 30) == 1
+    assert round_count({(0, 1): 3 << 30, (1, 0): 1 << 30}, 1 << 30) == 3
+    # a sparse plan at 1,024 ranks: each rank sends 9 GiB to one other -> 9 rounds, not 9,000
+    assert round_count({(r, (r + 1) % 1024): 9 << 30 for r in range(1024)}, 1 << 30) == 9
+    assert round_count({(0, r): 1 << 20 for r in range(1024)}, 1 << 30) == 1
+    for n in (0, 64, 128, 64 * 7, 64 * 1001):  # a pair's bytes: pieces padded to ALIGN
+        for rounds in (1, 2, 3, 7):
+            parts = [_round_splits([n], rounds, r)[0] for r in range(rounds)]
+            assert sum(parts) == n and all(p >= 0 and p % ALIGN == 0 for p in parts)
+            assert max(parts) == round_share(n, rounds) or n == 0
 
 
 def test_replicated_shards_are_stored_once_per_replica_group(tmp_path: Path,

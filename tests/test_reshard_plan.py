@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,71 @@ def test_old_shards_are_served_by_their_holders_in_turn() -> None:
     assert choose_servers({0: [3, 5], 1: [3, 5], 2: [5]}, 3) == {0: 3, 1: 5, 2: 5}
     with pytest.raises(IncompleteCheckpointError, match=r"old owners \[1\]"):
         choose_servers({0: [0], 1: []}, 2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_an_all_to_all_in_rounds_delivers_every_byte_where_one_would(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """reshard._all_to_all on ranks played by threads, with an all_to_all_single that
+    exchanges in memory: random pair sizes (empty ones too), several rounds; each rank's
+    received buffer is what a single all-to-all gives."""
+    import random
+    import threading
+    import types
+
+    import torch
+
+    from localckpt.load import reshard
+
+    rng = random.Random(seed)
+    world = rng.randint(1, 5)
+    pairs = {(s, d): 64 * rng.choice([0, 0, 1, 2, 5, 17]) for s in range(world)
+             for d in range(world)}
+    rounds = reshard.round_count(pairs, rng.choice([64, 256, 1000]))
+    sent = [torch.randint(0, 256, (sum(pairs[s, d] for d in range(world)),), dtype=torch.uint8)
+            for s in range(world)]
+    barrier = threading.Barrier(world)
+    posted: dict[int, tuple[torch.Tensor, list[int]]] = {}
+
+    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any,
+                          input_split_sizes: Any, group: Any) -> None:
+        rank = group
+        posted[rank] = (input.clone(), list(input_split_sizes))
+        barrier.wait()
+        pos = 0
+        for src in range(world):
+            data, splits = posted[src]
+            at = sum(splits[:rank])
+            n = output_split_sizes[src]
+            assert splits[rank] == n  # both ends of every pair agree on the round's share
+            output[pos : pos + n].copy_(data[at : at + n])
+            pos += n
+        barrier.wait()
+
+    monkeypatch.setattr(reshard, "dist", types.SimpleNamespace(
+        all_to_all_single=all_to_all_single))
+    received = [torch.zeros(sum(pairs[s, d] for s in range(world)), dtype=torch.uint8)
+                for d in range(world)]
+    errors: list[BaseException] = []
+
+    def rank_(r: int) -> None:
+        try:
+            send = [pairs[r, d] for d in range(world)]
+            recv = [pairs[s, r] for s in range(world)]
+            buffers = (torch.empty(sum(reshard._round_splits(send, rounds, 0)), dtype=torch.uint8),
+                       torch.empty(sum(reshard._round_splits(recv, rounds, 0)), dtype=torch.uint8))
+            reshard._all_to_all(r, received[r], sent[r], recv, send, rounds, buffers, [])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for d in range(world):
+        expected = torch.cat([sent[s][sum(pairs[s, x] for x in range(d)):][:pairs[s, d]]
+                              for s in range(world)])
+        assert torch.equal(received[d], expected), (d, rounds)

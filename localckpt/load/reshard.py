@@ -10,8 +10,8 @@ Collective, in three agreed steps and one transfer, on the library's groups:
    same pieces (pure, :func:`localckpt.control.reshard.plan_reshard`);
 2. **read**: every serving rank reads its old shards (every chunk's checksum verified) and packs
    the pieces for each destination;
-3. an ``all_to_all`` on the data group moves them (in rounds of at most ROUND_NBYTES per rank,
-   each bounded by the group's timeout);
+3. an ``all_to_all`` on the data group moves them (in the fewest rounds that move at most about
+   ROUND_NBYTES per rank each, every round bounded by the group's timeout);
 4. **build**: every rank copies its pieces into its DTensors' local shards and builds its state
    dict (Stateful objects restored) from its plain owner's structure.
 
@@ -49,38 +49,64 @@ logger = logging.getLogger(__name__)
 ALIGN = 64  # bytes: every piece starts at a multiple of this in the send and receive buffers
 # What one round of the all-to-all moves per rank at most: each round is one collective bounded
 # by the data group's timeout, so a reshard that could not move in one timeout at the network's
-# speed moves in several rounds instead of failing every attempt alike.
+# speed moves in several rounds instead of failing every attempt alike (as long as this much
+# moves within a timeout: 1 GiB takes 9 s at 1 Gb/s).
 ROUND_NBYTES = 1 << 30
 
 
-def rounds_of(largest_pair: int, world: int, limit: int) -> tuple[int, int]:
-    """(bytes each pair of ranks moves per round, rounds) for an all-to-all in which no pair
-    moves more than ``largest_pair`` bytes and no rank more than about ``limit`` a round (pure:
-    the same on every rank)."""
-    per_pair = max(ALIGN, limit // max(1, world) // ALIGN * ALIGN)
-    return per_pair, max(1, -(-largest_pair // per_pair))
+def round_count(pairs: dict[tuple[int, int], int], limit: int) -> int:
+    """How many rounds an all-to-all of ``pairs`` ((src, dst) -> bytes) takes so that no rank
+    sends or receives much more than ``limit`` bytes a round (pure: the same on every rank):
+    the fewest that do."""
+    sent: dict[int, int] = defaultdict(int)
+    got: dict[int, int] = defaultdict(int)
+    for (src, dst), n in pairs.items():
+        sent[src] += n
+        got[dst] += n
+    return max(1, -(-max([*sent.values(), *got.values(), 0]) // limit))
+
+
+def round_share(nbytes: int, rounds: int) -> int:
+    """The bytes of a pair's ``nbytes`` each round moves (the last round the rest): both ends
+    of the pair compute it alike."""
+    share = -(-nbytes // rounds)
+    return -(-share // ALIGN) * ALIGN
+
+
+def _round_splits(splits: list[int], rounds: int, r: int) -> list[int]:
+    return [max(0, min(round_share(n, rounds), n - r * round_share(n, rounds)))
+            for n in splits]
 
 
 def _all_to_all(group: Any, received: torch.Tensor, sent: torch.Tensor, recv_splits: list[int],
-                send_splits: list[int], per_pair: int, rounds: int) -> None:
+                send_splits: list[int], rounds: int, buffers: tuple[torch.Tensor, torch.Tensor],
+                clock: list[float]) -> None:
     """``all_to_all_single`` of ``sent`` into ``received``, in ``rounds`` collectives that each
-    move at most ``per_pair`` bytes of every pair's segment (the same rounds on every rank)."""
+    move every pair's :func:`round_share` (the same rounds and splits on every rank), through
+    ``buffers`` (made before, in an agreed step: a failed allocation here would be one rank's
+    alone). ``clock`` gets the start of each round."""
     if rounds == 1:
+        clock.append(time.monotonic())
         dist.all_to_all_single(received, sent, recv_splits, send_splits, group=group)
         return
     send_at = [sum(send_splits[:d]) for d in range(len(send_splits))]
     recv_at = [sum(recv_splits[:s]) for s in range(len(recv_splits))]
+    out_buffer, in_buffer = buffers
     for r in range(rounds):
-        lo = r * per_pair
-        out_splits = [max(0, min(per_pair, n - lo)) for n in send_splits]
-        in_splits = [max(0, min(per_pair, n - lo)) for n in recv_splits]
-        out = torch.cat([sent[a + lo : a + lo + n] for a, n in zip(send_at, out_splits,
-                                                                   strict=True)])
-        into = torch.empty(sum(in_splits), dtype=torch.uint8)
-        dist.all_to_all_single(into, out, in_splits, out_splits, group=group)
+        out_splits = _round_splits(send_splits, rounds, r)
+        in_splits = _round_splits(recv_splits, rounds, r)
         pos = 0
-        for a, n in zip(recv_at, in_splits, strict=True):
-            received[a + lo : a + lo + n].copy_(into[pos : pos + n])
+        for a, n, total in zip(send_at, out_splits, send_splits, strict=True):
+            lo = a + r * round_share(total, rounds)
+            out_buffer[pos : pos + n].copy_(sent[lo : lo + n])
+            pos += n
+        clock.append(time.monotonic())
+        dist.all_to_all_single(in_buffer[: sum(in_splits)], out_buffer[:pos], in_splits,
+                               out_splits, group=group)
+        pos = 0
+        for a, n, total in zip(recv_at, in_splits, recv_splits, strict=True):
+            lo = a + r * round_share(total, rounds)
+            received[lo : lo + n].copy_(in_buffer[pos : pos + n])
             pos += n
 
 
@@ -211,7 +237,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     pairs: dict[tuple[int, int], int] = defaultdict(int)
     for p in pieces:  # every rank's pairs: every rank agrees on the rounds
         pairs[p.src, p.dst] += nbytes(p)
-    per_pair, rounds = rounds_of(max(pairs.values(), default=0), world, ROUND_NBYTES)
+    rounds = round_count(pairs, ROUND_NBYTES)
+    round_buffers: list[torch.Tensor] = []  # made in the agreed read step
     sent: list[torch.Tensor] = []
     group = ctx.data_group
     received: list[torch.Tensor] = []
@@ -225,6 +252,10 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
         if group.group is not None:  # a failure here is agreed, not one rank's alone
             received.append(torch.empty(sum(recv_splits), dtype=torch.uint8))
+            if rounds > 1:  # what a round sends and receives, reused by every round
+                round_buffers.extend(torch.empty(sum(_round_splits(splits, rounds, 0)),
+                                                 dtype=torch.uint8)
+                                     for splits in (send_splits, recv_splits))
             group.check_usable(f"{step}: transfer")
         pos = 0
         for dst in range(world):
@@ -249,15 +280,19 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     if server == r) for r in range(world))
     crcs = ctx.group.exchange(f"{step}: read", pack, wait=ctx.timeout * (1 + units))
     read = time.monotonic()
+    moved_from = time.monotonic()
     if group.group is None:
         received.append(sent[0])
     else:
-        begun = time.monotonic()
+        clock: list[float] = []
         try:
-            _all_to_all(group.group, received[0], sent[0], recv_splits, send_splits, per_pair,
-                        rounds)
+            _all_to_all(group.group, received[0], sent[0], recv_splits, send_splits, rounds,
+                        (round_buffers[0], round_buffers[1]) if rounds > 1 else
+                        (sent[0], received[0]), clock)
         except RuntimeError as exc:
-            err = collective_error(f"{step}: transfer", exc, time.monotonic() - begun,
+            where = f" (round {len(clock)} of {rounds})" if rounds > 1 else ""
+            err = collective_error(f"{step}: transfer{where}", exc,
+                                   time.monotonic() - (clock[-1] if clock else moved_from),
                                    group.timeout)
             group.mark_broken(err)
             ctx.group.mark_broken(err)
