@@ -744,3 +744,42 @@ def test_a_forged_deeply_nested_record_is_corrupt_not_a_recursion_error(
         assert tier.progress(0, "run") == -1
     finally:
         tier.close()
+
+
+def test_the_newest_iteration_corrupt_in_every_local_copy_is_restored_from_the_tier(
+        root: Path, tmp_path: Path) -> None:
+    """Iterations 1 and 2 persisted; the node root keeps both, but 2's only local copy has a
+    corrupt chunk. The load quarantines it and would fall back to 1, although the durable tier
+    holds 2 intact: it restores 2 from the tier instead (the newest checkpoint is not lost)."""
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable, keep_last=2) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3000,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    chunk = next(root.glob("*/iter_0000000002/rank_00000_of_00001/data/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with LocalCheckpointManager(root, durable=durable, keep_last=2) as fresh:
+        state, (iteration, _, _) = fresh.load()
+        assert iteration == 2 and torch.equal(state["w"], torch.full((3000,), 2.0))
+        assert fresh.find_latest() == 2  # a good copy of it is local again
+
+
+def test_every_copy_of_a_rank_s_newest_shard_corrupt_is_restored_from_the_tier(
+        tmp_path: Path, root: Path) -> None:
+    """Two ranks on two nodes, replication factor 2: rank 1's shard of iteration 2 is corrupt in
+    both node roots (its own copy and the replica). Every rank loads 2 from the durable tier
+    instead of falling back to 1."""
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_and_persist, 2, tmp_path, str(root), durable, [1, 2], 1):
+        assert r.ok and r.value["persisted"] == [1, 2], (r.value, r.message)
+    copies = sorted(root.glob("node*/job/iter_0000000002/rank_00001_of_00002/data/c/0"))
+    assert len(copies) == 2
+    for chunk in copies:
+        raw = bytearray(chunk.read_bytes())
+        raw[10] ^= 0xFF
+        chunk.write_bytes(bytes(raw))
+    for r in run_ranks(sc.restore, 2, tmp_path, str(root), durable):
+        assert r.ok and r.value["error"] is None, (r.value, r.message)
+        assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value

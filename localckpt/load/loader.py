@@ -198,8 +198,44 @@ class LoadPath:
                 box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
             return self._load_resharded(into)
+        if manifest.iteration < self.latest_iteration and self.durable is not None:
+            newer = self._newer_from_durable(manifest.iteration, into)  # agreed on every rank
+            if newer is not None:
+                manifest, state = newer
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
+        return manifest, state
+
+    def _newer_from_durable(self, loaded: int, into: Any) -> tuple[ShardManifest, Any] | None:
+        """After a load fell back to ``loaded`` because the newer local copies were unusable
+        (quarantined, not rebuildable): the newest iteration of this world size the durable
+        tier holds newer than it, copied into the node roots and loaded (the newest checkpoint
+        is not given up while an intact copy of it exists), or None. Collective; every rank
+        takes the same path (the verdicts it follows are agreed)."""
+        ctx = self.ctx
+        assert self.durable is not None
+        # The fallback's write-back writes copies of an iteration about to be superseded: a
+        # failure of it was logged and no longer matters.
+        with contextlib.suppress(Exception):
+            self.wait_for_write_back()
+        self._write_back = None
+        candidates = durable_candidates(ctx, self.durable, loaded)
+        if not candidates:
+            return None
+        fetched, _, unavailable = fetch_from_durable(ctx, self.durable, candidates)
+        if fetched < 0:
+            logger.error("rank %d: load: the local copies of iterations newer than %d were "
+                         "unusable and the durable tier %s could not deliver them (%s); "
+                         "iteration %d is loaded", ctx.rank, loaded, self.durable.root,
+                         unavailable or "no intact copy", loaded)
+            return None
+        logger.warning("rank %d: load: the local copies of iterations newer than %d were "
+                       "unusable; iteration %d was restored from the durable tier %s",
+                       ctx.rank, loaded, fetched, self.durable.root)
+        with ctx.timed("load", fetched) as box, gc_paused():
+            manifest, state, self._write_back = restore(ctx, fetched, self._fetched, None,
+                                                        into)
+            box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         return manifest, state
 
     def _load_exactly(self, into: Any, iteration: int) -> tuple[ShardManifest, Any]:
