@@ -783,3 +783,21 @@ def test_every_copy_of_a_rank_s_newest_shard_corrupt_is_restored_from_the_tier(
     for r in run_ranks(sc.restore, 2, tmp_path, str(root), durable):
         assert r.ok and r.value["error"] is None, (r.value, r.message)
         assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
+
+
+def test_the_only_local_iteration_corrupt_is_restored_from_the_tier(
+        root: Path, tmp_path: Path) -> None:
+    """keep_last=1: the node root holds iteration 2 alone, corrupt; the tier holds 1 and 2.
+    The load copies 2 from the tier (it raised CorruptShardError: nothing left locally)."""
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable, keep_last=1) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3000,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    chunk = next(root.glob("*/iter_0000000002/rank_00000_of_00001/data/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with LocalCheckpointManager(root, durable=durable, keep_last=1) as fresh:
+        state, (iteration, _, _) = fresh.load()
+    assert iteration == 2 and torch.equal(state["w"], torch.full((3000,), 2.0))

@@ -194,49 +194,40 @@ class LoadPath:
         try:
             with self.ctx.timed("load", self.latest_iteration) as box, gc_paused():
                 manifest, state, self._write_back = restore(
-                    self.ctx, self.latest_iteration, self._fetched, listed, into)
+                    self.ctx, self.latest_iteration, self._fetched, listed, into,
+                    elsewhere=self._newer_from_durable if self.durable is not None else None)
                 box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
             return self._load_resharded(into)
-        if manifest.iteration < self.latest_iteration and self.durable is not None:
-            newer = self._newer_from_durable(manifest.iteration, into)  # agreed on every rank
-            if newer is not None:
-                manifest, state = newer
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return manifest, state
 
-    def _newer_from_durable(self, loaded: int, into: Any) -> tuple[ShardManifest, Any] | None:
-        """After a load fell back to ``loaded`` because the newer local copies were unusable
-        (quarantined, not rebuildable): the newest iteration of this world size the durable
-        tier holds newer than it, copied into the node roots and loaded (the newest checkpoint
-        is not given up while an intact copy of it exists), or None. Collective; every rank
-        takes the same path (the verdicts it follows are agreed)."""
+    def _newer_from_durable(self, fallback: int) -> int:
+        """``restore``'s ``elsewhere``: its newest local iteration turned out unusable (corrupt
+        in every node root, not rebuildable) and it would fall back to ``fallback``; the
+        newest iteration of this world size the durable tier holds newer than that, copied into
+        the node roots (the newest checkpoint is not given up while an intact copy of it
+        exists), or -1. Collective; every rank takes the same path (the verdicts are agreed)."""
         ctx = self.ctx
         assert self.durable is not None
-        # The fallback's write-back writes copies of an iteration about to be superseded: a
-        # failure of it was logged and no longer matters.
-        with contextlib.suppress(Exception):
-            self.wait_for_write_back()
-        self._write_back = None
-        candidates = durable_candidates(ctx, self.durable, loaded)
+        candidates = durable_candidates(ctx, self.durable, fallback)
         if not candidates:
-            return None
-        fetched, _, unavailable = fetch_from_durable(ctx, self.durable, candidates)
+            return -1
+        fetched, world, unavailable = fetch_from_durable(ctx, self.durable, candidates)
         if fetched < 0:
-            logger.error("rank %d: load: the local copies of iterations newer than %d were "
+            logger.error("rank %d: load: the local copies of iterations newer than %d are "
                          "unusable and the durable tier %s could not deliver them (%s); "
-                         "iteration %d is loaded", ctx.rank, loaded, self.durable.root,
-                         unavailable or "no intact copy", loaded)
-            return None
-        logger.warning("rank %d: load: the local copies of iterations newer than %d were "
-                       "unusable; iteration %d was restored from the durable tier %s",
-                       ctx.rank, loaded, fetched, self.durable.root)
-        with ctx.timed("load", fetched) as box, gc_paused():
-            manifest, state, self._write_back = restore(ctx, fetched, self._fetched, None,
-                                                        into)
-            box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
-        return manifest, state
+                         "loading iteration %d", ctx.rank, fallback, self.durable.root,
+                         unavailable or "no intact copy", fallback)
+            return -1
+        # An iteration this process found unusable (copies of two saves, a lost shard that
+        # could not be rebuilt) is whole again: the tier's copy of one save replaced them.
+        ctx.unloadable.pop((fetched, world), None)
+        logger.warning("rank %d: load: the local copies of iterations newer than %d are "
+                       "unusable; iteration %d was copied from the durable tier %s",
+                       ctx.rank, fallback, fetched, self.durable.root)
+        return fetched
 
     def _load_exactly(self, into: Any, iteration: int) -> tuple[ShardManifest, Any]:
         """``load(iteration=N)``: that iteration at this world size, or an error; never another

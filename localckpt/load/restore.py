@@ -232,7 +232,9 @@ def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
 def restore(ctx: Context, iteration: int,
             fetched: Callable[[float, int], None] | None = None,
             inventories: list[Inventory] | None = None,
-            into: Any = None, exact: bool = False) -> tuple[ShardManifest, Any, WriteBack | None]:
+            into: Any = None, exact: bool = False,
+            elsewhere: Callable[[int], int] | None = None
+            ) -> tuple[ShardManifest, Any, WriteBack | None]:
     """This rank's state dict from the newest complete iteration not newer than ``iteration``
     (and its manifest), and the write-back started in the background to restore every rank's
     and every node's copies (None when nothing was missing). Collective. ``exact``: that
@@ -246,7 +248,9 @@ def restore(ctx: Context, iteration: int,
     (every rank passes them or none; a copy gone since fails verification and the next round
     lists again). ``into``: a state dict whose tensors are loaded into in place (see
     :mod:`localckpt.load.destinations`); TypeError, on every rank, for a leaf ``save`` would
-    refuse.
+    refuse. ``elsewhere(fallback)``: called (collectively, once) before falling back from the
+    newest iteration to ``fallback`` (-1: none left); a newer iteration it returns has been put
+    in the node roots (from the durable tier) and is loaded instead, nothing built before it.
     """
     hidden = {it: why for (it, world), why in ctx.unloadable.items()
               if world == ctx.world_size}
@@ -295,6 +299,13 @@ def restore(ctx: Context, iteration: int,
             if why is not None:
                 raise CorruptShardError(f"load: iteration {iteration} cannot be loaded: {why}")
             raise not_loadable(ctx, iteration, complete, quarantined)
+        if elsewhere is not None and (not candidates or candidates[0] != iteration):
+            fallback = candidates[0] if candidates else -1
+            newer, elsewhere = elsewhere(fallback), None  # asked once
+            if newer > fallback:
+                iteration, inventories = newer, None  # list again: its copies are here now
+                mixed.pop(newer, None)
+                continue
         if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
             raise nothing_left(ctx, iteration, quarantined, {**hidden, **mixed})
         if candidates[0] != iteration:
