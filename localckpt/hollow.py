@@ -124,9 +124,9 @@ class Walk:
     types: dict[str, type] = field(default_factory=dict)  # dataclass / named tuple types met
     extended: bool = False  # a format-4 node was written
     copies: set[int] = field(default_factory=set)  # tensors that are not the caller's memory
-    # Called with (index, tensor) for each plain tensor larger than on_tensor_above bytes as it
-    # is met (a save starts copying),
-    # and before each Stateful's state_dict() runs (user code: it may change tensors met).
+    # on_tensor(index, tensor): each plain tensor of more than on_tensor_above bytes, as it is
+    # met (a save starts copying it); on_stateful(obj): before each Stateful's state_dict() runs
+    # (user code: it may change tensors met before).
     on_tensor: Callable[[int, torch.Tensor], None] | None = None
     on_tensor_above: int = 0  # bytes: smaller tensors are not handed to on_tensor (a call each)
     on_stateful: Callable[[Any], None] | None = None

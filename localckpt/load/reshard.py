@@ -280,7 +280,6 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
                     if server == r) for r in range(world))
     crcs = ctx.group.exchange(f"{step}: read", pack, wait=ctx.timeout * (1 + units))
     read = time.monotonic()
-    moved_from = time.monotonic()
     if group.group is None:
         received.append(sent[0])
     else:
@@ -292,7 +291,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         except RuntimeError as exc:
             where = f" (round {len(clock)} of {rounds})" if rounds > 1 else ""
             err = collective_error(f"{step}: transfer{where}", exc,
-                                   time.monotonic() - (clock[-1] if clock else moved_from),
+                                   time.monotonic() - (clock[-1] if clock else read),
                                    group.timeout)
             group.mark_broken(err)
             ctx.group.mark_broken(err)

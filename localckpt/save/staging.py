@@ -65,11 +65,21 @@ class PackedLayout:
     copied: frozenset[int] = frozenset()  # copied into the arena already (EagerCopies)
 
 
+def _plain_memory(t: torch.Tensor) -> bool:
+    # A conjugate or negative view's memory is not its value, and an efficient zero tensor has
+    # none: only plain memory can be concatenated or copied ahead as it is.
+    return not (t.is_conj() or t.is_neg() or t._is_zerotensor())
+
+
 def _gatherable(t: torch.Tensor, size: int) -> bool:
-    # Only plain memory can be concatenated as is: a conjugate or negative view's memory is not
-    # its value, and an efficient zero tensor has none.
-    return (t.is_cuda and 0 < size <= GATHER_MAX_NBYTES and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg() or t._is_zerotensor()))
+    return t.is_cuda and 0 < size <= GATHER_MAX_NBYTES and t.is_contiguous() and _plain_memory(t)
+
+
+def _check_storable(t: torch.Tensor) -> None:
+    """TypeError for a tensor whose dtype or kind a shard cannot hold."""
+    dtype_name(t.dtype)
+    if t.is_quantized:
+        raise TypeError("quantized tensors are not supported: dequantize them before saving")
 
 
 def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | None = None,
@@ -87,10 +97,7 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
     for i, t in enumerate(tensors):
         dtype = t.dtype
         if dtype not in storable:
-            dtype_name(dtype)  # raises TypeError for a dtype we cannot store
-            if t.is_quantized:
-                raise TypeError("quantized tensors are not supported: dequantize them before "
-                                "saving")
+            _check_storable(t)
             storable.add(dtype)
         size = t.nbytes
         sizes.append(size)
@@ -189,10 +196,10 @@ class StagingArena:
         """The first ``nbytes`` of the arena, growing it if needed to ``nbytes + slack``
         (contents then undefined)."""
         if self._buffer is None or self._buffer.numel() < nbytes:
-            if self._buffer is not None and self._pin:
-                self._buffer = None  # free the old one before allocating the new one,
+            grown = self._buffer is not None
+            self._buffer = None  # free the old one before allocating the new one,
+            if grown and self._pin:
                 _release_cached_pinned()  # out of torch's cache of pinned blocks too
-            self._buffer = None
             self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
                                        pin_memory=self._pin)
             self.allocations += 1
@@ -359,13 +366,11 @@ class EagerCopies:
         dtype = t.dtype
         if dtype not in self._storable:  # the layout raises on a dtype that cannot be stored
             try:
-                dtype_name(dtype)
+                _check_storable(t)
             except TypeError:
                 return
-            if t.is_quantized:
-                return
             self._storable.add(dtype)
-        if t.is_conj() or t.is_neg() or t._is_zerotensor():
+        if not _plain_memory(t):
             return
         try:
             version = t._version  # how placement() tells a tensor changed after its copy
