@@ -291,13 +291,17 @@ def test_a_corrupt_local_copy_of_the_durable_iteration_is_copied_again(
     shutil.rmtree(root / "node1")
     it2 = root / "node0" / "job" / "iter_0000000002"
     shutil.rmtree(it2 / "rank_00001_of_00002")
-    chunk = it2 / "rank_00000_of_00002" / "data" / "c" / "0"
-    raw = bytearray(chunk.read_bytes())
-    raw[10] ^= 0xFF
-    chunk.write_bytes(bytes(raw))
+    _flip_a_byte(it2 / "rank_00000_of_00002" / "data" / "c" / "0")
     for r in run_ranks(sc.restore, 2, tmp_path, str(root), durable):
         assert r.ok and r.value["error"] is None, (r.value, r.message)
         assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
+
+
+def _flip_a_byte(chunk: Path) -> None:
+    """Damage a chunk file in place: its checksum no longer matches."""
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
 
 
 def _persisted_1_and_2_then_lost(root: Path, tmp_path: Path) -> DurableTier:
@@ -746,20 +750,25 @@ def test_a_forged_deeply_nested_record_is_corrupt_not_a_recursion_error(
         tier.close()
 
 
+def _persisted_1_and_2_then_2_corrupt(root: Path, tmp_path: Path,
+                                      keep_last: int) -> DurableTier:
+    """One rank: iterations 1 and 2 saved and persisted, the node root keeping ``keep_last``
+    of them; then 2's local copy damaged (a chunk). The tier."""
+    durable = DurableTier(tmp_path / "d", keep=5)
+    with LocalCheckpointManager(root, durable=durable, keep_last=keep_last) as mgr:
+        for it in (1, 2):
+            mgr.save({"w": torch.full((3000,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    _flip_a_byte(next(root.glob("*/iter_0000000002/rank_00000_of_00001/data/c/0")))
+    return durable
+
+
 def test_the_newest_iteration_corrupt_in_every_local_copy_is_restored_from_the_tier(
         root: Path, tmp_path: Path) -> None:
     """Iterations 1 and 2 persisted; the node root keeps both, but 2's only local copy has a
     corrupt chunk. The load quarantines it and would fall back to 1, although the durable tier
     holds 2 intact: it restores 2 from the tier instead (the newest checkpoint is not lost)."""
-    durable = DurableTier(tmp_path / "d", keep=5)
-    with LocalCheckpointManager(root, durable=durable, keep_last=2) as mgr:
-        for it in (1, 2):
-            mgr.save({"w": torch.full((3000,), float(it))}, it)
-            assert mgr.wait_for_persist(30)
-    chunk = next(root.glob("*/iter_0000000002/rank_00000_of_00001/data/c/0"))
-    raw = bytearray(chunk.read_bytes())
-    raw[10] ^= 0xFF
-    chunk.write_bytes(bytes(raw))
+    durable = _persisted_1_and_2_then_2_corrupt(root, tmp_path, keep_last=2)
     with LocalCheckpointManager(root, durable=durable, keep_last=2) as fresh:
         state, (iteration, _, _) = fresh.load()
         assert iteration == 2 and torch.equal(state["w"], torch.full((3000,), 2.0))
@@ -777,9 +786,7 @@ def test_every_copy_of_a_rank_s_newest_shard_corrupt_is_restored_from_the_tier(
     copies = sorted(root.glob("node*/job/iter_0000000002/rank_00001_of_00002/data/c/0"))
     assert len(copies) == 2
     for chunk in copies:
-        raw = bytearray(chunk.read_bytes())
-        raw[10] ^= 0xFF
-        chunk.write_bytes(bytes(raw))
+        _flip_a_byte(chunk)
     for r in run_ranks(sc.restore, 2, tmp_path, str(root), durable):
         assert r.ok and r.value["error"] is None, (r.value, r.message)
         assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
@@ -789,15 +796,7 @@ def test_the_only_local_iteration_corrupt_is_restored_from_the_tier(
         root: Path, tmp_path: Path) -> None:
     """keep_last=1: the node root holds iteration 2 alone, corrupt; the tier holds 1 and 2.
     The load copies 2 from the tier (it raised CorruptShardError: nothing left locally)."""
-    durable = DurableTier(tmp_path / "d", keep=5)
-    with LocalCheckpointManager(root, durable=durable, keep_last=1) as mgr:
-        for it in (1, 2):
-            mgr.save({"w": torch.full((3000,), float(it))}, it)
-            assert mgr.wait_for_persist(30)
-    chunk = next(root.glob("*/iter_0000000002/rank_00000_of_00001/data/c/0"))
-    raw = bytearray(chunk.read_bytes())
-    raw[10] ^= 0xFF
-    chunk.write_bytes(bytes(raw))
+    durable = _persisted_1_and_2_then_2_corrupt(root, tmp_path, keep_last=1)
     with LocalCheckpointManager(root, durable=durable, keep_last=1) as fresh:
         state, (iteration, _, _) = fresh.load()
     assert iteration == 2 and torch.equal(state["w"], torch.full((3000,), 2.0))

@@ -168,29 +168,38 @@ def test_a_save_that_fails_after_early_copies_waits_for_them(
     assert synced == ["synchronized"]
 
 
+class _OnSave:
+    """A Stateful whose state_dict() first runs ``effect``: user code the walk of a save runs
+    after it met the tensors before it."""
+
+    def __init__(self, effect: Any) -> None:
+        self.effect = effect
+
+    def state_dict(self) -> dict[str, int]:
+        self.effect()
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        pass
+
+
 def test_a_stateful_that_updates_tensors_met_before_it_is_saved_as_it_left_them(
         tmp_path: Path) -> None:
     """A Stateful's state_dict() may apply pending updates to tensors the walk met before it
     (a lazy EMA flushed on save): the save holds every tensor as it is after that, the large
     ones copied early included, never a mix of before and after."""
     big, small = torch.zeros(1 << 19), torch.zeros(16)  # 2 MiB: copied early
+    pending = [0.0]
 
-    class Lazy:
-        pending = 0.0
+    def flush() -> None:
+        big.add_(pending[0])
+        small.add_(pending[0])
+        pending[0] = 0.0
 
-        def state_dict(self) -> dict[str, int]:
-            big.add_(self.pending)
-            small.add_(self.pending)
-            self.pending = 0.0
-            return {"n": 1}
-
-        def load_state_dict(self, sd: dict[str, int]) -> None:
-            pass
-
-    lazy = Lazy()
+    lazy = _OnSave(flush)
     with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
         for it in (1, 2, 3):
-            lazy.pending = float(it)
+            pending[0] = float(it)
             mgr.save({"big": big, "small": small, "ema": lazy, "after": torch.ones(1 << 19)},
                      it)
             back, _ = mgr.load()
@@ -239,23 +248,17 @@ def test_a_stateful_that_grows_a_tensor_met_before_it_never_corrupts_the_shard(
     """A Stateful's state_dict() resizes a tensor already copied early: that tensor no longer
     fits its early slot, so the layout places it anew instead of letting it overlap the next."""
     big, after = torch.zeros(1 << 19), torch.full((1 << 19,), 7.0)  # 2 MiB each
+    grow = [False]
 
-    class Grow:
-        grow = False
+    def maybe_grow() -> None:
+        if grow[0]:
+            big.resize_(1 << 20)
+            big.fill_(1.0)
 
-        def state_dict(self) -> dict[str, int]:
-            if self.grow:
-                big.resize_(1 << 20)
-                big.fill_(1.0)
-            return {"n": 1}
-
-        def load_state_dict(self, sd: dict[str, int]) -> None:
-            pass
-
-    grows = Grow()
+    grows = _OnSave(maybe_grow)
     with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
         for it in (1, 2, 3):
-            grows.grow = it == 2
+            grow[0] = it == 2
             mgr.save({"big": big, "s": grows, "after": after}, it)
             back, _ = mgr.load()
             assert torch.equal(back["big"], big) and torch.equal(back["after"], after), it
