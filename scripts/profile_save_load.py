@@ -149,6 +149,8 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--share", type=float, default=0.15, help="bytes in small tensors")
+    p.add_argument("--case", choices=["adam", "small"], default="adam",
+                   help="adam: --size-mib with --share of it small; small: 10,000 x 4 KiB")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lines", type=int, default=25)
     p.add_argument("--phases", action="store_true",
@@ -159,7 +161,8 @@ def main() -> int:
         return 0
     device = torch.device(a.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    case = bench_cases.adam(a.size_mib << 20, a.share, seed=0)
+    case = (bench_cases.adam(a.size_mib << 20, a.share, seed=0) if a.case == "adam"
+            else bench_cases.small(10_000, 4096, seed=0))
     state = to_device(case.state, device)
     root = benchlib.scratch("localckpt-profile-")
     stalls, loads = [], []

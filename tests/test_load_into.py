@@ -12,7 +12,7 @@ import torch
 from dist_harness import run_ranks
 
 from localckpt import LocalCheckpointManager
-from localckpt.errors import ConfigurationError
+from localckpt.errors import ConfigurationError, CorruptShardError
 from localckpt.storage import shard_reader
 
 
@@ -118,14 +118,15 @@ def test_views_the_read_cannot_fill_are_filled_by_a_copy(root: Path) -> None:
     assert into["img"].is_contiguous(memory_format=torch.channels_last)
 
 
-def test_a_read_only_destination_never_costs_the_copy(root: Path) -> None:
-    saved = {"w": torch.randn(1 << 16)}
+@pytest.mark.parametrize("numel", [1 << 16, 100])  # a small one too: never copied out into
+def test_a_read_only_destination_never_costs_the_copy(root: Path, numel: int) -> None:
+    saved = {"w": torch.randn(numel)}
     with LocalCheckpointManager(root, "s") as mgr:
         mgr.save(saved, 1)
     import mmap
     import warnings
     backing = root / "read-only.bin"
-    backing.write_bytes(bytes(1 << 18))
+    backing.write_bytes(bytes(numel * 4))
     with open(backing, "rb") as f:
         pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     with warnings.catch_warnings():
@@ -163,3 +164,36 @@ def test_a_destination_changed_while_load_runs_is_blamed_not_the_copy(
     with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
         loaded, ckpt = mgr.load()
     assert ckpt[0] == 2 and torch.equal(loaded["w"], saved["w"])
+
+
+def test_small_tensors_across_windows_and_chunks_load_exactly(root: Path) -> None:
+    # Sizes around the copy-out limit, packed across 1 MiB read windows and 1.5 MB chunks;
+    # some loaded into the caller's tensors (read directly), the others fresh (copied out).
+    from localckpt.storage.views import COPY_OUT_MAX_NBYTES
+
+    g = torch.Generator().manual_seed(0)
+    numels = [1, 3, 1000, COPY_OUT_MAX_NBYTES // 4 - 1, COPY_OUT_MAX_NBYTES // 4,
+              COPY_OUT_MAX_NBYTES // 4 + 1, 50_000]
+    saved = {f"t{i}": torch.randn(numels[i % len(numels)], generator=g) for i in range(700)}
+    saved["i8"] = torch.randint(-100, 100, (4097,), dtype=torch.int8, generator=g)
+    with LocalCheckpointManager(root, "s", chunk_nbytes=1_500_000) as mgr:
+        mgr.save(saved, 1)
+    into: dict[str, Any] = {k: torch.zeros_like(v) for k, v in saved.items() if k[-1] in "05"}
+    for given in ({}, into):
+        with LocalCheckpointManager(root, "s") as mgr:
+            loaded, _ = mgr.load(into=given or None)
+        for k, v in saved.items():
+            assert torch.equal(loaded[k], v), k
+            assert (loaded[k] is into.get(k)) == (given is into and k in into), k
+
+
+def test_a_damaged_byte_among_small_tensors_is_caught(root: Path) -> None:
+    saved = {f"t{i}": torch.full((100,), float(i)) for i in range(50)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    [chunk] = [p for p in root.rglob("c/0")]
+    data = bytearray(chunk.read_bytes())
+    data[64 * 30 + 5] ^= 1  # inside a small tensor's bytes
+    chunk.write_bytes(bytes(data))
+    with LocalCheckpointManager(root, "s") as mgr, pytest.raises(CorruptShardError):
+        mgr.load()

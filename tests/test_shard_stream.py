@@ -79,6 +79,17 @@ def test_a_shard_arrives_bit_identical_large_tensors_in_place(root, piece: int, 
     store.close()
 
 
+@pytest.mark.parametrize("piece", [1 << 16, 3 << 16])
+def test_small_tensors_cut_by_pieces_arrive_bit_identical(root, piece: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(1 + 3001 * (i % 3), generator=g) for i in range(120)]  # across pieces
+    store, _, manifest, data = _saved(root, tensors)
+    r = _receive(manifest, data, piece, shard_stream.tensor_splits(manifest))
+    for got, want in zip(r.tensors, tensors, strict=True):
+        assert torch.equal(got, want)
+    store.close()
+
+
 def _inside(buf: torch.Tensor, t: torch.Tensor) -> bool:
     lo = t.data_ptr()
     return lo <= buf.data_ptr() < lo + t.numel() * t.element_size()

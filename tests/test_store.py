@@ -544,3 +544,18 @@ def test_the_space_a_save_asks_for_covers_what_its_files_take(root: Path,
     used = sum(os.lstat(os.path.join(d, f)).st_blocks * 512
                for d, _, files in os.walk(next(root.glob("s/iter_*/rank_*"))) for f in files)
     assert bytes_needed(256 + 4096, chunk_nbytes, nbytes // chunk_nbytes) >= used
+
+
+def test_copy_out_fills_each_target_with_its_part_of_a_window() -> None:
+    from localckpt.storage.views import copy_out
+
+    packed = torch.arange(200, dtype=torch.uint8)  # packed byte i holds i
+    outs = [torch.zeros(n, dtype=torch.uint8) for n in (10, 30, 5, 40)]
+    offsets = [0, 20, 60, 150]
+    small = [(o, t.data_ptr(), t.numel()) for o, t in zip(offsets, outs, strict=True)]
+    starts = [o for o, _, _ in small]
+    for lo, hi in [(0, 25), (25, 64), (64, 155), (155, 200)]:  # windows cutting targets
+        window = packed[lo:hi].clone()  # the window's bytes alone, packed byte lo at its start
+        copy_out(small, starts, lo, hi, window.data_ptr(), lo)
+    for o, t in zip(offsets, outs, strict=True):
+        assert torch.equal(t, packed[o : o + t.numel()]), o

@@ -366,38 +366,37 @@ def check_consistent(m: ShardManifest, where: str) -> None:
                   f"{m.chunk_nbytes} bytes")
     if len(m.chunk_crc32c) != m.chunk_count:
         raise bad(f"{len(m.chunk_crc32c)} chunk checksums for {m.chunk_count} chunks")
-    spans = []
     devices: set[str] = set()
     end_of_last, in_order = 0, True
-    for i, e in enumerate(m.tensors):
-        if e.device not in devices:
+    data_nbytes, itemsizes, prod = m.data_nbytes, _ITEMSIZE, math.prod
+    # One pass of few operations per entry: a load of 10,000 tensors checks 10,000.
+    for i, (key_path, dtype, shape, offset, nbytes, device) in enumerate(m.tensors):
+        if device not in devices:
             try:
-                torch.device(e.device)
+                torch.device(device)
             except (RuntimeError, ValueError):
-                raise bad(f"tensor {i} ({e.key_path}) names device {e.device!r}") from None
-            devices.add(e.device)
-        itemsize = _ITEMSIZE.get(e.dtype)
+                raise bad(f"tensor {i} ({key_path}) names device {device!r}") from None
+            devices.add(device)
+        itemsize = itemsizes.get(dtype)
         if itemsize is None:
-            dtype_from_name(e.dtype, where)  # raises UnsupportedFormatError
-        numel = 1
-        for d in e.shape:
-            if d < 0:
-                raise bad(f"tensor {i} ({e.key_path}) has shape {list(e.shape)}")
-            numel *= d
-        if numel * itemsize != e.nbytes:  # type: ignore[operator]
-            raise bad(f"tensor {i} ({e.key_path}): shape {list(e.shape)} of {e.dtype} is "
-                      f"{numel * itemsize} bytes, entry says nbytes={e.nbytes}")  # type: ignore[operator]
-        if e.offset < 0:
-            raise bad(f"tensor {i} ({e.key_path}) at offset {e.offset}")
-        if e.offset + e.nbytes > m.data_nbytes:
-            raise bad(f"tensor {i} ({e.key_path}) at [{e.offset}, {e.offset + e.nbytes}) lies "
-                      f"beyond the {m.data_nbytes} data bytes")
-        if e.nbytes:
-            in_order = in_order and e.offset >= end_of_last
-            end_of_last = e.offset + e.nbytes
-            spans.append((e.offset, end_of_last, i))
+            dtype_from_name(dtype, where)  # raises UnsupportedFormatError
+        if shape and min(shape) < 0:
+            raise bad(f"tensor {i} ({key_path}) has shape {list(shape)}")
+        if prod(shape) * itemsize != nbytes:  # type: ignore[operator]
+            raise bad(f"tensor {i} ({key_path}): shape {list(shape)} of {dtype} is "
+                      f"{prod(shape) * itemsize} bytes, entry says nbytes={nbytes}")  # type: ignore[operator]
+        if offset < 0:
+            raise bad(f"tensor {i} ({key_path}) at offset {offset}")
+        if offset + nbytes > data_nbytes:
+            raise bad(f"tensor {i} ({key_path}) at [{offset}, {offset + nbytes}) lies "
+                      f"beyond the {data_nbytes} data bytes")
+        if nbytes:
+            if offset < end_of_last:
+                in_order = False
+            end_of_last = offset + nbytes
     if not in_order:  # packed in order (the usual case), no two can overlap
-        spans.sort()
+        spans = sorted((e.offset, e.offset + e.nbytes, i) for i, e in enumerate(m.tensors)
+                       if e.nbytes)
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if start < end:
                 raise bad(f"tensors {a} and {b} overlap at byte {start}")

@@ -7,9 +7,11 @@ The counterpart of :mod:`localckpt.storage.shard_writer`;
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import json
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -18,6 +20,7 @@ from ..errors import CorruptShardError
 from .checksum import crc32c
 from .device_reader import DeviceScatter
 from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
+from .views import SmallTarget, address_of, copy_out
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per preadv call
 _WINDOW = 1 << 20  # bytes read and checksummed at a time (well inside a core's L2 cache)
@@ -29,14 +32,17 @@ _DEVICE_WINDOW = 16 << 20
 
 def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
                      targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
-                     chunks: range | None = None, device: DeviceScatter | None = None) -> None:
+                     chunks: range | None = None, device: DeviceScatter | None = None,
+                     small: Sequence[SmallTarget] = ()) -> None:
     """Read the chunks under ``chunk_dir`` (all, or ``chunks``) into ``targets`` (see
-    ShardStore.read_into), one chunk per task on ``pool`` (None: on this thread); with
-    ``device``, the bytes of the tensors it holds go through its pinned slots to the device
-    (bytes no target covers land there too), and every copy is complete on return. Raises
-    CorruptShardError naming the first bad file."""
+    ShardStore.read_into) and ``small`` (memory this process allocated, up to
+    COPY_OUT_MAX_NBYTES each: read with the bytes around them into scratch memory and copied
+    out), one chunk per task on ``pool`` (None: on this thread); with ``device``, the bytes of
+    the tensors it holds go through its pinned slots to the device (bytes no target covers land
+    there too), and every copy is complete on return. Raises CorruptShardError naming the first
+    bad file."""
     try:
-        _read_chunks(chunk_dir, manifest, targets, pool, chunks, device)
+        _read_chunks(chunk_dir, manifest, targets, pool, chunks, device, small)
     finally:
         if device is not None:
             device.finish()
@@ -44,11 +50,14 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
 
 def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
                  targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
-                 chunks: range | None, device: DeviceScatter | None) -> None:
+                 chunks: range | None, device: DeviceScatter | None,
+                 small: Sequence[SmallTarget]) -> None:
     size = manifest.chunk_nbytes
     # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
     targets = sorted(targets, key=lambda target: target[0])
     starts = [off for off, _ in targets]
+    small = sorted(small)
+    small_starts = [off for off, _, _ in small]
 
     def one(i: int) -> None:
         if device is None or not device.holds(i):
@@ -68,19 +77,31 @@ def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
         except OSError as exc:
             raise unreadable(path, exc, "chunk file") from exc
         crc, got = 0, 0
-        window = _WINDOW if fill is None else _DEVICE_WINDOW
+        if fill is None:  # bytes no target covers go to this thread's scratch window
+            window = _WINDOW
+            scratch, scratch_at = _scratch()
+        else:
+            window = _DEVICE_WINDOW
+            fill_at = address_of(fill) if small else 0
         try:
             # A window at a time, its CRC taken while its bytes are still in the cache: a
             # second pass over a whole chunk from memory costs half as much again as the read.
             for lo in range(0, size, window):
                 hi = min(lo + window, size)
-                pieces = _pieces(targets, starts, i * size + lo, i * size + hi, fill, i * size)
+                first, last = i * size + lo, i * size + hi
+                if fill is None:
+                    pieces = _pieces(targets, starts, first, last, scratch, first)
+                else:
+                    pieces = _pieces(targets, starts, first, last, fill, i * size)
                 n = _preadv_all(fd, list(pieces), lo)
                 got += n
                 if n != hi - lo:
                     break
                 for piece in pieces:
                     crc = crc32c(piece, crc)
+                if small:
+                    copy_out(small, small_starts, first, last,
+                             *((scratch_at, first) if fill is None else (fill_at, i * size)))
             trailer = os.pread(fd, 5, size)
         except OSError as exc:
             raise unreadable(path, exc, "chunk file") from exc
@@ -168,16 +189,28 @@ def parse_manifest_file(data: bytes, where: str) -> ShardManifest:
         attrs.get("localckpt") if isinstance(attrs, dict) else None, where)
 
 
+_local = threading.local()
+
+
+def _scratch() -> tuple[memoryview, int]:
+    """This thread's scratch window (_WINDOW bytes, kept for the thread's life) and its
+    address."""
+    found: tuple[memoryview, int] | None = getattr(_local, "scratch", None)
+    if found is None:
+        array = (ctypes.c_char * _WINDOW)()
+        found = _local.scratch = (memoryview(array).cast("B"), ctypes.addressof(array))
+    return found
+
+
 def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,
-            hi: int, fill: memoryview | None = None, base: int = 0) -> list[memoryview]:
+            hi: int, fill: memoryview, base: int) -> list[memoryview]:
     """The buffers that bytes [lo, hi) of the packed data go to, in order. Bytes no target
-    covers go to ``fill`` (packed offset ``base`` at its start) or to scratch."""
+    covers go to ``fill``, which holds packed offset ``base`` at its start."""
     pieces: list[memoryview] = []
     pos = lo
 
     def gap(begin: int, end: int) -> None:
-        pieces.append(fill[begin - base : end - base] if fill is not None
-                      else memoryview(bytearray(end - begin)))
+        pieces.append(fill[begin - base : end - base])
 
     k = max(bisect.bisect_right(starts, lo) - 1, 0)
     while k < len(targets) and targets[k][0] < hi:

@@ -25,7 +25,7 @@ from .layout import ShardRef
 from .manifest import ShardManifest
 from .peer_io import PieceRing, received_manifest
 from .store import ShardStore, fresh_or_given
-from .views import byte_view
+from .views import COPY_OUT_MAX_NBYTES, byte_view, copy_out
 
 # A tensor at least this large is its own segment on the wire, received in place; smaller ones
 # (and alignment padding) arrive in a scratch buffer and are copied out: one message per small
@@ -105,11 +105,21 @@ class TensorReceiver:
         self.manifest, self._where = received_manifest(t, meta, nbytes, world_size)
         m = self.manifest
         self._ring = ring
-        self.tensors = fresh_or_given(m, into)
-        placed = sorted((e.offset, byte_view(x)) for e, x in zip(m.tensors, self.tensors,
-                                                                  strict=True) if e.nbytes)
+        given = into(m) if into is not None else None
+        self.tensors = fresh_or_given(m, given)
+        placed, small = [], []
+        for k, (e, x) in enumerate(zip(m.tensors, self.tensors, strict=True)):
+            if e.nbytes <= COPY_OUT_MAX_NBYTES and (given is None or given[k] is None):
+                if e.nbytes:  # fresh: this process's memory, copied out of the ring
+                    small.append((e.offset, x.data_ptr(), e.nbytes))
+            else:
+                placed.append((e.offset, byte_view(x)))
+        placed.sort(key=lambda p: p[0])
         self._starts = [off for off, _ in placed]
         self._views = [view for _, view in placed]
+        self._small = sorted(small)
+        self._small_starts = [off for off, _, _ in self._small]
+        self._current_at = 0  # the scratch piece's address
         self._crc = [0] * m.chunk_count
         self._done = [0] * m.chunk_count  # bytes of each chunk checked so far
         self._current: memoryview = memoryview(b"")
@@ -134,7 +144,7 @@ class TensorReceiver:
             if pending is not None:  # the slot's previous bytes are copied out and checked
                 pending.result()
             buf = self._ring.slot(index, end - start)
-            self._current = byte_view(buf)
+            self._current, self._current_at = byte_view(buf), buf.data_ptr()
             return buf
         off = self._starts[k]
         self._current = self._views[k][start - off : end - off]
@@ -145,15 +155,16 @@ class TensorReceiver:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-crc")
         # Copied out and checked on the checker thread while the next segment is on the wire;
         # one thread, so each chunk's checksum runs over its segments in order.
-        check = self._checker.submit(self._check, self._current, start, end, self._scratch)
+        check = self._checker.submit(self._check, self._current, start, end,
+                                     self._current_at if self._scratch else None)
         self._checks.append(check)
         if self._scratch:
             self._slot_checks[index % self._ring.slots] = check
         if check.done():
             check.result()  # fail early when it already failed
 
-    def _check(self, view: memoryview, start: int, end: int, scratch: bool) -> None:
-        if scratch:  # copy out into every target the segment overlaps
+    def _check(self, view: memoryview, start: int, end: int, scratch_at: int | None) -> None:
+        if scratch_at is not None:  # copy out into every target the segment overlaps
             k = max(bisect.bisect_right(self._starts, start) - 1, 0)
             while k < len(self._starts) and self._starts[k] < end:
                 off, target = self._starts[k], self._views[k]
@@ -161,6 +172,7 @@ class TensorReceiver:
                 if hi > lo:
                     target[lo - off : hi - off] = view[lo - start : hi - start]
                 k += 1
+            copy_out(self._small, self._small_starts, start, end, scratch_at, start)
         size, m = self.manifest.chunk_nbytes, self.manifest
         pos = start
         while pos < end:

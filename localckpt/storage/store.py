@@ -57,7 +57,7 @@ from .manifest import ShardManifest, dtype_from_name
 from .recycle import FilePool
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
-from .views import byte_view, device_bytes
+from .views import COPY_OUT_MAX_NBYTES, byte_view, device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -288,13 +288,17 @@ class ShardStore:
         CPU."""
         manifest = self.read_manifest(ref)
         device = device_of(manifest) if device_of is not None else None
-        tensors = fresh_or_given(manifest, into, device)
-        host, on_device = [], []
-        for e, t in zip(manifest.tensors, tensors, strict=True):
+        given = into(manifest) if into is not None else None
+        tensors = fresh_or_given(manifest, given, device)
+        host, small, on_device = [], [], []
+        for k, (e, t) in enumerate(zip(manifest.tensors, tensors, strict=True)):
             if not e.nbytes:
                 continue
             if t.is_cpu:
-                host.append((e.offset, byte_view(t)))
+                if e.nbytes <= COPY_OUT_MAX_NBYTES and (given is None or given[k] is None):
+                    small.append((e.offset, t.data_ptr(), e.nbytes))  # fresh: ours, writable
+                else:
+                    host.append((e.offset, byte_view(t)))
             elif t.device == device and t.is_contiguous():
                 on_device.append((e.offset, device_bytes(t)))
             else:
@@ -306,7 +310,8 @@ class ShardStore:
             assert device is not None
             scatter = DeviceScatter(device, on_device, manifest.chunk_nbytes,
                                     self._pool._max_workers + SPARE_SLOTS)
-        read_chunks_into(ref.path / "data" / "c", manifest, host, self._pool, device=scatter)
+        read_chunks_into(ref.path / "data" / "c", manifest, host, self._pool, device=scatter,
+                         small=small)
         return manifest, tensors
 
     def read_into(self, ref: ShardRef, manifest: ShardManifest,
@@ -390,19 +395,21 @@ class ShardStore:
         return found
 
 
-def fresh_or_given(manifest: ShardManifest,
-                   into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None,
+def fresh_or_given(manifest: ShardManifest, given: Sequence[torch.Tensor | None] | None,
                    device: torch.device | None = None) -> list[torch.Tensor]:
-    """A tensor per entry of ``manifest`` to load into: ``into(manifest)``'s, else a fresh one,
-    on ``device`` for a non-empty entry saved from it (None: every fresh one on the CPU)."""
-    given = into(manifest) if into is not None else [None] * len(manifest.tensors)
+    """A tensor per entry of ``manifest`` to load into: ``given``'s (the caller's, or None for
+    an entry), else a fresh one, on ``device`` for a non-empty entry saved from it (None: every
+    fresh one on the CPU)."""
+    empty = torch.empty
+    if given is None and device is None:  # a plain load to the host: thousands of small ones
+        return [empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in manifest.tensors]
     cache: dict[str, torch.device] = {}
     out = []
-    for e, t in zip(manifest.tensors, given, strict=True):
+    for e, t in zip(manifest.tensors, given or [None] * len(manifest.tensors), strict=True):
         if t is None:
             here = device if (device is not None and e.nbytes and e.device.startswith("cuda")
                               and resolve_device(e.device, cache) == device) else None
-            t = torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
+            t = empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
         out.append(t)
     return out
 
