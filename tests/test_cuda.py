@@ -84,14 +84,17 @@ def test_many_small_cuda_tensors_are_gathered_by_dtype_and_staged_exactly() -> N
                 torch.randn(8, dtype=torch.complex64, device="cuda", generator=g).conj(),
                 torch.randn(3)]
     layout = plan_layout(tensors)
-    runs_by_dtype: dict[torch.dtype, int] = {}
+    runs_by_kind: dict[tuple[str, torch.dtype], int] = {}
     for run in layout.runs:
-        dtype = tensors[run[0]].dtype
-        assert all(tensors[i].dtype == dtype for i in run)
-        runs_by_dtype[dtype] = runs_by_dtype.get(dtype, 0) + 1
-    # ~70 MiB of float32 takes two runs of at most 64 MiB; the others one each
-    assert runs_by_dtype == {torch.float32: 2, torch.bfloat16: 1, torch.int64: 1, torch.bool: 1}
-    assert sum(map(len, layout.runs)) == 470
+        kind = (tensors[run[0]].device.type, tensors[run[0]].dtype)
+        assert all((tensors[i].device.type, tensors[i].dtype) == kind for i in run)
+        runs_by_kind[kind] = runs_by_kind.get(kind, 0) + 1
+    # ~70 MiB of float32 takes two runs of at most 64 MiB; the others one each (the host
+    # tensor a run of its own)
+    assert runs_by_kind == {("cuda", torch.float32): 2, ("cuda", torch.bfloat16): 1,
+                            ("cuda", torch.int64): 1, ("cuda", torch.bool): 1,
+                            ("cpu", torch.float32): 1}
+    assert sum(map(len, layout.runs)) == 471
     buf = StagingArena().stage(tensors, layout, layout.nbytes)
     for t, offset, size in zip(tensors, layout.offsets, layout.sizes, strict=True):
         assert torch.equal(tensor_view(buf, offset, size, t.dtype, t.shape), t.cpu())

@@ -238,6 +238,7 @@ def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
 
     monkeypatch.setattr(staging, "_stage_cpu", broken)
     tensors = [_on_device(torch.zeros(4)), torch.zeros(4)]
+    monkeypatch.setattr(staging, "_gatherable", lambda t, size: False)  # each staged alone
     layout = plan_layout([torch.zeros(4), torch.zeros(4)])
     with pytest.raises(RuntimeError, match="injected"):
         arena.stage_begin(tensors, layout, layout.nbytes)

@@ -314,3 +314,42 @@ def test_inference_tensors_are_saved_though_they_keep_no_version(tmp_path: Path)
             mgr.save({"big": big, "after": torch.randn(1 << 19)}, it)
         back, _ = mgr.load()
     assert torch.equal(back["big"], big)
+
+
+def test_small_host_tensors_are_staged_in_runs_by_value() -> None:
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, dtype=torch.complex64, generator=g)
+    tensors = [torch.nn.Parameter(torch.randn(3, 4, generator=g)),  # requires grad
+               torch.randn(4, 4, generator=g).t(),  # not contiguous
+               torch.tensor(5.0), z.conj(), z.conj().imag,  # 0-d; conjugate and negative views
+               torch._efficientzerotensor(7), torch.randn(10, generator=g).to(torch.bfloat16),
+               torch.randn(9, generator=g), torch.zeros(0)]
+    layout = plan_layout(tensors)
+    in_runs = sorted(i for run in layout.runs for i in run)
+    assert in_runs == [0, 1, 2, 3, 4, 5, 6, 7]  # all but the empty one
+    assert layout.runs[0] == (0, 1, 2, 4, 5, 7)  # float32, in order, back to back
+    buf = StagingArena(pin=False).stage(tensors, layout, layout.nbytes)
+    back = unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
+                        zip(tensors, layout.offsets, layout.sizes, strict=True)])
+    for t, b in zip(tensors, back, strict=True):
+        assert torch.equal(t.detach().resolve_conj().resolve_neg(), b)
+
+
+def test_a_tensor_subclass_is_never_concatenated_with_others() -> None:
+    seen: list[str] = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    tensors = [torch.ones(4), torch.arange(4.0).as_subclass(Logged), torch.full((4,), 2.0)]
+    layout = plan_layout(tensors)
+    assert layout.runs == ((0, 2),)
+    seen.clear()
+    buf = StagingArena(pin=False).stage(tensors, layout, layout.nbytes)
+    assert "cat" not in seen
+    back = unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
+                        zip(tensors, layout.offsets, layout.sizes, strict=True)])
+    assert [b.tolist() for b in back] == [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [2.0] * 4]
