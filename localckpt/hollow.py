@@ -99,6 +99,16 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
         raise TypeError(
             f"unsupported tensor at state dict key {path_str(path)!r}: meta tensors hold no data"
         )
+    if (t.is_cpu or t.is_cuda) and t.numel() and not t._is_zerotensor():
+        spans = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(),
+                                                                          strict=True))
+        have = t.untyped_storage().nbytes()
+        if have < spans * t.element_size():
+            raise TypeError(
+                f"unsupported tensor at state dict key {path_str(path)!r}: its storage holds "
+                f"{have} bytes, the tensor spans {spans * t.element_size()} (freed or shrunk "
+                "with untyped_storage().resize_(), as FSDP frees unsharded parameters): save "
+                "the sharded state, or the tensor while its storage is allocated")
 
 
 def is_stateful(obj: Any) -> bool:
@@ -152,7 +162,9 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
-        if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
+        # No data pointer: an empty or zero tensor, or a freed storage (checked there).
+        if obj.layout is not torch.strided or obj.is_meta or obj.is_nested or \
+                ((obj.is_cpu or obj.is_cuda) and not obj.data_ptr()):
             _check_tensor(obj, path)  # raises, naming the key
         i = walk.add(obj, path)
         if walk.on_tensor is not None and obj.nbytes > walk.on_tensor_above:

@@ -124,13 +124,19 @@ def test_every_byte_lands_where_it_belongs(tmp_path: Path, fake_cuda: _Log, seed
     try:
         m = store.read_manifest(ref)
         out = [torch.full_like(t, 7) for t in tensors]
-        host = [(e.offset, byte_view(t)) for e, t in zip(m.tensors, out, strict=True)
-                if e.nbytes and e.device == "cpu"]
+        host, small = [], []  # host tensors read directly, or copied out of the window
+        for e, t in zip(m.tensors, out, strict=True):
+            if e.nbytes and e.device == "cpu":
+                if rng.random() < 0.5:
+                    small.append((e.offset, t.data_ptr(), e.nbytes))
+                else:
+                    host.append((e.offset, byte_view(t)))
         dev = [(e.offset, device_bytes(t)) for e, t in zip(m.tensors, out, strict=True)
                if e.nbytes and e.device != "cpu"]
         scatter = device_reader.DeviceScatter(torch.device("cpu"), dev, m.chunk_nbytes,
                                               rng.choice([1, 3])) if dev else None
-        read_chunks_into(ref.path / "data" / "c", m, host, store._pool, device=scatter)
+        read_chunks_into(ref.path / "data" / "c", m, host, store._pool, device=scatter,
+                         small=small)
     finally:
         store.close()
     for i, (saved, loaded) in enumerate(zip(tensors, out, strict=True)):
@@ -225,8 +231,9 @@ def test_a_checksum_failure_is_not_blamed_on_device_destinations() -> None:
     restore._blame_destination(None, rnd, (1, 0), CorruptShardError("bad"))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("in_a_run", [True, False])
 def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, in_a_run: bool) -> None:
     synced = []
     arena = StagingArena(pin=False)
     arena._streams = {torch.device("cuda:0"): types.SimpleNamespace(  # type: ignore[dict-item]
@@ -238,8 +245,10 @@ def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
 
     monkeypatch.setattr(staging, "_stage_cpu", broken)
     tensors = [_on_device(torch.zeros(4)), torch.zeros(4)]
-    monkeypatch.setattr(staging, "_gatherable", lambda t, size: False)  # each staged alone
-    layout = plan_layout([torch.zeros(4), torch.zeros(4)])
+    if not in_a_run:  # the host tensor staged alone, not concatenated in a run
+        monkeypatch.setattr(staging, "_gatherable", lambda t, size: False)
+    layout = plan_layout(tensors)
+    assert bool(layout.runs) == in_a_run
     with pytest.raises(RuntimeError, match="injected"):
         arena.stage_begin(tensors, layout, layout.nbytes)
     assert synced == ["queued", "cuda:0"]

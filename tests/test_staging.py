@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
+import subprocess
+import sys
 import types
 import weakref
 from pathlib import Path
@@ -15,6 +18,8 @@ import torch
 from localckpt import LocalCheckpointManager
 from localckpt.errors import CorruptShardError
 from localckpt.save.staging import EagerCopies, StagingArena, plan_layout, unpack
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_unpack_inverts_stage_into_separate_storages() -> None:
@@ -353,3 +358,33 @@ def test_a_tensor_subclass_is_never_concatenated_with_others() -> None:
     back = unpack(buf, [(o, n, t.dtype, t.shape) for t, o, n in
                         zip(tensors, layout.offsets, layout.sizes, strict=True)])
     assert [b.tolist() for b in back] == [[1.0] * 4, [0.0, 1.0, 2.0, 3.0], [2.0] * 4]
+
+
+def test_a_save_inside_inference_mode_leaves_later_saves_working(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1 << 19), "b": torch.randn(3)}  # one copied early, one in a run
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        with torch.inference_mode():  # an evaluation loop's save: the arena is made here
+            mgr.save(state, 1)
+        mgr.save(state, 2)
+        back, _ = mgr.load()
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_not_a_crash(tmp_path: Path) -> None:
+    # FSDP frees an unsharded parameter's storage with resize_(0): its data pointer is null,
+    # and a copy from it crashed the process.
+    code = (
+        "import torch\n"
+        "from localckpt import LocalCheckpointManager\n"
+        "p = torch.randn(4, 4)\n"
+        "p.untyped_storage().resize_(0)\n"
+        f"with LocalCheckpointManager({str(tmp_path / 'ckpt')!r}, 's') as mgr:\n"
+        "    try:\n"
+        "        mgr.save({'layer': {'w': p}, 'b': torch.randn(3)}, 1)\n"
+        "    except TypeError as exc:\n"
+        "        print('refused:', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused:" in proc.stdout and "layer/w" in proc.stdout
+    assert "storage" in proc.stdout, proc.stdout

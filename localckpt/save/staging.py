@@ -214,8 +214,11 @@ class StagingArena:
             self._buffer = None  # free the old one before allocating the new one,
             if grown and self._pin:
                 _release_cached_pinned()  # out of torch's cache of pinned blocks too
-            self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
-                                       pin_memory=self._pin)
+            # Kept across saves: one made inside a caller's inference_mode would be an
+            # inference tensor, which no later save outside it may write into.
+            with torch.inference_mode(False):
+                self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
+                                           pin_memory=self._pin)
             self.allocations += 1
         return self._buffer[:nbytes]
 
@@ -247,10 +250,6 @@ class StagingArena:
         buf[layout.nbytes :].zero_()
         events: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[int]] = {}
-        runs_of: dict[torch.device, list[tuple[int, ...]]] = {}
-        for run in layout.runs:
-            runs_of.setdefault(tensors[run[0]].device, []).append(run)
-            by_device.setdefault(tensors[run[0]].device, [])
         singles = range(len(tensors)) if layout.singles is None else layout.singles
         for i in singles:
             t = tensors[i]
@@ -258,6 +257,10 @@ class StagingArena:
                 by_device.setdefault(t.device, [])
             else:
                 by_device.setdefault(t.device, []).append(i)
+        runs_of: dict[torch.device, list[tuple[int, ...]]] = {}
+        for run in layout.runs:
+            runs_of.setdefault(tensors[run[0]].device, []).append(run)
+            by_device.setdefault(tensors[run[0]].device, [])
         try:
             for device, indices in by_device.items():
                 runs = runs_of.get(device, [])
@@ -430,8 +433,8 @@ def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: Pack
         members = [tensors[i] for i in run]
         # One torch.cat into the arena: its C++ loop costs a fraction of a microsecond a tensor,
         # a memmove from Python one and a half (10,000 x 4 KiB: 4.6 against 12 ms).
-        flat = [t if t.dim() == 1 else t.reshape(-1) for t in members]
         with torch.no_grad():
+            flat = [t if t.dim() == 1 else t.reshape(-1) for t in members]
             torch.cat(flat, out=buf[start:end].view(members[0].dtype))
     base = buf.data_ptr()
     offsets, sizes, memmove = layout.offsets, layout.sizes, ctypes.memmove

@@ -394,12 +394,14 @@ def check_consistent(m: ShardManifest, where: str) -> None:
             if offset < end_of_last:
                 in_order = False
             end_of_last = offset + nbytes
-    if not in_order:  # packed in order (the usual case), no two can overlap
-        spans = sorted((e.offset, e.offset + e.nbytes, i) for i, e in enumerate(m.tensors)
-                       if e.nbytes)
-        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
-            if start < end:
-                raise bad(f"tensors {a} and {b} overlap at byte {start}")
+    if not in_order:  # packed in order, no two can overlap; else two overlap only if two
+        # neighbours in offset order do (small host tensors are packed by dtype, out of order)
+        offsets = [e.offset for e in m.tensors]
+        order = sorted((i for i, e in enumerate(m.tensors) if e.nbytes),
+                       key=offsets.__getitem__)
+        for a, b in itertools.pairwise(order):
+            if offsets[b] < offsets[a] + m.tensors[a].nbytes:
+                raise bad(f"tensors {a} and {b} overlap at byte {offsets[b]}")
     replicas: dict[int, tuple[int, ...]] = {}
     layouts = check_hollow(m.hollow, len(m.tensors), where, replicas, m.tensors, m.format_version)
     for i, layout in layouts.items():

@@ -63,18 +63,20 @@ class PieceRing:
         the ring (a load's write-back): a buffer is touched before it is put in its slot, and
         one already handed out is never written here."""
         for k in range(self.slots):
-            while len(self._buffers) <= k:
-                self._buffers.append(torch.empty(0, dtype=torch.uint8))
-            if self._buffers[k].numel() < nbytes:
-                self._buffers[k] = torch.zeros(nbytes, dtype=torch.uint8)
+            self._grown(k, nbytes, torch.zeros)
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         k = index % self.slots
+        return self._grown(k, nbytes, torch.empty)[:nbytes]
+
+    def _grown(self, k: int, nbytes: int, make: Callable[..., torch.Tensor]) -> torch.Tensor:
         while len(self._buffers) <= k:
             self._buffers.append(torch.empty(0, dtype=torch.uint8))
         if self._buffers[k].numel() < nbytes:
-            self._buffers[k] = torch.empty(nbytes, dtype=torch.uint8)
-        return self._buffers[k][:nbytes]
+            # Kept across saves: not an inference tensor (see StagingArena.buffer).
+            with torch.inference_mode(False):
+                self._buffers[k] = make(nbytes, dtype=torch.uint8)
+        return self._buffers[k]
 
 
 def received_manifest(t: Transfer, meta: bytes, nbytes: int, world_size: int

@@ -196,7 +196,7 @@ def _scratch() -> tuple[memoryview, int]:
     """This thread's scratch window (_WINDOW bytes, kept for the thread's life) and its
     address."""
     found: tuple[memoryview, int] | None = getattr(_local, "scratch", None)
-    if found is None:
+    if found is None or len(found[0]) < _WINDOW:
         array = (ctypes.c_char * _WINDOW)()
         found = _local.scratch = (memoryview(array).cast("B"), ctypes.addressof(array))
     return found
