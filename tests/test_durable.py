@@ -800,3 +800,19 @@ def test_the_only_local_iteration_corrupt_is_restored_from_the_tier(
     with LocalCheckpointManager(root, durable=durable, keep_last=1) as fresh:
         state, (iteration, _, _) = fresh.load()
     assert iteration == 2 and torch.equal(state["w"], torch.full((3000,), 2.0))
+
+
+def test_a_resharding_load_takes_the_newest_iteration_from_the_tier_when_local_copies_fail(
+        tmp_path: Path, root: Path) -> None:
+    """Two ranks saved and persisted 1 and 2; a job of one rank (reshard=True) restarts on
+    node 0, whose copy of rank 0's shard of 2 (the one its plain state comes from) is corrupt.
+    The resharding load quarantined it and, with no other local iteration, gave up although the
+    tier held 2 intact: it restores 2 from the tier."""
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_and_persist, 2, tmp_path, str(root), durable, [1, 2], 1):
+        assert r.ok and r.value["persisted"] == [1, 2], (r.value, r.message)
+    (chunk,) = root.glob("node0/job/iter_0000000002/rank_00000_of_00002/data/c/0")
+    _flip_a_byte(chunk)
+    (r,) = run_ranks(sc.restore_at_another_world, 1, tmp_path, str(root), durable, 2, 5)
+    assert r.ok, r.message
+    assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value

@@ -203,15 +203,16 @@ class LoadPath:
         self._warn_if_foreign(manifest)
         return manifest, state
 
-    def _newer_from_durable(self, fallback: int) -> int:
+    def _newer_from_durable(self, fallback: int, any_world: bool = False) -> int:
         """``restore``'s ``elsewhere``: its newest local iteration turned out unusable (corrupt
         in every node root, not rebuildable) and it would fall back to ``fallback``; the
-        newest iteration of this world size the durable tier holds newer than that, copied into
-        the node roots (the newest checkpoint is not given up while an intact copy of it
-        exists), or -1. Collective; every rank takes the same path (the verdicts are agreed)."""
+        newest iteration of this world size (of any, ``any_world``: a resharding load) the
+        durable tier holds newer than that, copied into the node roots (the newest checkpoint is
+        not given up while an intact copy of it exists), or -1. Collective; every rank takes
+        the same path (the verdicts are agreed)."""
         ctx = self.ctx
         assert self.durable is not None
-        candidates = durable_candidates(ctx, self.durable, fallback)
+        candidates = durable_candidates(ctx, self.durable, fallback, any_world)
         if not candidates:
             return -1
         fetched, world, unavailable = fetch_from_durable(ctx, self.durable, candidates)
@@ -329,9 +330,13 @@ class LoadPath:
         world size the write-back of a replaced node starts after it."""
         ctx = self.ctx
         failures: list[str] = []
+        failed_at = -1  # the newest iteration an attempt failed to load
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
             if self._listed is None:  # the durable tier was consulted already, by load
                 self.find_latest(durable=False)
+                if self.durable is not None and self.latest_iteration < failed_at and \
+                        self._newer_from_durable(self.latest_iteration, any_world=True) >= 0:
+                    self.find_latest(durable=False)  # the tier's copy is local now: the newest
             listed, self._listed = self._listed, None
             if self.latest_iteration < 0 or listed is None:
                 if failures:  # not "nothing was saved": a job must not start afresh silently
@@ -359,6 +364,7 @@ class LoadPath:
             except MixedSavesError as exc:  # the same on every rank: left out from now on
                 ctx.unloadable[(self.latest_iteration, old_world)] = str(exc)
                 failures.append(str(exc))
+                failed_at = max(failed_at, self.latest_iteration)
                 if ctx.rank == 0:
                     logger.warning("load: %s; falling back to an older iteration", exc)
                 continue
@@ -366,6 +372,7 @@ class LoadPath:
                 if attempt == RESHARD_ATTEMPTS:
                     raise
                 failures.append(str(exc))
+                failed_at = max(failed_at, self.latest_iteration)
                 continue
             if old_world == ctx.world_size:  # a replaced node gets its copies back
                 self._write_back = write_back_after(ctx, manifest.iteration, listed)
