@@ -17,6 +17,7 @@ object or as its state dict), and one the checkpoint holds nothing for is an err
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,48 +143,47 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     layouts = manifest.layouts
     # (device, start, end, entry) of the memory of destinations read into
     spans: list[tuple[str, int, int, int]] = []
-    seen: dict[str, int] = {}
-    for e in manifest.tensors:
-        seen[e.key_path] = seen.get(e.key_path, 0) + 1
+    seen = Counter(e.key_path for e in manifest.tensors)
     # Per entry only what differs: this runs once per tensor, 10,000 times for a small-tensor
     # state dict (the dtype and device lookups are cached, a contiguous tensor's extent is its
     # size).
     dtypes: dict[str, torch.dtype] = {}
     replicas = manifest.replicas
     as_bytes = manifest.numpy_bytes
-    for i, e in enumerate(manifest.tensors):
-        target = by_path.get(e.key_path)
-        if target is None or seen[e.key_path] > 1 or i in replicas or i in as_bytes:
+    strided = torch.strided
+    for i, (key_path, dtype_str, shape, _, nbytes, _) in enumerate(manifest.tensors):
+        target = by_path.get(key_path)
+        if target is None or seen[key_path] > 1 or i in replicas or i in as_bytes:
             continue
         if layouts or target.layout is not None:
-            why = _layouts_differ(e.key_path, layouts.get(i), target.layout)
+            why = _layouts_differ(key_path, layouts.get(i), target.layout)
             if why is not None:
                 mismatched.append(why)
                 continue
         t = target.tensor
-        dtype = dtypes.get(e.dtype) or dtypes.setdefault(e.dtype, dtype_from_name(e.dtype))
-        kind = t.device.type
-        if t.layout != torch.strided or t.is_nested or kind == "meta" \
-                or t.dtype != dtype or t.shape != e.shape:
+        dtype = dtypes.get(dtype_str) or dtypes.setdefault(dtype_str, dtype_from_name(dtype_str))
+        kind = "cpu" if t.is_cpu else t.device.type  # .device.type costs 0.2 us
+        if t.layout is not strided or t.is_nested or kind == "meta" \
+                or t.dtype != dtype or t.shape != shape:
             if target.dtensor is not None:
-                mismatched.append(f"{e.key_path!r}: the local shard is {e.dtype} of shape "
-                                  f"{list(e.shape)}; `into`'s is {t.dtype} of shape "
+                mismatched.append(f"{key_path!r}: the local shard is {dtype_str} of shape "
+                                  f"{list(shape)}; `into`'s is {t.dtype} of shape "
                                   f"{list(t.shape)}")
             continue
         if target.dtensor is not None:
             dtensors[i] = target.dtensor
         contiguous = t.is_contiguous()
         readable = kind == "cpu" or (device is not None and t.device == device)
-        if readable and e.nbytes and contiguous and not t.is_conj() and not t.is_neg():
+        if readable and nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
         else:
             copied[i] = t
-        if readable and e.nbytes:
+        if readable and nbytes:
             # the memory it spans, views and strides included (tied weights, a view of another)
-            extent = t.numel() if contiguous else 1 + sum(
-                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
             start = t.data_ptr()
-            spans.append((kind, start, start + extent * t.element_size(), i))
+            end = start + nbytes if contiguous else start + t.element_size() * (1 + sum(
+                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)))
+            spans.append((kind, start, end, i))
     spans.sort()
     shared: set[int] = set()
     reach, last, on = -1, -1, ""
