@@ -37,6 +37,8 @@ from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
 from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
 
+_new_entry = tuple.__new__
+
 if TYPE_CHECKING:
     from ..control.collectives import CheckpointGroup
     from ..control.context import Context
@@ -99,10 +101,14 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
               state_dict: Any) -> tuple[ShardManifest, dict[str, Any]]:
     """The manifest of a staged shard and the request its save puts to the agreement."""
     names: dict[Any, str] = {}  # dtype and device -> str, computed once per save
+    # tuple.__new__: TensorEntry(...) runs a Python __new__ per entry (10,000 tensors: 7.3 ->
+    # 5.6 ms with the host tensors' device named without making a torch.device)
     entries = tuple([
-        TensorEntry(path, names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)),
-                    tuple(t.shape), off, size,
-                    names.get(t.device) or names.setdefault(t.device, str(t.device)))
+        _new_entry(TensorEntry, (
+            path, names.get(t.dtype) or names.setdefault(t.dtype, dtype_name(t.dtype)),
+            tuple(t.shape), off, size,
+            "cpu" if t.is_cpu else names.get(t.device) or names.setdefault(t.device,
+                                                                           str(t.device))))
         for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
                                       layout.sizes, strict=True)])
     hollow = deduped.hollow
