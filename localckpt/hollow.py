@@ -99,16 +99,6 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
         raise TypeError(
             f"unsupported tensor at state dict key {path_str(path)!r}: meta tensors hold no data"
         )
-    if (t.is_cpu or t.is_cuda) and t.numel() and not t._is_zerotensor():
-        spans = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(),
-                                                                          strict=True))
-        have = t.untyped_storage().nbytes()
-        if have < spans * t.element_size():
-            raise TypeError(
-                f"unsupported tensor at state dict key {path_str(path)!r}: its storage holds "
-                f"{have} bytes, the tensor spans {spans * t.element_size()} (freed or shrunk "
-                "with untyped_storage().resize_(), as FSDP frees unsharded parameters): save "
-                "the sharded state, or the tensor while its storage is allocated")
 
 
 def is_stateful(obj: Any) -> bool:
@@ -162,9 +152,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     """JSON form of ``obj`` with tensors appended to ``walk`` and replaced by ``{"T": i}``."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
-        # No data pointer: an empty or zero tensor, or a freed storage (checked there).
-        if obj.layout is not torch.strided or obj.is_meta or obj.is_nested or \
-                ((obj.is_cpu or obj.is_cuda) and not obj.data_ptr()):
+        if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
             _check_tensor(obj, path)  # raises, naming the key
         i = walk.add(obj, path)
         if walk.on_tensor is not None and obj.nbytes > walk.on_tensor_above:
@@ -229,6 +217,10 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if walk.types.setdefault(name, kind) is not kind:
         raise TypeError(f"two types named {name!r} in one state dict (at {what})")
     if isinstance(obj, enum.Enum):
+        if obj.name is None or obj.name not in kind.__members__:  # a combination of Flags
+            raise TypeError(f"{what}: {obj!r} combines members of the enum.Flag "
+                            f"{kind.__qualname__} (a load rebuilds members by name): save "
+                            "its int value, or each member")
         return {"enum": {"type": name, "name": obj.name}}
     if getattr(obj, "is_hollow", False) is True:  # NVIDIA's tensor-aware state dict protocol
         raise TypeError(f"{what}: the {kind.__qualname__} is hollow (its tensors were popped): "

@@ -111,10 +111,16 @@ def enum_member(value: Mapping[str, Any], types: Mapping[str, type]) -> Any:
     return kind[member]
 
 
+# Looked up in torch's namespace as it is (vars, not getattr): getattr(torch, "_dynamo") imports
+# hundreds of modules, which a manifest must not be able to make a load do.
+_TORCH_DTYPES = {name: value for name, value in vars(torch).items()
+                 if isinstance(value, torch.dtype)}
+
+
 def dtype_by_name(name: Any) -> torch.dtype:
     """The torch dtype ``name`` ("float32"); ValueError for anything else."""
-    dtype = getattr(torch, name, None) if type(name) is str and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
+    dtype = _TORCH_DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
         raise ValueError(f"not a torch dtype: {str(name)[:100]!r}")
     return dtype
 
@@ -267,6 +273,8 @@ def scalar_from_json(value: Mapping[str, Any]) -> Any:
     if len(raw) != dtype.itemsize:
         raise ValueError(f"numpy scalar of {dtype}: expected {dtype.itemsize} bytes, "
                          f"got {len(raw)}")
+    if dtype.itemsize == 0:  # np.void(b""): frombuffer refuses an itemsize of zero
+        return np.zeros((), dtype=dtype)[()]
     return np.frombuffer(raw, dtype=dtype).reshape(())[()]
 
 

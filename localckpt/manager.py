@@ -415,7 +415,8 @@ class LocalCheckpointManager:
         ``into`` is loaded into that tensor in place (on CPU read straight into it, with no
         allocation; on another device copied into it), and the returned state dict holds those
         very tensors. The others are allocated as without ``into``. Tensors of ``into`` that
-        share memory (tied weights) are not used. They must be writable and left alone while
+        share memory (tied weights) are filled by a copy once read, when the values saved for
+        them agree (else returned fresh, with a warning). They must be writable and left alone while
         ``load`` runs: a checksum that fails there is blamed on them (ConfigurationError), never
         on the copy. If ``load`` raises, or falls back to an older iteration, tensors of
         ``into`` the returned state does not hold may keep data of the iteration it gave up.

@@ -219,3 +219,21 @@ def test_odd_metadata_never_makes_an_intact_shard_corrupt(
 def test_a_metric_too_large_for_a_float_is_refused_at_save(root: Path) -> None:
     with LocalCheckpointManager(root) as mgr, pytest.raises(ConfigurationError, match="metrics"):
         mgr.save({"w": torch.ones(2)}, 1, metrics={"tokens": 10**400})
+
+
+def test_a_rolled_back_and_saved_again_iteration_is_judged_by_its_new_metrics(
+        root: Path) -> None:
+    """keep_best must judge iteration 30 saved again after a rollback by its own loss (0.9),
+    not by the discarded save's (0.1): it deleted the true best (20) before."""
+    def held() -> list[int]:
+        return sorted(int(p.name[5:]) for p in (root / "job").glob("iter_*"))
+
+    with LocalCheckpointManager(root, "job", keep_last=2, keep_best=1,
+                                best_metric="loss") as mgr:
+        for it, loss in [(10, 0.3), (20, 0.4), (30, 0.1)]:
+            mgr.save({"w": torch.full((4,), float(it))}, it, metrics={"loss": loss})
+        mgr.load(iteration=20, discard_newer=True)
+        mgr.save({"w": torch.full((4,), 30.0)}, 30, metrics={"loss": 0.9})
+        for it, loss in [(40, 0.5), (50, 0.6)]:
+            mgr.save({"w": torch.full((4,), float(it))}, it, metrics={"loss": loss})
+        assert held() == [20, 40, 50]

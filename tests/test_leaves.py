@@ -8,7 +8,10 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
 import random
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -451,3 +454,72 @@ def test_an_unstorable_record_dtype_names_the_key_path() -> None:
 def test_a_generator_with_nothing_saved_is_named_as_one(root: Path) -> None:
     with pytest.raises(localckpt.ConfigurationError, match=r"torch\.Generators at \['g'\]"):
         _save_load(root, {"g": None}, into={"g": torch.Generator()})
+
+
+class _Perm(enum.Flag):
+    R = 1
+    W = 2
+
+
+def _deep(levels: int) -> Any:
+    node: Any = 0
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+@pytest.mark.parametrize("value, says", [
+    (_deep(120), "nest"),  # deeper than a load accepts
+    (argparse.Namespace(**{"1": 2}), "Namespace"),  # non-identifier attribute names are fine...
+])
+def test_a_save_no_load_could_decode_is_refused_at_save(root: Path, value: Any,
+                                                         says: str) -> None:
+    """Everything save accepts must load: a structure the load's check refuses was saved, then
+    its healthy copy quarantined as corrupt by every load (the job fell back or found nothing)."""
+    if isinstance(value, argparse.Namespace):
+        value.__dict__[1] = 2  # ...an int attribute name is not
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save({"w": torch.ones(2), "x": 1}, 1)
+        with pytest.raises(Exception, match=says) as info:
+            mgr.save({"w": torch.ones(2), "x": value}, 2)
+        assert "TypeError" in type(info.value).__name__ or isinstance(info.value, TypeError)
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        loaded, (it, _, _) = mgr.load()
+    assert it == 1 and loaded["x"] == 1
+    assert not list(root.rglob(".quarantine*"))
+
+
+def test_a_zero_size_numpy_scalar_round_trips(root: Path) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"v": np.void(b"")}, 1)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load()
+    assert isinstance(loaded["v"], np.void) and loaded["v"].dtype.itemsize == 0
+
+
+def test_a_combined_flag_is_refused_at_save_not_unloadable(root: Path) -> None:
+    localckpt.add_safe_types(_Perm)
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"p": _Perm.R}, 1)  # a member: saved and loaded
+        with pytest.raises(Exception, match="Flag"):
+            mgr.save({"p": _Perm.R | _Perm.W}, 2)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, (it, _, _) = mgr.load()
+    assert it == 1 and loaded["p"] is _Perm.R
+
+
+def test_a_dtype_node_is_looked_up_not_imported() -> None:
+    """A manifest's {"dtype": "_dynamo"} made a load import torch._dynamo (821 modules)."""
+    from localckpt import leaves
+
+    assert leaves.dtype_by_name("bfloat16") is torch.bfloat16
+    for bad in ("nn", "compile", "Tensor", 3):
+        with pytest.raises(ValueError, match="not a torch dtype"):
+            leaves.dtype_by_name(bad)
+    code = ("import sys\nfrom localckpt import leaves\n"
+            "try:\n    leaves.dtype_by_name('_dynamo')\nexcept ValueError:\n    pass\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.stdout.strip() == "False", (proc.stdout, proc.stderr[-1000:])

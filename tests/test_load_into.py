@@ -3,6 +3,9 @@ no allocation on CPU), with a fresh tensor wherever the caller's does not fit.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ from dist_harness import run_ranks
 from localckpt import LocalCheckpointManager
 from localckpt.errors import ConfigurationError, CorruptShardError
 from localckpt.storage import shard_reader
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -197,3 +202,57 @@ def test_a_damaged_byte_among_small_tensors_is_caught(root: Path) -> None:
     chunk.write_bytes(bytes(data))
     with LocalCheckpointManager(root, "s") as mgr, pytest.raises(CorruptShardError):
         mgr.load()
+
+
+def test_tied_host_tensors_of_into_are_filled_in_place(root: Path) -> None:
+    """A model with tied weights (embedding and head share one tensor): load(into=its state
+    dict) must leave the model holding the saved weights, as it does for every other tensor
+    (the shared tensor was left at its initial values)."""
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(40.0).view(10, 4))
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"model": model.state_dict()}, 1)
+    with torch.no_grad():
+        emb.weight.zero_()
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into={"model": model.state_dict()})
+    assert torch.equal(model["emb"].weight.detach(), torch.arange(40.0).view(10, 4))
+    assert torch.equal(loaded["model"]["head.weight"], torch.arange(40.0).view(10, 4))
+
+
+@pytest.mark.parametrize("case", ["shrunk", "freed view"])
+def test_an_into_tensor_whose_storage_is_too_small_is_refused(root: Path, case: str) -> None:
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.full((1 << 14,), 3.0)}, 1)
+    code = (
+        "import torch\n"
+        "from localckpt import LocalCheckpointManager\n"
+        + ("t = torch.zeros(1 << 14); t.untyped_storage().resize_(8)\n" if case == "shrunk" else
+           "b = torch.zeros(1 << 15); t = b[1 << 14:]; b.untyped_storage().resize_(0)\n")
+        + f"with LocalCheckpointManager({str(root)!r}, 's') as mgr:\n"
+        "    try:\n"
+        "        mgr.load(into={'w': t})\n"
+        "    except Exception as exc:\n"
+        "        print('refused:', type(exc).__name__, exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused:" in proc.stdout and "storage" in proc.stdout, proc.stdout
+
+
+def test_tied_into_tensors_saved_with_different_values_come_back_apart(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved = {"embed": torch.full((8,), 1.0), "head": torch.full((8,), 2.0)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    tied = torch.zeros(8)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into={"embed": tied, "head": tied})
+    assert torch.equal(loaded["embed"], saved["embed"]) and torch.equal(loaded["head"],
+                                                                          saved["head"])
+    assert torch.equal(tied, torch.zeros(8))  # left as it was: neither key's value is its own
+    assert "'embed', 'head' share memory" in caplog.text

@@ -388,3 +388,37 @@ def test_a_tensor_whose_storage_was_freed_is_refused_not_a_crash(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "layer/w" in proc.stdout
     assert "storage" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("case", ["freed view", "shrunk", "freed by a Stateful"])
+def test_a_tensor_reaching_past_its_storage_is_refused_not_read(tmp_path: Path,
+                                                                  case: str) -> None:
+    """A view of a freed storage has a data pointer (its offset), a shrunk storage a short one:
+    staging them read freed memory (a crash, or heap bytes written to the checkpoint); so did
+    a tensor a Stateful freed after the walk met it."""
+    setup = {
+        "freed view": "b = torch.arange(16.0); t = b[4:8]; b.untyped_storage().resize_(0)\n"
+                      "state = {'layer': {'w': t}}\n",
+        "shrunk": "t = torch.arange(4096.0); t.untyped_storage().resize_(8)\n"
+                  "state = {'layer': {'w': t}}\n",
+        "freed by a Stateful": (
+            "t = torch.arange(4096.0)\n"
+            "class Frees:\n"
+            "    def state_dict(self):\n"
+            "        t.untyped_storage().resize_(0)\n"
+            "        return {}\n"
+            "    def load_state_dict(self, sd):\n"
+            "        pass\n"
+            "state = {'layer': {'w': t}, 'z': Frees()}\n"),
+    }[case]
+    code = ("import torch\nfrom localckpt import LocalCheckpointManager\n" + setup +
+            f"with LocalCheckpointManager({str(tmp_path / 'ckpt')!r}, 's') as mgr:\n"
+            "    try:\n"
+            "        mgr.save(state, 1)\n"
+            "    except TypeError as exc:\n"
+            "        print('refused:', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused:" in proc.stdout and "storage" in proc.stdout, proc.stdout
+    assert "layer/w" in proc.stdout, proc.stdout

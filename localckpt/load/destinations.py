@@ -4,8 +4,9 @@ tensor of ``into`` at the same key path, in place, when dtype and shape match.
 On CPU the shard's chunks are read (or received) straight into that tensor: no allocation and no
 page faults, which on a fresh process cost more than the read itself. On another device the
 tensor is read into host memory, then copied into the caller's. Two destinations sharing memory
-(tied weights) are left out: reading both at once would make healthy chunks fail their
-checksums, and a healthy copy must never be quarantined for that.
+(tied weights) are filled the same way, by a copy after the read: reading into both at once
+would make healthy chunks fail their checksums, and a healthy copy must never be quarantined
+for that.
 
 A DTensor of ``into`` is loaded into through its local shard, when the saved shard lies at the
 same place (:meth:`DTensorLayout.same_place`); the returned state holds the caller's DTensor.
@@ -17,6 +18,7 @@ object or as its state dict), and one the checkpoint holds nothing for is an err
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,9 @@ from ..dtensors import DTensorLayout, mesh_key, wrap
 from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
+from ..storage.views import past_storage, past_storage_error
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +102,9 @@ class Destinations:
     dtensors: dict[int, Any] = field(default_factory=dict)
     mismatched: list[str] = field(default_factory=list)
     elsewhere: list[str] = field(default_factory=list)  # replicas another rank stored
+    # groups of copied entries whose tensors are one memory (tied weights)
+    tied: list[tuple[int, ...]] = field(default_factory=list)
+    paths: dict[int, str] = field(default_factory=dict)  # key paths of the tied entries
 
     @property
     def placed(self) -> dict[int, torch.Tensor]:
@@ -174,6 +182,9 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             dtensors[i] = target.dtensor
         contiguous = t.is_contiguous()
         readable = kind == "cpu" or (device is not None and t.device == device)
+        if nbytes and (found := past_storage(t)) is not None:  # a read or copy would write
+            # memory it does not own
+            raise past_storage_error(f"load(into=...): the tensor at key {key_path!r}", found)
         if readable and nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
         else:
@@ -194,17 +205,42 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             shared.update((i, last))
         if end > reach:
             reach, last = end, i
+    tied = _tied_groups(shared, spans, direct, copied)
     for i in shared:
         held = direct[i] if direct[i] is not None else copied.get(i)
         direct[i] = None
-        if held is not None and not held.is_cpu:
-            # Filled by a copy, as a device tensor always was: its checksums are taken on the
-            # host, so tied weights on the GPU cannot fail them.
+        if held is not None and (not held.is_cpu or any(i in group for group in tied)):
+            # Filled by a copy after the read (into fresh memory: reading into both at once,
+            # healthy chunks would fail their checksums), as a device tensor always was; tied
+            # weights only if their saved values agree (fill_copied).
             copied[i] = held
             continue
-        copied.pop(i, None)  # left out: one would overwrite the other
+        copied.pop(i, None)  # left out: one would overwrite part of the other
         dtensors.pop(i, None)
-    return Destinations(direct, copied, dtensors, mismatched, elsewhere)
+    return Destinations(direct, copied, dtensors, mismatched, elsewhere, tied,
+                        {i: manifest.tensors[i].key_path for group in tied for i in group})
+
+
+def _tied_groups(shared: set[int], spans: list[tuple[str, int, int, int]],
+                 direct: list[torch.Tensor | None],
+                 copied: dict[int, torch.Tensor]) -> list[tuple[int, ...]]:
+    """The entries of ``shared`` whose destinations are one tensor's memory seen alike (tied
+    weights: same place, shape, strides and dtype), in groups that overlap no other entry."""
+    by_key: dict[Any, list[int]] = {}
+    where = {i: (kind, start, end) for kind, start, end, i in spans if i in shared}
+    for i in sorted(shared):
+        t = direct[i] if direct[i] is not None else copied.get(i)
+        if t is not None:
+            by_key.setdefault((t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype),
+                              []).append(i)
+    groups = []
+    for members in by_key.values():
+        kind, start, end = where[members[0]]
+        if len(members) > 1 and not any(
+                k == kind and s < end and start < e and i not in members
+                for i, (k, s, e) in where.items()):
+            groups.append(tuple(members))
+    return groups
 
 
 def check_layouts(destinations: Destinations) -> None:
@@ -228,6 +264,17 @@ def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None
     """Copy each loaded tensor into the caller's tensor that could not be read into. Raises
     LayoutMismatchError first if a saved DTensor shard does not fit ``into``'s."""
     check_layouts(destinations)
+    # Tied weights of ``into`` hold what was saved for them only if those values agree (saved
+    # tied); otherwise no one key's value is theirs: each key gets its loaded tensor back.
+    for group in destinations.tied:
+        first = tensors[group[0]]
+        if not all(torch.equal(first, tensors[i]) for i in group[1:]):
+            logger.warning("load(into=...): %s share memory in `into` but were saved with "
+                           "different values: returned as loaded, `into`'s left as it was",
+                           ", ".join(repr(destinations.paths.get(i, i)) for i in group))
+            for i in group:
+                destinations.copied.pop(i, None)
+                destinations.dtensors.pop(i, None)
     with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
         for i, t in destinations.copied.items():
             t.copy_(tensors[i])

@@ -35,7 +35,14 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
-from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
+from .staging import (
+    GATHER_MAX_NBYTES,
+    EagerCopies,
+    PackedLayout,
+    StagingArena,
+    plan_layout,
+    refuse_past_storage,
+)
 
 _new_entry = tuple.__new__
 
@@ -79,6 +86,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     try:
         tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met, GATHER_MAX_NBYTES)
         deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
+        refuse_past_storage(deduped.tensors, tasd.key_paths)
         layout = plan_layout(deduped.tensors, *early.placement())
         chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
         fault_point("staging", ctx.rank, iteration)
@@ -112,12 +120,6 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
         for t, path, off, size in zip(deduped.tensors, tasd.key_paths, layout.offsets,
                                       layout.sizes, strict=True)])
     hollow = deduped.hollow
-    statefuls = tasd.statefuls if type(tasd) is BasicTensorAwareStateDict else None
-    if statefuls is None:  # a user's implementation: refuse what no load could decode
-        try:
-            check_hollow(hollow, len(entries), "hollow_structure()")
-        except CorruptShardError as exc:
-            raise TypeError(str(exc)) from None
     # The lowest version that describes it: older readers read what they can, and refuse (not
     # misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept by another rank;
     # 4: numpy, Generator, dataclass and named tuple nodes.
@@ -127,6 +129,13 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
         extended, stateful = format_nodes(hollow)
     version = 4 if extended else 3 if deduped.expected else \
         2 if tasd.layouts or stateful else 1
+    # What every load checks first, checked here: a structure it refuses (nested deeper than
+    # it reads, a key it cannot rebuild) would be saved, then each healthy copy quarantined as
+    # corrupt by every load. A user's TensorAwareStateDict is checked the same way.
+    try:
+        check_hollow(hollow, len(entries), "save: the state dict", None, entries, version)
+    except CorruptShardError as exc:
+        raise TypeError(f"{exc}: no load could read it back") from None
     manifest = ShardManifest(
         session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
         world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,

@@ -6,7 +6,9 @@ store's reaper thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -31,7 +33,8 @@ class Retainer:
 
     def __init__(self, ctx: Context, policy: KeepPolicy) -> None:
         self.ctx, self.policy = ctx, policy
-        self._cache: dict[tuple[int, int], dict[str, Any]] = {}  # by (iteration, owner)
+        # by (iteration, owner, the manifest file's inode and mtime)
+        self._cache: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         # Iterations this rank must keep for now (a persist to the durable tier copies them):
         # reported, and kept by every rank (the node roots they share hold them too).
         self.pinned: Callable[[], set[int]] = set
@@ -65,13 +68,20 @@ class Retainer:
         metric or time."""
         ctx, out = self.ctx, {}
         committed = [r for r in ctx.store.committed() if r.world_size == ctx.world_size]
-        cache = self._cache  # a committed shard's metadata never changes
-        for key in set(cache) - {(r.iteration, r.owner_rank) for r in committed}:
+        # A committed shard's metadata never changes, but one iteration number may be saved
+        # again (after a rollback, or a failed save): keyed by the manifest file itself.
+        keys = {}
+        for ref in committed:
+            with contextlib.suppress(OSError):  # gone since the listing: says nothing
+                st = os.stat(ref.path / "zarr.json")
+                keys[ref] = (ref.iteration, ref.owner_rank, st.st_ino, st.st_mtime_ns)
+        cache = self._cache
+        for key in set(cache) - set(keys.values()):
             del cache[key]
         for ref in committed:
-            if str(ref.iteration) in out:
+            if str(ref.iteration) in out or ref not in keys:
                 continue
-            key = (ref.iteration, ref.owner_rank)
+            key = keys[ref]
             if key not in cache:
                 try:
                     cache[key] = ctx.store.read_manifest(ref).metadata

@@ -29,6 +29,7 @@ from torch._utils import _flatten_dense_tensors
 
 from ..errors import CorruptShardError
 from ..storage.manifest import dtype_name
+from ..storage.views import past_storage, past_storage_error
 
 ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
 
@@ -138,6 +139,16 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
         end = offsets[i] + sizes[i]
     return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs),
                         frozenset(placed) if copied is None else copied, (*placed, *rest))
+
+
+def refuse_past_storage(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
+    """TypeError naming the key path of the first tensor that reaches past its storage (a
+    copy would read memory it does not own: a crash, or other objects' bytes saved). Called
+    once the walk ran every Stateful's state_dict(), before anything is staged."""
+    for t, path in zip(tensors, paths, strict=True):
+        found = past_storage(t)
+        if found is not None:
+            raise past_storage_error(f"unsupported tensor at state dict key {path!r}", found)
 
 
 def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
@@ -391,7 +402,7 @@ class EagerCopies:
             except TypeError:
                 return
             self._storable.add(dtype)
-        if not _plain_memory(t):
+        if not _plain_memory(t) or past_storage(t) is not None:  # the stage refuses the latter
             return
         try:
             version = t._version  # how placement() tells a tensor changed after its copy

@@ -64,3 +64,29 @@ def copy_out(small: Sequence[SmallTarget], starts: Sequence[int], lo: int, hi: i
         if end > begin:
             memmove(address + (begin - off), src + (begin - base), end - begin)
         k += 1
+
+
+def past_storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes its storage holds, bytes the tensor spans from the storage's start) when a CPU or
+    CUDA tensor reaches past the end of its storage (freed or shrunk with
+    ``untyped_storage().resize_()``, as FSDP frees unsharded parameters: reading or writing it
+    touches memory it does not own); None otherwise."""
+    if not (t.is_cpu or t.is_cuda):
+        return None
+    have = t.untyped_storage().nbytes()
+    itemsize = t.element_size()
+    if t.is_contiguous():
+        span = (t.storage_offset() + t.numel()) * itemsize
+    elif t.numel():
+        span = (t.storage_offset() + 1 + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * itemsize
+    else:
+        return None
+    return (have, int(span)) if span > have and t.numel() else None
+
+
+def past_storage_error(what: str, found: tuple[int, int]) -> TypeError:
+    have, span = found
+    return TypeError(f"{what}: its storage holds {have} bytes, the tensor spans {span} (freed "
+                     "or shrunk with untyped_storage().resize_(), as FSDP frees unsharded "
+                     "parameters): use it while its storage is allocated, or the sharded state")
