@@ -24,3 +24,42 @@ def load_into(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]
     return {"identical": all(torch.equal(loaded[k], want[k]) for k in ("big", "big_bf16")),
             "in_place": loaded["big"] is template["big"] and
             loaded["big_bf16"] is template["big_bf16"]}
+
+
+def save_apart(rank: int, world: int, base: str) -> None:
+    """Two ranks on one node root: a plain tensor, and two keys saved with different values."""
+    from pathlib import Path
+
+    from localckpt import LocalCheckpointManager
+
+    with LocalCheckpointManager(Path(base) / "node0", "job", timeout=30) as mgr:
+        mgr.save({"w": torch.full((1 << 16,), float(rank + 1)),
+                  "emb": torch.full((8,), float(rank)),
+                  "head": torch.full((8,), float(rank + 5)),
+                  "tied": torch.full((8,), 9.0)}, 1)
+
+
+def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
+    """A job of another world size (reshard=True) loads into a shrunk tensor, or into tied
+    tensors: ``emb``/``head`` saved apart, ``tied`` saved under both keys of one memory."""
+    from pathlib import Path
+
+    from localckpt import LocalCheckpointManager
+
+    w = torch.zeros(1 << 16)
+    apart, tied = torch.zeros(8), torch.zeros(8)
+    if case == "shrunk":
+        w.untyped_storage().resize_(8)
+        into: dict[str, Any] = {"w": w}
+    else:
+        into = {"emb": apart, "head": apart, "tied": tied}
+    out: dict[str, Any] = {}
+    with LocalCheckpointManager(Path(base) / "node0", "job", timeout=30, reshard=True) as mgr:
+        try:
+            state, _ = mgr.load(into=into)
+        except TypeError as exc:
+            return {"error": str(exc)}
+    out["emb"], out["head"] = state["emb"][0].item(), state["head"][0].item()
+    out["apart_untouched"] = bool((apart == 0).all())
+    out["tied_in_place"] = state["tied"] is tied and bool((tied == 9.0).all())
+    return out

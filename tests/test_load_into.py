@@ -256,3 +256,28 @@ def test_tied_into_tensors_saved_with_different_values_come_back_apart(
                                                                           saved["head"])
     assert torch.equal(tied, torch.zeros(8))  # left as it was: neither key's value is its own
     assert "'embed', 'head' share memory" in caplog.text
+
+
+def test_a_resharding_load_into_refuses_a_shrunk_tensor_and_keeps_tied_keys_apart(
+        tmp_path: Path) -> None:
+    """The resharding load copied into `into`'s tensors with neither check: past a shrunk
+    storage (a crash), and the last of two tied keys saved apart winning for both."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(into_scenarios.save_apart, 2, tmp_path, base))
+    (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "shrunk")
+    assert r.ok and "storage holds 8 bytes" in r.value["error"], (r.value, r.message)
+    (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "tied")
+    assert r.ok, r.message
+    assert r.value == {"emb": 0.0, "head": 5.0, "apart_untouched": True,
+                       "tied_in_place": True}, r.value
+
+
+def test_tied_tensors_holding_nan_are_filled_in_place(root: Path) -> None:
+    w = torch.tensor([1.0, float("nan"), 3.0])
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"emb": w, "head": w}, 1)
+    tied = torch.zeros(3)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into={"emb": tied, "head": tied})
+    assert loaded["emb"] is tied and loaded["head"] is tied
+    assert torch.equal(tied.isnan(), w.isnan()) and tied[0] == 1.0 and tied[2] == 3.0

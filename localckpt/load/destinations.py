@@ -189,12 +189,13 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             direct[i] = t
         else:
             copied[i] = t
-        if readable and nbytes:
-            # the memory it spans, views and strides included (tied weights, a view of another)
+        if nbytes and (readable or kind == "cuda"):
+            # the memory it spans, views and strides included (tied weights, a view of another);
+            # a device tensor filled by a copy too, so tied ones are checked alike on every path
             start = t.data_ptr()
             end = start + nbytes if contiguous else start + t.element_size() * (1 + sum(
                 (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)))
-            spans.append((kind, start, end, i))
+            spans.append((kind if kind == "cpu" else str(t.device), start, end, i))
     spans.sort()
     shared: set[int] = set()
     reach, last, on = -1, -1, ""
@@ -260,6 +261,51 @@ def check_layouts(destinations: Destinations) -> None:
             f"layout of `into`: {shown}{more}; they are loaded through resharding")
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bytes (NaN payloads included, unlike torch.equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8),
+                       b.detach().reshape(-1).view(torch.uint8))
+
+
+def split_tied(fills: dict[int, tuple[torch.Tensor, torch.Tensor]],
+               paths: dict[int, str]) -> set[int]:
+    """Of ``fills`` (entry -> (the caller's tensor, the loaded data)), the entries whose
+    tensors overlap another's and cannot all be filled: not one memory seen alike (tied
+    weights), or saved with different values (a warning names the tied ones). Copying the
+    others in any order leaves each tensor of the caller with its saved value."""
+    spans = []
+    for i, (t, _) in fills.items():
+        if t.numel():
+            start = t.data_ptr()
+            spans.append((str(t.device), start, start + t.element_size() * (1 + sum(
+                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))), i))
+    spans.sort()
+    clusters: list[list[int]] = []
+    reach, on = -1, ""
+    for device, start, end, i in spans:
+        if device != on or start >= reach:
+            clusters.append([])
+            reach, on = -1, device
+        clusters[-1].append(i)
+        reach = max(reach, end)
+    apart: set[int] = set()
+    for members in (c for c in clusters if len(c) > 1):
+        first, data = fills[members[0]]
+        alike = all(fills[i][0].data_ptr() == first.data_ptr() and
+                    fills[i][0].shape == first.shape and
+                    fills[i][0].stride() == first.stride() and same_bytes(fills[i][1], data)
+                    for i in members[1:])
+        if not alike:
+            apart.update(members)
+            logger.warning("load(into=...): %s share memory in `into` but were saved with "
+                           "different values (or overlap in part): each is returned as "
+                           "loaded, not read into that memory",
+                           ", ".join(repr(paths.get(i, i)) for i in members))
+    return apart
+
+
 def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:
     """Copy each loaded tensor into the caller's tensor that could not be read into. Raises
     LayoutMismatchError first if a saved DTensor shard does not fit ``into``'s."""
@@ -268,10 +314,10 @@ def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None
     # tied); otherwise no one key's value is theirs: each key gets its loaded tensor back.
     for group in destinations.tied:
         first = tensors[group[0]]
-        if not all(torch.equal(first, tensors[i]) for i in group[1:]):
+        if not all(same_bytes(first, tensors[i]) for i in group[1:]):
             logger.warning("load(into=...): %s share memory in `into` but were saved with "
-                           "different values: returned as loaded, `into`'s left as it was",
-                           ", ".join(repr(destinations.paths.get(i, i)) for i in group))
+                           "different values: each is returned as loaded, not read into that "
+                           "memory", ", ".join(repr(destinations.paths.get(i, i)) for i in group))
             for i in group:
                 destinations.copied.pop(i, None)
                 destinations.dtensors.pop(i, None)

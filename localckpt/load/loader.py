@@ -54,6 +54,8 @@ class LoadPath:
         self._found = (-1, ctx.world_size)  # find_latest's (iteration, world size it was saved at)
         self._write_back: WriteBack | None = None  # the last load's, until waited for
         self._warned_foreign: set[int] = set()
+        # why the durable tier could not deliver the newer iteration a load last asked it for
+        self._tier_unavailable: str | None = None
         self.durable: DurableStore | None = None
         self._local_found: tuple[int, int] = (-1, ctx.world_size)  # the local tiers' newest
         # find_latest's: durable (iteration, world size) newer than the local tiers cover,
@@ -216,6 +218,7 @@ class LoadPath:
         if not candidates:
             return -1
         fetched, world, unavailable = fetch_from_durable(ctx, self.durable, candidates)
+        self._tier_unavailable = unavailable if fetched < 0 else None
         if fetched < 0:
             logger.error("rank %d: load: the local copies of iterations newer than %d are "
                          "unusable and the durable tier %s could not deliver them (%s); "
@@ -331,14 +334,25 @@ class LoadPath:
         ctx = self.ctx
         failures: list[str] = []
         failed_at = -1  # the newest iteration an attempt failed to load
+        self._tier_unavailable = None
+        tier_asked = False  # once per load: a copy of the tier's that fails too is given up
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
             if self._listed is None:  # the durable tier was consulted already, by load
                 self.find_latest(durable=False)
                 if self.durable is not None and self.latest_iteration < failed_at and \
-                        self._newer_from_durable(self.latest_iteration, any_world=True) >= 0:
-                    self.find_latest(durable=False)  # the tier's copy is local now: the newest
+                        not tier_asked:
+                    tier_asked = True
+                    if self._newer_from_durable(self.latest_iteration, any_world=True) >= 0:
+                        self.find_latest(durable=False)  # the tier's copy is the newest now
             listed, self._listed = self._listed, None
             if self.latest_iteration < 0 or listed is None:
+                if failures and self._tier_unavailable:  # what it holds may still load
+                    raise DurableTierUnavailableError(
+                        f"load: no complete checkpoint is left in the local tiers (copies "
+                        f"failed their checks: {failures[-1]}), and the durable tier "
+                        f"{self.durable.root if self.durable else ''} could not deliver its "
+                        f"newer ones: {self._tier_unavailable}. Do not start afresh: retry "
+                        "once the store is back")
                 if failures:  # not "nothing was saved": a job must not start afresh silently
                     raise CorruptShardError(
                         "load: no complete checkpoint is left to load: copies that failed their "

@@ -42,7 +42,8 @@ from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
-from .destinations import Destinations, Into, Rewrap
+from ..storage.views import past_storage, past_storage_error
+from .destinations import Destinations, Into, Rewrap, split_tied
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         for p, t in (target.paths() or {}).items():
             if t.layout is not None and not t.layout.is_block:
                 raise not_a_block(p, t.layout, "this rank's shard in `into`")
+            found = past_storage(t.tensor)
+            if found is not None:  # a copy into it would write memory it does not own
+                raise past_storage_error(f"load(into=...): the tensor at key {p!r}", found)
         wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
                      list(t.layout.offset), list(t.tensor.shape)]
                  for p, t in (target.paths() or {}).items() if t.layout is not None}
@@ -354,6 +358,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
             f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
     plain: dict[int, torch.Tensor] = {}
     placed: dict[int, torch.Tensor] = {}
+    fills: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # entry -> (into's, loaded)
     pos = 0
     for src in sorted(incoming):  # the receive buffer holds each source's pieces in turn
         for p in incoming[src]:
@@ -369,12 +374,19 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                 mine = targets.get(e.key_path)
                 if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
                         and tuple(mine.tensor.shape) == tuple(e.shape):
-                    with torch.no_grad():
-                        mine.tensor.copy_(data)
-                    plain[p.entry] = placed[p.entry] = mine.tensor
+                    fills[p.entry] = (mine.tensor, data)
                 else:
                     plain[p.entry] = data.clone()
             pos += nbytes(p)
+    # Tensors of ``into`` sharing memory (tied weights) are filled only with agreeing values.
+    apart = split_tied(fills, {i: manifest.tensors[i].key_path for i in fills})
+    with torch.no_grad():
+        for i, (mine_tensor, data) in fills.items():
+            if i in apart:
+                plain[i] = data.clone()
+            else:
+                mine_tensor.copy_(data)
+                plain[i] = placed[i] = mine_tensor
     tensors = [shards[e.key_path] if i in manifest.layouts else plain[i]
                for i, e in enumerate(manifest.tensors)]
     dtensors = {}  # the caller's DTensors; the others are wrapped on into's mesh (Rewrap)

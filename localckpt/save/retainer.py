@@ -33,8 +33,8 @@ class Retainer:
 
     def __init__(self, ctx: Context, policy: KeepPolicy) -> None:
         self.ctx, self.policy = ctx, policy
-        # by (iteration, owner, the manifest file's inode and mtime)
-        self._cache: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        # by (iteration, owner, the manifest file's inode, mtime and size)
+        self._cache: dict[tuple[int, int, int, int, int], dict[str, Any]] = {}
         # Iterations this rank must keep for now (a persist to the durable tier copies them):
         # reported, and kept by every rank (the node roots they share hold them too).
         self.pinned: Callable[[], set[int]] = set
@@ -74,7 +74,8 @@ class Retainer:
         for ref in committed:
             with contextlib.suppress(OSError):  # gone since the listing: says nothing
                 st = os.stat(ref.path / "zarr.json")
-                keys[ref] = (ref.iteration, ref.owner_rank, st.st_ino, st.st_mtime_ns)
+                keys[ref] = (ref.iteration, ref.owner_rank, st.st_ino, st.st_mtime_ns,
+                             st.st_size)
         cache = self._cache
         for key in set(cache) - set(keys.values()):
             del cache[key]
