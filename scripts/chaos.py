@@ -234,7 +234,7 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         Scenario("localckpt gc between runs keeps the newest complete", "at_rest", "operator",
                  damage="gc", pre_args=("--keep-last", "3")),
         Scenario("localckpt gc while the job runs is refused", "finalize", "operator",
-                 args=("--step-seconds", "0.2"), during="gc", expect_restart=False,
+                 args=("--step-seconds", "0.5"), during="gc", expect_restart=False,
                  expect_failed=()),
     ]
     return [s for s in every if full or s.ci]
