@@ -35,14 +35,7 @@ from ..storage.peer_io import piece_count
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
-from .staging import (
-    GATHER_MAX_NBYTES,
-    EagerCopies,
-    PackedLayout,
-    StagingArena,
-    plan_layout,
-    refuse_past_storage,
-)
+from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
 
 _new_entry = tuple.__new__
 
@@ -86,8 +79,7 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     try:
         tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met, GATHER_MAX_NBYTES)
         deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
-        refuse_past_storage(deduped.tensors, tasd.key_paths)
-        layout = plan_layout(deduped.tensors, *early.placement())
+        layout = plan_layout(deduped.tensors, *early.placement(), paths=tasd.key_paths)
         chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
         fault_point("staging", ctx.rank, iteration)
         # The manifest is built while the copies from the GPU run; nothing returns before
@@ -129,13 +121,6 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
         extended, stateful = format_nodes(hollow)
     version = 4 if extended else 3 if deduped.expected else \
         2 if tasd.layouts or stateful else 1
-    # What every load checks first, checked here: a structure it refuses (nested deeper than
-    # it reads, a key it cannot rebuild) would be saved, then each healthy copy quarantined as
-    # corrupt by every load. A user's TensorAwareStateDict is checked the same way.
-    try:
-        check_hollow(hollow, len(entries), "save: the state dict", None, entries, version)
-    except CorruptShardError as exc:
-        raise TypeError(f"{exc}: no load could read it back") from None
     manifest = ShardManifest(
         session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
         world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
@@ -150,6 +135,18 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
                "payload": chunk_nbytes * chunk_count,
                "replicas": deduped.digest, "meta": meta}
     return manifest, request
+
+
+def _check_loadable(m: ShardManifest) -> None:
+    """TypeError unless every load can read ``m``'s structure back: what a load checks first
+    (check_hollow), checked before anything is written (a structure it refuses, nested deeper
+    than it reads or with a key it cannot rebuild, would be saved, then each healthy copy
+    quarantined as corrupt by every load). In the agreement, off an async save's stall."""
+    try:
+        check_hollow(m.hollow, len(m.tensors), "save: the state dict", None, m.tensors,
+                     m.format_version)
+    except CorruptShardError as exc:
+        raise TypeError(f"{exc}: no load could read it back") from None
 
 
 class SaveAgreement:
@@ -170,6 +167,7 @@ class SaveAgreement:
         def request() -> dict[str, Any]:
             if isinstance(staged, Exception):
                 raise staged
+            _check_loadable(staged.manifest)
             # The previous save's retention may still be deleting on the reaper thread: not
             # waited for here, only when the space it frees is needed (_check_capacity).
             reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()

@@ -98,12 +98,16 @@ def _check_storable(t: torch.Tensor) -> None:
 
 
 def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | None = None,
-                start: int = 0, copied: frozenset[int] | None = None) -> PackedLayout:
+                start: int = 0, copied: frozenset[int] | None = None,
+                paths: Sequence[str] | None = None) -> PackedLayout:
     """Offsets for ``tensors`` (pure): those in ``placed`` (index -> offset, all below
     ``start``: placed while the walk ran, see :class:`EagerCopies`; ``copied``, default all of
     them, need no copy at the stage) where they are; from ``start`` on, small tensors (CUDA, or
     host tensors of a plain type) back to back in runs of one device and dtype, then every other
-    tensor in order, each at a 64-byte aligned offset."""
+    tensor in order, each at a 64-byte aligned offset. TypeError (naming its key in
+    ``paths``) for a tensor that cannot be stored, or that reaches past its storage (a copy
+    would read memory it does not own: a crash, or other objects' bytes saved): checked here,
+    once the walk ran every Stateful's state_dict() and before anything is staged."""
     sizes = []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
@@ -116,6 +120,12 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
             storable.add(dtype)
         size = t.nbytes
         sizes.append(size)
+        # The usual case inline (contiguous, inside its storage): 10,000 tensors pay it.
+        if size and (t.is_cpu or t.is_cuda) and not (
+                t.is_contiguous() and t.storage_offset() * dtype.itemsize + size
+                <= t.untyped_storage().nbytes()) and (found := past_storage(t)) is not None:
+            where = f"state dict key {paths[i]!r}" if paths is not None else f"tensor {i}"
+            raise past_storage_error(f"unsupported tensor at {where}", found)
         if placed and i in placed:
             continue
         if _gatherable(t, size):
@@ -139,21 +149,6 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
         end = offsets[i] + sizes[i]
     return PackedLayout(tuple(offsets), tuple(sizes), end, tuple(runs),
                         frozenset(placed) if copied is None else copied, (*placed, *rest))
-
-
-def refuse_past_storage(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
-    """TypeError naming the key path of the first tensor that reaches past its storage (a
-    copy would read memory it does not own: a crash, or other objects' bytes saved). Called
-    once the walk ran every Stateful's state_dict(), before anything is staged."""
-    for t, path in zip(tensors, paths, strict=True):
-        # The usual case inline (a contiguous tensor inside its storage): 10,000 tensors pay it
-        if t.is_contiguous() and (t.is_cpu or t.is_cuda) and (
-                t.storage_offset() * t.element_size() + t.nbytes
-                <= t.untyped_storage().nbytes()):
-            continue
-        found = past_storage(t)
-        if found is not None:
-            raise past_storage_error(f"unsupported tensor at state dict key {path!r}", found)
 
 
 def split_runs(items: Sequence[int], sizes: Sequence[int], limit: int) -> list[tuple[int, ...]]:
