@@ -109,7 +109,7 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
     would read memory it does not own: a crash, or other objects' bytes saved): checked here,
     once the walk ran every Stateful's state_dict() and before anything is staged."""
     sizes = []
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     rest = []
     placed = placed or {}
     storable: set[torch.dtype] = set()  # checked once per dtype: 7,500 tensors take 0.5 us each
@@ -128,8 +128,8 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
             raise past_storage_error(f"unsupported tensor at {where}", found)
         if placed and i in placed:
             continue
-        if _gatherable(t, size):
-            groups.setdefault((t.device, t.dtype), []).append(i)
+        if _gatherable(t, size):  # host runs keyed by dtype alone: no torch.device made
+            groups.setdefault(dtype if t.is_cpu else (t.device, dtype), []).append(i)
         else:
             rest.append(i)
     offsets = [0] * len(tensors)
