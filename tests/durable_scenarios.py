@@ -209,3 +209,29 @@ def restore_at_another_world(rank: int, world: int, base: str, durable: str,
                                        mgr._ctx.store.committed() if r.world_size != world})
     mgr.close()
     return out
+
+
+def save_kept(rank: int, world: int, base: str, durable: str, iterations: list[int],
+              every: int | None) -> None:
+    """Saves ``iterations`` keeping 10 of them locally, persisting every ``every``-th (None:
+    none); waits for the persists."""
+    mgr = _manager(rank, base, durable, keep_last=10, persist_every=every, keep=5)
+    for it in iterations:
+        mgr.save(make_state(rank, it), it)
+    assert mgr.wait_for_persist(30)
+    mgr.close()
+
+
+def restore_resharding_on_node0(rank: int, world: int, base: str,
+                                durable: str) -> dict[str, Any]:
+    """A job of ``world`` ranks (another world size than the saver's) restarting on node 0."""
+    mgr = LocalCheckpointManager(Path(base) / "node0", "job", None, timeout=20,
+                                 chunk_nbytes=8192, node_id="node0", reshard=True, keep_last=10,
+                                 durable=DurableTier(durable, keep=5))
+    try:
+        _, ckpt_id = mgr.load()
+        return {"loaded": ckpt_id[0]}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        mgr.close()

@@ -36,30 +36,38 @@ def save_apart(rank: int, world: int, base: str) -> None:
         mgr.save({"w": torch.full((1 << 16,), float(rank + 1)),
                   "emb": torch.full((8,), float(rank)),
                   "head": torch.full((8,), float(rank + 5)),
-                  "tied": torch.full((8,), 9.0)}, 1)
+                  "tied_a": torch.full((8,), 9.0), "tied_b": torch.full((8,), 9.0)}, 1)
 
 
 def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
-    """A job of another world size (reshard=True) loads into a shrunk tensor, or into tied
-    tensors: ``emb``/``head`` saved apart, ``tied`` saved under both keys of one memory."""
+    """A job of another world size (reshard=True) loads into a shrunk tensor ("shrunk"), next
+    to a freed tensor the checkpoint has nothing for ("freed elsewhere"), or into tied tensors
+    ("tied": ``emb``/``head`` saved apart, ``tied_a``/``tied_b`` saved alike)."""
     from pathlib import Path
 
     from localckpt import LocalCheckpointManager
 
     w = torch.zeros(1 << 16)
-    apart, tied = torch.zeros(8), torch.zeros(8)
+    apart, tied = torch.full((8,), -1.0), torch.zeros(8)
     if case == "shrunk":
         w.untyped_storage().resize_(8)
         into: dict[str, Any] = {"w": w}
+    elif case == "freed elsewhere":
+        unrelated = torch.zeros(4)
+        unrelated.untyped_storage().resize_(0)
+        into = {"w": w, "unrelated": unrelated}
     else:
-        into = {"emb": apart, "head": apart, "tied": tied}
+        into = {"emb": apart, "head": apart, "tied_a": tied, "tied_b": tied}
     out: dict[str, Any] = {}
     with LocalCheckpointManager(Path(base) / "node0", "job", timeout=30, reshard=True) as mgr:
         try:
             state, _ = mgr.load(into=into)
         except TypeError as exc:
             return {"error": str(exc)}
+    if case == "freed elsewhere":
+        return {"w_in_place": state["w"] is w and bool((w == 1.0).all())}
     out["emb"], out["head"] = state["emb"][0].item(), state["head"][0].item()
-    out["apart_untouched"] = bool((apart == 0).all())
-    out["tied_in_place"] = state["tied"] is tied and bool((tied == 9.0).all())
+    out["apart_untouched"] = bool((apart == -1.0).all())
+    out["tied_in_place"] = state["tied_a"] is tied and state["tied_b"] is tied and \
+        bool((tied == 9.0).all())
     return out

@@ -224,6 +224,21 @@ def test_tied_device_tensors_are_filled_by_a_copy_not_left_out() -> None:
     assert sorted(got.copied) == [0, 1]
 
 
+def test_device_tensors_overlapping_in_part_are_left_out_not_copied_over_each_other() -> None:
+    """A device tensor and a view of part of it: copying both, the last would win (the other
+    key returned holding wrong bytes); they come back fresh, as on the host."""
+    w = torch.zeros(8)
+    targets = {"t0": Target(_on_device(w)), "t1": Target(_on_device(w[2:4])),
+               "t2": Target(_on_device(torch.zeros(8)))}
+    entries = (TensorEntry("t0", "float32", (8,), 0, 32, "cuda:0"),
+               TensorEntry("t1", "float32", (2,), 64, 8, "cuda:0"),
+               TensorEntry("t2", "float32", (8,), 128, 32, "cuda:0"))
+    m = ShardManifest("s", 1, 0, 1, entries, {"dict": []}, "plain", 160, 4096, 1, (0,))
+    got = match(m, targets, torch.device("cuda:0"))
+    assert sorted(got.copied) == [] and [t is not None for t in got.direct] == [False, False,
+                                                                                True]
+
+
 def test_a_checksum_failure_is_not_blamed_on_device_destinations() -> None:
     """Checksums are taken on the host: a failed read into ``into``'s device tensors means the
     copy is bad, so no second read into private memory is tried (``ctx`` is never used)."""

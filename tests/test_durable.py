@@ -816,3 +816,21 @@ def test_a_resharding_load_takes_the_newest_iteration_from_the_tier_when_local_c
     (r,) = run_ranks(sc.restore_at_another_world, 1, tmp_path, str(root), durable, 2, 5)
     assert r.ok, r.message
     assert r.value["loaded"] == 2 and r.value["digest"] == r.value["expected"], r.value
+
+
+def test_a_resharding_load_asks_the_tier_again_as_it_falls_back_further(
+        tmp_path: Path, root: Path) -> None:
+    """Persisted: 2. Local only: 4 and 5, rank 0's shards of both corrupt on node 0. The first
+    fallback (from 5 to 4) finds nothing newer in the tier; the second (from 4 to 1) must ask
+    again and restore 2, not load 1."""
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_kept, 2, tmp_path, str(root), durable, [1, 2], 2):
+        assert r.ok, r.message
+    for d in root.glob("node*/job/iter_0000000002"):
+        shutil.rmtree(d)
+    for r in run_ranks(sc.save_kept, 2, tmp_path, str(root), durable, [4, 5], None):
+        assert r.ok, r.message
+    for it in (4, 5):
+        _flip_a_byte(next(root.glob(f"node0/job/iter_{it:010d}/rank_00000_of_00002/data/c/0")))
+    (r,) = run_ranks(sc.restore_resharding_on_node0, 1, tmp_path, str(root), durable)
+    assert r.ok and r.value == {"loaded": 2}, (r.value, r.message)

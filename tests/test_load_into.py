@@ -270,6 +270,9 @@ def test_a_resharding_load_into_refuses_a_shrunk_tensor_and_keeps_tied_keys_apar
     assert r.ok, r.message
     assert r.value == {"emb": 0.0, "head": 5.0, "apart_untouched": True,
                        "tied_in_place": True}, r.value
+    # a freed tensor of into the checkpoint holds nothing for is not in the way
+    (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "freed elsewhere")
+    assert r.ok and r.value == {"w_in_place": True}, (r.value, r.message)
 
 
 def test_tied_tensors_holding_nan_are_filled_in_place(root: Path) -> None:

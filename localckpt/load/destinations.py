@@ -207,16 +207,17 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
         if end > reach:
             reach, last = end, i
     tied = _tied_groups(shared, spans, direct, copied)
+    in_groups = {i for group in tied for i in group}
     for i in shared:
         held = direct[i] if direct[i] is not None else copied.get(i)
         direct[i] = None
-        if held is not None and (not held.is_cpu or any(i in group for group in tied)):
-            # Filled by a copy after the read (into fresh memory: reading into both at once,
-            # healthy chunks would fail their checksums), as a device tensor always was; tied
-            # weights only if their saved values agree (fill_copied).
+        if held is not None and i in in_groups:
+            # Tied weights: filled by a copy after the read (into fresh memory: reading into
+            # both at once, healthy chunks would fail their checksums), if their saved values
+            # agree (fill_copied).
             copied[i] = held
             continue
-        copied.pop(i, None)  # left out: one would overwrite part of the other
+        copied.pop(i, None)  # left out, on any device: one would overwrite part of the other
         dtensors.pop(i, None)
     return Destinations(direct, copied, dtensors, mismatched, elsewhere, tied,
                         {i: manifest.tensors[i].key_path for group in tied for i in group})

@@ -205,16 +205,18 @@ class LoadPath:
         self._warn_if_foreign(manifest)
         return manifest, state
 
-    def _newer_from_durable(self, fallback: int, any_world: bool = False) -> int:
+    def _newer_from_durable(self, fallback: int, any_world: bool = False,
+                            exclude: set[int] | frozenset[int] = frozenset()) -> int:
         """``restore``'s ``elsewhere``: its newest local iteration turned out unusable (corrupt
         in every node root, not rebuildable) and it would fall back to ``fallback``; the
         newest iteration of this world size (of any, ``any_world``: a resharding load) the
-        durable tier holds newer than that, copied into the node roots (the newest checkpoint is
-        not given up while an intact copy of it exists), or -1. Collective; every rank takes
-        the same path (the verdicts are agreed)."""
+        durable tier holds newer than that (and not in ``exclude``), copied into the node roots
+        (the newest checkpoint is not given up while an intact copy of it exists), or -1.
+        Collective; every rank takes the same path (the verdicts are agreed)."""
         ctx = self.ctx
         assert self.durable is not None
-        candidates = durable_candidates(ctx, self.durable, fallback, any_world)
+        candidates = [c for c in durable_candidates(ctx, self.durable, fallback, any_world)
+                      if c[0] not in exclude]  # fetched already by this load: failed again
         if not candidates:
             return -1
         fetched, world, unavailable = fetch_from_durable(ctx, self.durable, candidates)
@@ -335,14 +337,15 @@ class LoadPath:
         failures: list[str] = []
         failed_at = -1  # the newest iteration an attempt failed to load
         self._tier_unavailable = None
-        tier_asked = False  # once per load: a copy of the tier's that fails too is given up
+        fetched: set[int] = set()  # from the tier in this load: one failing again is given up
         for attempt in range(1, RESHARD_ATTEMPTS + 1):
             if self._listed is None:  # the durable tier was consulted already, by load
                 self.find_latest(durable=False)
-                if self.durable is not None and self.latest_iteration < failed_at and \
-                        not tier_asked:
-                    tier_asked = True
-                    if self._newer_from_durable(self.latest_iteration, any_world=True) >= 0:
+                if self.durable is not None and self.latest_iteration < failed_at:
+                    got = self._newer_from_durable(self.latest_iteration, any_world=True,
+                                                   exclude=fetched)
+                    if got >= 0:
+                        fetched.add(got)
                         self.find_latest(durable=False)  # the tier's copy is the newest now
             listed, self._listed = self._listed, None
             if self.latest_iteration < 0 or listed is None:

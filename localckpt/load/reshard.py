@@ -171,9 +171,6 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         for p, t in (target.paths() or {}).items():
             if t.layout is not None and not t.layout.is_block:
                 raise not_a_block(p, t.layout, "this rank's shard in `into`")
-            found = past_storage(t.tensor)
-            if found is not None:  # a copy into it would write memory it does not own
-                raise past_storage_error(f"load(into=...): the tensor at key {p!r}", found)
         wants = {p: [list(t.layout.global_shape), dtype_name(t.tensor.dtype),
                      list(t.layout.offset), list(t.tensor.shape)]
                  for p, t in (target.paths() or {}).items() if t.layout is not None}
@@ -323,6 +320,14 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     return built[0]
 
 
+def _writable_span(path: str, t: torch.Tensor) -> None:
+    """TypeError unless ``into``'s tensor at ``path``, about to be written, lies inside its
+    storage (a copy into one freed or shrunk with resize_() writes memory it does not own)."""
+    found = past_storage(t)
+    if found is not None:
+        raise past_storage_error(f"load(into=...): the tensor at key {path!r}", found)
+
+
 def _crcs(buffer: torch.Tensor, splits: list[int]) -> list[int]:
     """The CRC-32C of each consecutive ``splits`` bytes of ``buffer``."""
     data, out, pos = buffer.numpy(), [], 0
@@ -345,6 +350,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
         e = manifest.tensors[i]
         mine = targets.get(e.key_path)
         if mine is not None and mine.layout is not None:
+            _writable_span(e.key_path, mine.tensor)
             shards[e.key_path] = mine.tensor
         elif same_world:
             shards[e.key_path] = torch.empty(manifest.replicas.get(i, e.shape),
@@ -374,6 +380,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                 mine = targets.get(e.key_path)
                 if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
                         and tuple(mine.tensor.shape) == tuple(e.shape):
+                    _writable_span(e.key_path, mine.tensor)
                     fills[p.entry] = (mine.tensor, data)
                 else:
                     plain[p.entry] = data.clone()

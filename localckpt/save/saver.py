@@ -119,10 +119,11 @@ class SavePath:
         """Size and pre-fault the staging arena for saves of ``state_dict`` (and, recycling
         files, put the chunk files of its shard and of the replicas it receives in the pool);
         returns the bytes one such save stages. Not collective. A save in flight keeps its own
-        buffer alive."""
+        buffer alive. TypeError for a leaf or tensor a save would refuse (one reaching past its
+        storage included)."""
         tasd = as_tensor_aware(state_dict)
         tensors = dedupe(tasd, self.dedupe_replicated).tensors
-        chunk_nbytes, chunk_count = chunking(plan_layout(tensors).nbytes,
+        chunk_nbytes, chunk_count = chunking(plan_layout(tensors, paths=tasd.key_paths).nbytes,
                                              self.ctx.store.chunk_nbytes)
         nbytes = chunk_nbytes * chunk_count
         self._arena.reserve(nbytes, growth_slack(len(tensors), nbytes))

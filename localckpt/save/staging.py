@@ -124,7 +124,8 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
         if size and (t.is_cpu or t.is_cuda) and not (
                 t.is_contiguous() and t.storage_offset() * dtype.itemsize + size
                 <= t.untyped_storage().nbytes()) and (found := past_storage(t)) is not None:
-            where = f"state dict key {paths[i]!r}" if paths is not None else f"tensor {i}"
+            where = f"state dict key {paths[i]!r}" if paths is not None and i < len(paths) \
+                else f"tensor {i}"
             raise past_storage_error(f"unsupported tensor at {where}", found)
         if placed and i in placed:
             continue
