@@ -834,3 +834,28 @@ def test_a_resharding_load_asks_the_tier_again_as_it_falls_back_further(
         _flip_a_byte(next(root.glob(f"node0/job/iter_{it:010d}/rank_00000_of_00002/data/c/0")))
     (r,) = run_ranks(sc.restore_resharding_on_node0, 1, tmp_path, str(root), durable)
     assert r.ok and r.value == {"loaded": 2}, (r.value, r.message)
+
+
+def test_a_resharding_load_with_nothing_left_and_the_tier_failing_says_unavailable(
+        tmp_path: Path, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks persisted 1 and 2; on node 0 only 2 is left, rank 0's shard of it corrupt, and
+    the tier lists its iterations but every read fails. A one-rank resharding job must raise
+    DurableTierUnavailableError ("retry once the store is back"), not CorruptShardError."""
+    from localckpt.errors import DurableTierUnavailableError
+    from localckpt.storage.durable_dir import DirectoryBackend
+
+    durable = str(tmp_path / "shared")
+    for r in run_ranks(sc.save_and_persist, 2, tmp_path, str(root), durable, [1, 2], 1):
+        assert r.ok and r.value["persisted"] == [1, 2], (r.value, r.message)
+    for d in root.glob("node0/job/iter_0000000001"):
+        shutil.rmtree(d)
+    _flip_a_byte(next(root.glob("node0/job/iter_0000000002/rank_00000_of_00002/data/c/0")))
+
+    def refused(self: Any, manifest: Any, index: int, out: Any) -> None:
+        raise ConnectionRefusedError("connection refused (injected)")
+    monkeypatch.setattr(DirectoryBackend, "fill_chunk", refused)
+    with LocalCheckpointManager(root / "node0", "job", timeout=5, chunk_nbytes=8192,
+                                node_id="node0", reshard=True,
+                                durable=DurableTier(durable, keep=5)) as mgr, \
+            pytest.raises(DurableTierUnavailableError, match="connection refused"):
+        mgr.load()

@@ -422,3 +422,11 @@ def test_a_tensor_reaching_past_its_storage_is_refused_not_read(tmp_path: Path,
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "storage" in proc.stdout, proc.stdout
     assert "layer/w" in proc.stdout, proc.stdout
+
+
+def test_a_tensor_of_a_kind_no_shard_holds_is_refused_naming_its_key(tmp_path: Path) -> None:
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with LocalCheckpointManager(tmp_path / "ckpt", "s") as mgr:
+        with pytest.raises(TypeError, match=r"'layer/q'.*dequantize"):
+            mgr.save({"layer": {"q": q}, "w": torch.ones(2)}, 1)
+        mgr.save({"w": torch.ones(2)}, 1)  # nothing of the refused save is in the way
