@@ -116,3 +116,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
                 p.kill()
                 p.join()
     return [got[r] for r in range(world_size)]
+
+
+def run_python(code: str) -> Any:
+    """Run ``code`` in a fresh Python process importing this checkout's localckpt (a crash there,
+    such as a segfault, fails the test instead of the test run); its CompletedProcess."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})

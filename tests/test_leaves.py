@@ -8,10 +8,7 @@ import argparse
 import dataclasses
 import enum
 import json
-import os
 import random
-import subprocess
-import sys
 from collections import namedtuple
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from dist_harness import run_python
 
 import localckpt
 from localckpt import LocalCheckpointManager, UnsafeTypeError
@@ -519,7 +517,5 @@ def test_a_dtype_node_is_looked_up_not_imported() -> None:
     code = ("import sys\nfrom localckpt import leaves\n"
             "try:\n    leaves.dtype_by_name('_dynamo')\nexcept ValueError:\n    pass\n"
             "print('torch._dynamo' in sys.modules)\n")
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc = run_python(code)
     assert proc.stdout.strip() == "False", (proc.stdout, proc.stderr[-1000:])

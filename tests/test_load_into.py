@@ -3,22 +3,17 @@ no allocation on CPU), with a fresh tensor wherever the caller's does not fit.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import into_scenarios
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import run_python, run_ranks
 
 from localckpt import LocalCheckpointManager
 from localckpt.errors import ConfigurationError, CorruptShardError
 from localckpt.storage import shard_reader
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -238,8 +233,7 @@ def test_an_into_tensor_whose_storage_is_too_small_is_refused(root: Path, case: 
         "        mgr.load(into={'w': t})\n"
         "    except Exception as exc:\n"
         "        print('refused:', type(exc).__name__, exc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "storage" in proc.stdout, proc.stdout
 

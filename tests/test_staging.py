@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
-import subprocess
-import sys
 import types
 import weakref
 from pathlib import Path
@@ -14,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from dist_harness import run_python
 
 from localckpt import LocalCheckpointManager
 from localckpt.errors import CorruptShardError
 from localckpt.save.staging import EagerCopies, StagingArena, plan_layout, unpack
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_unpack_inverts_stage_into_separate_storages() -> None:
@@ -370,33 +366,17 @@ def test_a_save_inside_inference_mode_leaves_later_saves_working(tmp_path: Path)
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
 
 
-def test_a_tensor_whose_storage_was_freed_is_refused_not_a_crash(tmp_path: Path) -> None:
-    # FSDP frees an unsharded parameter's storage with resize_(0): its data pointer is null,
-    # and a copy from it crashed the process.
-    code = (
-        "import torch\n"
-        "from localckpt import LocalCheckpointManager\n"
-        "p = torch.randn(4, 4)\n"
-        "p.untyped_storage().resize_(0)\n"
-        f"with LocalCheckpointManager({str(tmp_path / 'ckpt')!r}, 's') as mgr:\n"
-        "    try:\n"
-        "        mgr.save({'layer': {'w': p}, 'b': torch.randn(3)}, 1)\n"
-        "    except TypeError as exc:\n"
-        "        print('refused:', exc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused:" in proc.stdout and "layer/w" in proc.stdout
-    assert "storage" in proc.stdout, proc.stdout
-
-
-@pytest.mark.parametrize("case", ["freed view", "shrunk", "freed by a Stateful"])
+@pytest.mark.parametrize("case", ["freed", "freed view", "shrunk", "freed by a Stateful"])
 def test_a_tensor_reaching_past_its_storage_is_refused_not_read(tmp_path: Path,
                                                                   case: str) -> None:
-    """A view of a freed storage has a data pointer (its offset), a shrunk storage a short one:
-    staging them read freed memory (a crash, or heap bytes written to the checkpoint); so did
-    a tensor a Stateful freed after the walk met it."""
+    """FSDP frees an unsharded parameter's storage with resize_(0): its data pointer is null,
+    and a copy from it crashed the process. A view of a freed storage has a data pointer (its
+    offset), a shrunk storage a short one: staging them read freed memory (a crash, or heap
+    bytes written to the checkpoint); so did a tensor a Stateful freed after the walk met
+    it."""
     setup = {
+        "freed": "p = torch.randn(4, 4); p.untyped_storage().resize_(0)\n"
+                 "state = {'layer': {'w': p}, 'b': torch.randn(3)}\n",
         "freed view": "b = torch.arange(16.0); t = b[4:8]; b.untyped_storage().resize_(0)\n"
                       "state = {'layer': {'w': t}}\n",
         "shrunk": "t = torch.arange(4096.0); t.untyped_storage().resize_(8)\n"
@@ -417,8 +397,7 @@ def test_a_tensor_reaching_past_its_storage_is_refused_not_read(tmp_path: Path,
             "        mgr.save(state, 1)\n"
             "    except TypeError as exc:\n"
             "        print('refused:', exc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused:" in proc.stdout and "storage" in proc.stdout, proc.stdout
     assert "layer/w" in proc.stdout, proc.stdout

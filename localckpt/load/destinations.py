@@ -29,7 +29,7 @@ from ..dtensors import DTensorLayout, mesh_key, wrap
 from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
-from ..storage.views import past_storage, past_storage_error
+from ..storage.views import extent, refuse_past_storage
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +182,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             dtensors[i] = target.dtensor
         contiguous = t.is_contiguous()
         readable = kind == "cpu" or (device is not None and t.device == device)
-        if nbytes and (found := past_storage(t)) is not None:  # a read or copy would write
-            # memory it does not own
-            raise past_storage_error(f"load(into=...): the tensor at key {key_path!r}", found)
+        if nbytes:  # a read or copy into it would write memory it does not own
+            refuse_past_storage(t, f"load(into=...): the tensor at key {key_path!r}")
         if readable and nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
         else:
@@ -193,8 +192,7 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             # the memory it spans, views and strides included (tied weights, a view of another);
             # a device tensor filled by a copy too, so tied ones are checked alike on every path
             start = t.data_ptr()
-            end = start + nbytes if contiguous else start + t.element_size() * (1 + sum(
-                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)))
+            end = start + (nbytes if contiguous else t.element_size() * extent(t))
             spans.append((kind if kind == "cpu" else str(t.device), start, end, i))
     spans.sort()
     shared: set[int] = set()
@@ -276,13 +274,8 @@ def split_tied(fills: dict[int, tuple[torch.Tensor, torch.Tensor]],
     tensors overlap another's and cannot all be filled: not one memory seen alike (tied
     weights), or saved with different values (a warning names the tied ones). Copying the
     others in any order leaves each tensor of the caller with its saved value."""
-    spans = []
-    for i, (t, _) in fills.items():
-        if t.numel():
-            start = t.data_ptr()
-            spans.append((str(t.device), start, start + t.element_size() * (1 + sum(
-                (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))), i))
-    spans.sort()
+    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.element_size() * extent(t), i)
+                   for i, (t, _) in fills.items() if t.numel())
     clusters: list[list[int]] = []
     reach, on = -1, ""
     for device, start, end, i in spans:
@@ -313,15 +306,11 @@ def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None
     check_layouts(destinations)
     # Tied weights of ``into`` hold what was saved for them only if those values agree (saved
     # tied); otherwise no one key's value is theirs: each key gets its loaded tensor back.
-    for group in destinations.tied:
-        first = tensors[group[0]]
-        if not all(same_bytes(first, tensors[i]) for i in group[1:]):
-            logger.warning("load(into=...): %s share memory in `into` but were saved with "
-                           "different values: each is returned as loaded, not read into that "
-                           "memory", ", ".join(repr(destinations.paths.get(i, i)) for i in group))
-            for i in group:
-                destinations.copied.pop(i, None)
-                destinations.dtensors.pop(i, None)
+    tied = {i: (destinations.copied[i], tensors[i]) for group in destinations.tied
+            for i in group if i in destinations.copied}
+    for i in split_tied(tied, destinations.paths):
+        del destinations.copied[i]
+        destinations.dtensors.pop(i, None)
     with torch.no_grad():  # a Parameter that requires grad is filled like any tensor
         for i, t in destinations.copied.items():
             t.copy_(tensors[i])

@@ -42,7 +42,7 @@ from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
-from ..storage.views import past_storage, past_storage_error
+from ..storage.views import refuse_past_storage
 from .destinations import Destinations, Into, Rewrap, split_tied
 
 logger = logging.getLogger(__name__)
@@ -320,14 +320,6 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     return built[0]
 
 
-def _writable_span(path: str, t: torch.Tensor) -> None:
-    """TypeError unless ``into``'s tensor at ``path``, about to be written, lies inside its
-    storage (a copy into one freed or shrunk with resize_() writes memory it does not own)."""
-    found = past_storage(t)
-    if found is not None:
-        raise past_storage_error(f"load(into=...): the tensor at key {path!r}", found)
-
-
 def _crcs(buffer: torch.Tensor, splits: list[int]) -> list[int]:
     """The CRC-32C of each consecutive ``splits`` bytes of ``buffer``."""
     data, out, pos = buffer.numpy(), [], 0
@@ -350,7 +342,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
         e = manifest.tensors[i]
         mine = targets.get(e.key_path)
         if mine is not None and mine.layout is not None:
-            _writable_span(e.key_path, mine.tensor)
+            refuse_past_storage(mine.tensor, f"load(into=...): the tensor at key {e.key_path!r}")
             shards[e.key_path] = mine.tensor
         elif same_world:
             shards[e.key_path] = torch.empty(manifest.replicas.get(i, e.shape),
@@ -380,7 +372,8 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                 mine = targets.get(e.key_path)
                 if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
                         and tuple(mine.tensor.shape) == tuple(e.shape):
-                    _writable_span(e.key_path, mine.tensor)
+                    refuse_past_storage(mine.tensor,  # about to be written
+                                        f"load(into=...): the tensor at key {e.key_path!r}")
                     fills[p.entry] = (mine.tensor, data)
                 else:
                     plain[p.entry] = data.clone()

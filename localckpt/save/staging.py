@@ -29,7 +29,7 @@ from torch._utils import _flatten_dense_tensors
 
 from ..errors import CorruptShardError
 from ..storage.manifest import dtype_name
-from ..storage.views import past_storage, past_storage_error
+from ..storage.views import past_storage, refuse_past_storage
 
 ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
 
@@ -130,8 +130,8 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
         # The usual case inline (contiguous, inside its storage): 10,000 tensors pay it.
         if size and (t.is_cpu or t.is_cuda) and not (
                 t.is_contiguous() and t.storage_offset() * dtype.itemsize + size
-                <= t.untyped_storage().nbytes()) and (found := past_storage(t)) is not None:
-            raise past_storage_error(f"unsupported tensor at {where(i)}", found)
+                <= t.untyped_storage().nbytes()):
+            refuse_past_storage(t, f"unsupported tensor at {where(i)}")
         if placed and i in placed:
             continue
         if _gatherable(t, size):  # host runs keyed by dtype alone: no torch.device made

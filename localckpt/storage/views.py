@@ -66,27 +66,34 @@ def copy_out(small: Sequence[SmallTarget], starts: Sequence[int], lo: int, hi: i
         k += 1
 
 
+def extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last in memory (views and strides included: a
+    transpose spans what it covers, an expanded tensor less than its numel); 0 when empty."""
+    if not t.numel():
+        return 0
+    if t.is_contiguous():
+        return t.numel()
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
 def past_storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(bytes its storage holds, bytes the tensor spans from the storage's start) when a CPU or
     CUDA tensor reaches past the end of its storage (freed or shrunk with
     ``untyped_storage().resize_()``, as FSDP frees unsharded parameters: reading or writing it
     touches memory it does not own); None otherwise."""
-    if not (t.is_cpu or t.is_cuda):
+    if not (t.is_cpu or t.is_cuda) or not t.numel():
         return None
     have = t.untyped_storage().nbytes()
-    itemsize = t.element_size()
-    if t.is_contiguous():
-        span = (t.storage_offset() + t.numel()) * itemsize
-    elif t.numel():
-        span = (t.storage_offset() + 1 + sum(
-            (n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * itemsize
-    else:
-        return None
-    return (have, int(span)) if span > have and t.numel() else None
+    span = (t.storage_offset() + extent(t)) * t.element_size()
+    return (have, int(span)) if span > have else None
 
 
-def past_storage_error(what: str, found: tuple[int, int]) -> TypeError:
-    have, span = found
-    return TypeError(f"{what}: its storage holds {have} bytes, the tensor spans {span} (freed "
-                     "or shrunk with untyped_storage().resize_(), as FSDP frees unsharded "
-                     "parameters): use it while its storage is allocated, or the sharded state")
+def refuse_past_storage(t: torch.Tensor, what: str) -> None:
+    """TypeError naming ``what`` when ``t`` reaches past its storage (see past_storage)."""
+    found = past_storage(t)
+    if found is not None:
+        have, span = found
+        raise TypeError(f"{what}: its storage holds {have} bytes, the tensor spans {span} "
+                        "(freed or shrunk with untyped_storage().resize_(), as FSDP frees "
+                        "unsharded parameters): use it while its storage is allocated, or the "
+                        "sharded state")
