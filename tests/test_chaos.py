@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from localckpt.ops.faults import POINTS
+from localckpt.ops.faults import POINTS, parse
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from chaos import ci_scenarios, random_scenarios  # noqa: E402
+
 KINDS = {"kill_rank", "kill_node", "wipe_node", "raise", "reorder", "flip_byte", "truncate",
          "forge_manifest", "no_replica", "enospc", "slow_rank", "leftovers", "operator",
          "job_lost"}
@@ -35,3 +38,15 @@ def test_ci_chaos_set_has_no_violations(tmp_path: Path) -> None:
         assert f"{point}:raise" in fired, point
     assert {r["kind"] for r in rows} == KINDS
     assert all(r["bit_identical"] for r in rows)
+
+
+def test_a_fault_after_a_node_replacement_names_no_rank() -> None:
+    """The harness starts a replaced node's agent unarmed, and the rendezvous may give either
+    node either rank after the restart: a fault meant to fire after a node loss (every attempt)
+    that names a rank fires only when the survivor happens to hold that rank (CI saw the
+    write-back raise never fire). Without a rank it fires on the survivor, whichever it holds."""
+    for sc in ci_scenarios(full=True) + random_scenarios(200, 0):
+        faults = parse(sc.faults)
+        if any(f.action == "kill_node" for f in faults):
+            named = [f for f in faults if f.attempt is None and f.rank is not None]
+            assert not named, (sc.name, named)
