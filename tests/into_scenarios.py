@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,31 @@ def load_into(rank: int, world: int, base: str, bad_rank: int) -> dict[str, Any]
             loaded["big_bf16"] is template["big_bf16"]}
 
 
+def read_only_into(rank: int, world: int, base: str, where: str) -> str:
+    """``into``'s "big" on rank 1 is a read-only mapping of a file (written as zeros): the load
+    must refuse it on every rank, naming the key, before anything writes to it."""
+    import mmap
+    import warnings
+
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+                for k, v in big_state(rank, 3).items()}
+    if rank == 1:
+        backing = Path(where) / "read-only.bin"
+        big = template["big"]
+        backing.write_bytes(bytes(big.numel() * big.element_size()))
+        with open(backing, "rb") as f:
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about a non-writable buffer
+            template["big"] = torch.frombuffer(pages, dtype=big.dtype).view(big.shape)
+    with manager(rank, base) as mgr:
+        try:
+            mgr.load(into=template)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
 def save_apart(rank: int, world: int, base: str) -> None:
     """Two ranks on one node root: a plain tensor, and two keys saved with different values."""
     from pathlib import Path
@@ -40,7 +66,8 @@ def save_apart(rank: int, world: int, base: str) -> None:
 
 
 def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
-    """A job of another world size (reshard=True) loads into a shrunk tensor ("shrunk"), next
+    """A job of another world size (reshard=True) loads into a shrunk tensor ("shrunk"), a
+    read-only one ("read-only"), next
     to a freed tensor the checkpoint has nothing for ("freed elsewhere"), or into tied tensors
     ("tied": ``emb``/``head`` saved apart, ``tied_a``/``tied_b`` saved alike)."""
     from pathlib import Path
@@ -52,6 +79,17 @@ def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
     if case == "shrunk":
         w.untyped_storage().resize_(8)
         into: dict[str, Any] = {"w": w}
+    elif case == "read-only":
+        import mmap
+        import warnings
+
+        backing = Path(base) / "read-only.bin"
+        backing.write_bytes(bytes(w.numel() * 4))
+        with open(backing, "rb") as f:
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            into = {"w": torch.frombuffer(pages, dtype=torch.float32)}
     elif case == "freed elsewhere":
         unrelated = torch.zeros(4)
         unrelated.untyped_storage().resize_(0)
@@ -62,7 +100,7 @@ def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
     with LocalCheckpointManager(Path(base) / "node0", "job", timeout=30, reshard=True) as mgr:
         try:
             state, _ = mgr.load(into=into)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             return {"error": str(exc)}
     if case == "freed elsewhere":
         return {"w_in_place": state["w"] is w and bool((w == 1.0).all())}

@@ -95,6 +95,19 @@ def test_a_node_loss_restore_receives_into_the_callers_tensors(tmp_path: Path,
         assert r.value == {"identical": True, "in_place": True}
 
 
+def test_a_node_loss_restore_refuses_a_read_only_into_on_every_rank(tmp_path: Path,
+                                                                    root: Path) -> None:
+    """Received bytes were written into `into`'s memory by gloo and by a memmove: into a
+    read-only mapping, that killed the receiving rank (SIGSEGV)."""
+    assert all(r.ok for r in run_ranks(into_scenarios.save, 2, tmp_path, str(root)))
+    import shutil
+    shutil.rmtree(root / "node1")
+    for r in run_ranks(into_scenarios.read_only_into, 2, tmp_path, str(root), str(tmp_path)):
+        assert r.ok, r.message
+        assert "ConfigurationError" in r.value and "'big'" in r.value \
+            and "read-only" in r.value, r.value
+
+
 def test_a_bad_into_on_one_rank_is_the_same_error_on_every_rank(tmp_path: Path,
                                                                 root: Path) -> None:
     assert all(r.ok for r in run_ranks(into_scenarios.save, 2, tmp_path, str(root)))
@@ -118,11 +131,13 @@ def test_views_the_read_cannot_fill_are_filled_by_a_copy(root: Path) -> None:
     assert into["img"].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("numel", [1 << 16, 100])  # a small one too: never copied out into
-def test_a_read_only_destination_never_costs_the_copy(root: Path, numel: int) -> None:
-    saved = {"w": torch.randn(numel)}
-    with LocalCheckpointManager(root, "s") as mgr:
-        mgr.save(saved, 1)
+@pytest.mark.parametrize("numel,case", [(1 << 16, "read into"), (100, "read into"),
+                                        (1 << 16, "copied into")])
+def test_a_read_only_destination_is_refused_naming_its_key(root: Path, numel: int,
+                                                           case: str) -> None:
+    """A read-only mapping in `into`: read into, the read failed with EFAULT; copied into (a
+    transposed view), the copy killed the process. Refused before anything is read, naming
+    the key, and the copy is not quarantined."""
     import mmap
     import warnings
     backing = root / "read-only.bin"
@@ -132,9 +147,14 @@ def test_a_read_only_destination_never_costs_the_copy(root: Path, numel: int) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about the non-writable buffer
         read_only = torch.frombuffer(pages, dtype=torch.float32)
+    if case == "copied into":
+        read_only = read_only.view(4, numel // 4).t()
+    saved = {"w": torch.randn(read_only.shape), "v": torch.randn(8)}
     with LocalCheckpointManager(root, "s") as mgr:
-        with pytest.raises(OSError, match="Bad address"):
-            mgr.load(into={"w": read_only})
+        mgr.save(saved, 1)
+    with LocalCheckpointManager(root, "s") as mgr:
+        with pytest.raises(ConfigurationError, match="key 'w' is read-only memory"):
+            mgr.load(into={"w": read_only, "v": torch.zeros(8)})
         loaded, _ = mgr.load()  # the copy was not quarantined
     assert torch.equal(loaded["w"], saved["w"])
 
@@ -254,12 +274,15 @@ def test_tied_into_tensors_saved_with_different_values_come_back_apart(
 
 def test_a_resharding_load_into_refuses_a_shrunk_tensor_and_keeps_tied_keys_apart(
         tmp_path: Path) -> None:
-    """The resharding load copied into `into`'s tensors with neither check: past a shrunk
-    storage (a crash), and the last of two tied keys saved apart winning for both."""
+    """The resharding load copied into `into`'s tensors with no check: past a shrunk storage
+    or into read-only memory (crashes), and the last of two tied keys saved apart winning for
+    both."""
     base = str(tmp_path / "roots")
     assert all(r.ok for r in run_ranks(into_scenarios.save_apart, 2, tmp_path, base))
     (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "shrunk")
     assert r.ok and "storage holds 8 bytes" in r.value["error"], (r.value, r.message)
+    (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "read-only")
+    assert r.ok and "key 'w' is read-only memory" in r.value["error"], (r.value, r.message)
     (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "tied")
     assert r.ok, r.message
     assert r.value == {"emb": 0.0, "head": 5.0, "apart_untouched": True,

@@ -29,7 +29,7 @@ from ..dtensors import DTensorLayout, mesh_key, wrap
 from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
-from ..storage.views import extent, refuse_past_storage
+from ..storage.views import extent, outside, refuse_past_storage, writable_memory
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
             end = start + (nbytes if contiguous else t.element_size() * extent(t))
             spans.append((kind if kind == "cpu" else str(t.device), start, end, i))
     spans.sort()
+    _refuse_read_only(manifest, [(start, end, i) for kind, start, end, i in spans
+                                 if kind == "cpu"])
     shared: set[int] = set()
     reach, last, on = -1, -1, ""
     for kind, start, end, i in spans:
@@ -219,6 +221,28 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
         dtensors.pop(i, None)
     return Destinations(direct, copied, dtensors, mismatched, elsewhere, tied,
                         {i: manifest.tensors[i].key_path for group in tied for i in group})
+
+
+def _refuse_read_only(manifest: ShardManifest, spans: list[tuple[int, int, int]]) -> None:
+    """ConfigurationError naming the key when the memory of a host tensor of ``into`` that
+    ``load`` writes (``spans``: start, end, entry) is not writable (a read-only mapping of a
+    file): bytes received from a peer, a copy or a memmove into it would kill the process where
+    a read from disk only fails."""
+    if not spans:
+        return
+    writable = writable_memory()
+    if writable is None:
+        return
+    k = outside([(start, end) for start, end, _ in spans], writable)
+    if k is not None:
+        raise read_only_error(manifest.tensors[spans[k][2]].key_path)
+
+
+def read_only_error(key_path: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"load(into=...): the tensor at key {key_path!r} is read-only memory (e.g. "
+        "torch.frombuffer of a read-only mapping): load writes into the tensors of `into`; "
+        "pass writable ones, or leave that key out of `into`")
 
 
 def _tied_groups(shared: set[int], spans: list[tuple[str, int, int, int]],

@@ -42,8 +42,8 @@ from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
-from ..storage.views import refuse_past_storage
-from .destinations import Destinations, Into, Rewrap, split_tied
+from ..storage.views import first_read_only, refuse_past_storage
+from .destinations import Destinations, Into, Rewrap, Target, read_only_error, split_tied
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +329,22 @@ def _crcs(buffer: torch.Tensor, splits: list[int]) -> list[int]:
     return out
 
 
+def _refuse_read_only(manifest: ShardManifest, targets: dict[str, Target]) -> None:
+    """ConfigurationError naming the key of a tensor of ``into`` the build would copy into
+    (a DTensor's local shard; a plain tensor of the saved dtype and shape) that lies in
+    read-only memory: the copy would kill the process."""
+    written = []
+    for e in manifest.tensors:
+        mine = targets.get(e.key_path)
+        if mine is not None and (mine.layout is not None or (
+                mine.tensor.dtype == dtype_from_name(e.dtype)
+                and tuple(mine.tensor.shape) == tuple(e.shape))):
+            written.append((e.key_path, mine.tensor))
+    k = first_read_only([t for _, t in written])
+    if k is not None:
+        raise read_only_error(written[k][0])
+
+
 def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
            manifests: dict[int, ShardManifest], received: torch.Tensor, target: Into,
            nbytes: Any, same_world: bool) -> tuple[ShardManifest, Any]:
@@ -354,6 +370,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
             f"load: resharding needs a DTensor in load(into=...) at every DTensor leaf of the "
             f"checkpoint; `into` has none at {missing[:5]}"
             f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+    _refuse_read_only(manifest, targets)
     plain: dict[int, torch.Tensor] = {}
     placed: dict[int, torch.Tensor] = {}
     fills: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # entry -> (into's, loaded)

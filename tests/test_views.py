@@ -1,0 +1,36 @@
+"""storage/views.py: which memory load may write (pure, and against this process's maps)."""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import torch
+
+from localckpt.storage.views import first_read_only, outside, writable_memory
+
+
+def test_outside_finds_the_first_span_not_inside_one_writable_range() -> None:
+    writable = [(100, 200), (300, 400)]
+    assert outside([], writable) is None
+    assert outside([(100, 200), (310, 320), (399, 400)], writable) is None
+    assert outside([(100, 150), (150, 201)], writable) == 1  # past the end of its range
+    assert outside([(100, 150), (250, 260)], writable) == 1  # in the gap
+    assert outside([(90, 110)], writable) == 0  # starts before the first range
+    assert outside([(120, 130), (350, 450)], writable) == 1
+    assert outside([(400, 401)], writable) == 0  # after the last
+
+
+def test_a_read_only_mapping_is_told_from_writable_memory() -> None:
+    assert writable_memory()  # Linux: read from /proc/self/maps
+    pages = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    pages.write(b"\0" * len(pages))
+    read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about a non-writable buffer
+        ro = torch.frombuffer(read_only, dtype=torch.uint8)
+    rw = torch.frombuffer(pages, dtype=torch.uint8)
+    ordinary = torch.zeros(1 << 20)
+    assert first_read_only([ordinary, rw, rw[::7]]) is None
+    assert first_read_only([ordinary, torch.zeros(0), ro, rw]) == 2
+    assert first_read_only([ro[:0], ordinary]) is None  # an empty tensor writes nothing
