@@ -859,3 +859,30 @@ def test_a_resharding_load_with_nothing_left_and_the_tier_failing_says_unavailab
                                 durable=DurableTier(durable, keep=5)) as mgr, \
             pytest.raises(DurableTierUnavailableError, match="connection refused"):
         mgr.load()
+
+
+def test_durable_retention_never_deletes_what_it_just_committed_for_a_newer_number(
+        root: Path, tmp_path: Path) -> None:
+    """Retention ranked the tier's iterations by number alone: after a load fell back past a
+    damaged durable 3 to a local 1, the new run's commit of 2 was deleted at once in favour of
+    the unloadable 3 (keep=1), and a node loss then found nothing to restore."""
+    durable = tmp_path / "shared"
+    tier = DurableTier(durable, keep=1)
+    with LocalCheckpointManager(root, durable=tier, keep_last=5) as mgr:
+        for it in (1, 2, 3):
+            mgr.save({"w": torch.full((3,), float(it))}, it)
+            assert mgr.wait_for_persist(30)
+    for it in (2, 3):  # the node root lost its newer iterations
+        shutil.rmtree(root / "_default" / f"iter_{it:010d}")
+    chunk = sorted((durable / "_default" / "iter_0000000003").rglob("c/*"))[-1]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with LocalCheckpointManager(root, durable=tier, keep_last=5, timeout=5) as mgr:
+        assert mgr.load()[1][0] == 1  # the tier's 3 is unusable
+        mgr.save({"w": torch.full((3,), 20.0)}, 2)
+        assert mgr.wait_for_persist(30)
+    shutil.rmtree(root)  # the node is lost
+    with LocalCheckpointManager(root, durable=tier, timeout=5) as mgr:
+        state, (it, _, _) = mgr.load()
+    assert it == 2 and torch.equal(state["w"], torch.full((3,), 20.0))

@@ -169,13 +169,15 @@ class Persister:
 
     def _retain(self, committed: int) -> None:
         """Rank 0, after committing ``committed``: keep what the keep policy keeps of the
-        complete iterations of this world size, and remove the others, those of other world
-        sizes older than all it keeps that the policy over every world size's iterations does
-        not keep either (with ``any_world``), and uncommitted leftovers older than
-        ``committed``."""
+        complete iterations of this world size up to ``committed``, and remove the others,
+        those of other world sizes older than all it keeps that the policy over every world
+        size's iterations does not keep either (with ``any_world``), and uncommitted leftovers
+        older than ``committed``. Iterations newer than ``committed`` are another run's (this
+        one loaded an older one: they were unusable, or not offered): neither counted nor
+        removed here, they never push this run's newest out of the tier."""
         tier, world = self.tier, self.ctx.world_size
         try:
-            complete = tier.complete_any()
+            complete = [(it, w) for it, w in tier.complete_any() if it <= committed]
             kept = self.keep.keep([it for it, w in complete if w == world])
             # With reshard=True the other world sizes' iterations are this job's lineage: the
             # keep policy over all of them spares some; without, they are not this job's.
