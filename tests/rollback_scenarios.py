@@ -141,3 +141,31 @@ def load_twice(rank: int, world: int, base: str) -> list[str]:
                 out.append(type(exc).__name__)
         out.append(f"find_latest {mgr.find_latest()}")
     return out
+
+
+def rollback_dies_deleting(rank: int, world: int, base: str, how: str) -> dict[str, Any]:
+    """Rank 1 rolls back to 20 with discard_newer, and its first deletion of a newer shard
+    kills it ("die": the node lost mid-rollback) or fails ("fail": an OSError)."""
+    import os
+
+    mgr = manager(rank, base)
+    if rank == 1:
+        store = mgr._ctx.store
+
+        def delete(ref: Any, background: bool = False) -> None:
+            if how == "die":
+                os._exit(9)
+            raise PermissionError(13, "Permission denied", str(ref.path))
+
+        store.delete = delete  # type: ignore[method-assign]
+    try:
+        _, ckpt_id = mgr.load(iteration=20, discard_newer=True)
+        listed = mgr.iterations()
+        try:
+            mgr.save(make_state(rank, 21), 21)
+        except Exception as exc:
+            return {"loaded": ckpt_id[0], "listed": listed,
+                    "save_error": f"{type(exc).__name__}: {exc}"}
+        return {"loaded": ckpt_id[0], "listed": listed, "save_error": None}
+    finally:
+        mgr.close()

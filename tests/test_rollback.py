@@ -83,6 +83,35 @@ def test_rollback_with_discard_newer_lets_saves_go_on_from_there(root: Path) -> 
         assert digest(mgr.load()[0]) == digest(make_state(0, 33))
 
 
+def test_a_rollback_a_node_dies_in_never_brings_the_discarded_iteration_back(
+        tmp_path: Path) -> None:
+    """Each rank deleted its root's newer shards after one agreed step: node 1 dying before
+    its deletions kept a complete 30 there, and the restarted job loaded the state the
+    rollback had discarded."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    results = run_ranks(sc.rollback_dies_deleting, 2, tmp_path, base, "die")
+    assert results[1].error == "Exited", results[1]
+    for r in run_ranks(sc.load_newest, 2, tmp_path, base):
+        assert r.ok and r.value == {"loaded": 20, "error": None, "is": 20}, r.value
+
+
+def test_a_rollback_whose_deletion_fails_on_one_node_still_goes_on_from_there(
+        tmp_path: Path) -> None:
+    """A deletion that failed was logged and left 30 listed on that node: the rollback
+    returned, and the next save of 21 was refused as older than the newest."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    results = run_ranks(sc.rollback_dies_deleting, 2, tmp_path, base, "fail")
+    for r in results:
+        assert r.ok, r.message
+        assert r.value["loaded"] == 20 and r.value["listed"] == [10, 20], r.value
+    # the save of 21 tries the deletion again first: it fails again, so it is refused alike
+    for r in results:
+        error = r.value["save_error"]
+        assert "rollback to iteration 20" in error and "node1" in error, r.value
+
+
 @pytest.mark.parametrize("args", [
     ({"iteration": 20}, {"iteration": -1}),
     ({"iteration": 20, "discard_newer": True}, {"iteration": 20, "discard_newer": "yes"}),

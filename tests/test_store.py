@@ -559,3 +559,27 @@ def test_copy_out_fills_each_target_with_its_part_of_a_window() -> None:
         copy_out(small, starts, lo, hi, window.data_ptr(), lo)
     for o, t in zip(offsets, outs, strict=True):
         assert torch.equal(t, packed[o : o + t.numel()]), o
+
+
+def test_a_rollback_fence_hides_newer_shards_until_they_are_deleted(store: ShardStore,
+                                                                    root: Path) -> None:
+    for it, world in ((10, 1), (20, 1), (30, 1), (30, 2), (40, 2)):
+        _write(store, it, world=world)
+    listed = lambda: [(r.iteration, r.world_size) for r in store.committed()]  # noqa: E731
+    store.fence_rollback(20, 1)  # this world size only
+    assert listed() == [(10, 1), (20, 1), (30, 2), (40, 2)]
+    store.fence_rollback(20, None)  # every world size (a resharding job's lineage)
+    assert listed() == [(10, 1), (20, 1)]
+    assert store.finish_rollback() == []
+    store.wait_for_deletions()
+    assert listed() == [(10, 1), (20, 1)]
+    assert not (store.session_path / "rollback-fence.json").exists()
+    _write(store, 30)  # a later save of 30 is listed: the fence is gone
+    assert listed() == [(10, 1), (20, 1), (30, 1)]
+
+
+def test_a_fence_that_cannot_be_read_is_an_error_not_ignored(store: ShardStore) -> None:
+    _write(store, 10)
+    (store.session_path / "rollback-fence.json").write_text('{"rollback_to": "x"}')
+    with pytest.raises(CorruptShardError, match=r"rollback-fence\.json: malformed fence"):
+        store.committed()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from ..control.context import Context
@@ -284,15 +285,21 @@ class LoadPath:
         bound = self._write_back.bound() if self._write_back is not None else None
         ctx.group.exchange(f"rollback to {iteration}: write-back over",
                            self.wait_for_write_back, wait=bound)
-        if self.durable is not None:
-            self._discard_newer_durable(iteration)
-        for ref in ctx.store.committed():
-            if ref.iteration > iteration and (ref.world_size == ctx.world_size or self.reshard):
-                try:
-                    ctx.store.delete(ref, background=True)
-                except OSError as exc:
-                    logger.error("rank %d: discarding %s after the rollback to %d: %s",
-                                 ctx.rank, ref.path, iteration, exc)
+        # All or nothing across nodes: every root hides its newer shards (a fence, durably)
+        # before any is deleted, so a node dying part way cannot bring them back.
+        world = None if self.reshard else ctx.world_size
+        try:
+            ctx.group.exchange(f"rollback to {iteration}: fence",
+                               partial(ctx.store.fence_rollback, iteration, world))
+            if self.durable is not None:  # fails alike on every rank
+                self._discard_newer_durable(iteration)
+        except BaseException:
+            with contextlib.suppress(OSError):  # no root deletes: this one shows them again
+                ctx.store.cancel_rollback()
+            raise
+        for failure in ctx.store.finish_rollback():  # hidden: tried again before each save
+            logger.error("rank %d: discarding after the rollback to %d: %s", ctx.rank,
+                         iteration, failure)
         self._listed = None
         self.latest_iteration = iteration
 

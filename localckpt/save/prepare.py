@@ -168,6 +168,7 @@ class SaveAgreement:
             if isinstance(staged, Exception):
                 raise staged
             _check_loadable(staged.manifest)
+            ctx.store.lift_fence()  # a rollback left unfinished here ends before any write
             # The previous save's retention may still be deleting on the reaper thread: not
             # waited for here, only when the space it frees is needed (_check_capacity).
             reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()

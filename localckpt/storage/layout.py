@@ -24,6 +24,7 @@ from pathlib import Path
 from replication import parity_of_slot, parity_slot
 
 from ..errors import ConfigurationError
+from .rollback_fence import hidden, read_fence
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # ASCII digits only: \d and int() also take other scripts' digits, which would list a directory
@@ -100,12 +101,15 @@ def list_iterations(root: Path, session_id: str) -> list[int]:
                   if (m := _ITER_RE.fullmatch(e.name)) and e.is_dir(follow_symlinks=False))
 
 
-def list_shards(root: Path, session_id: str) -> list[ShardRef]:
-    """Committed shards and parity blocks of ``session_id`` under ``root``, sorted. Never raises
-    for a missing root or stray files; ignores temporary and trash directories, and names no job
-    writes (a rank not below its world size: nothing could address, or remove, it)."""
+def list_shards(root: Path, session_id: str, fenced: bool = True) -> list[ShardRef]:
+    """Committed shards and parity blocks of ``session_id`` under ``root``, sorted, but for
+    those the fence of an unfinished rollback hides (see :mod:`.rollback_fence`; all of them
+    with ``fenced=False``). Never raises for a missing root or stray files (CorruptShardError
+    for a fence that cannot be read); ignores temporary and trash directories, and names no
+    job writes (a rank not below its world size: nothing could address, or remove, it)."""
     out = []
     base = session_dir(root, session_id)
+    fence = read_fence(base) if fenced else None
     for it_entry in _scandir(base):
         m = _ITER_RE.fullmatch(it_entry.name)
         if not m or not it_entry.is_dir(follow_symlinks=False):
@@ -118,6 +122,8 @@ def list_shards(root: Path, session_id: str) -> list[ShardRef]:
             elif (p := _PARITY_RE.fullmatch(entry.name)) and int(p[1]) < int(p[3]):
                 out.append(ShardRef(int(m[1]), parity_slot(int(p[1]), int(p[2])), int(p[3]),
                                     Path(entry.path)))
+    if fence is not None:
+        out = [r for r in out if not hidden(fence, r.iteration, r.world_size)]
     return sorted(out)
 
 

@@ -55,6 +55,7 @@ from .layout import (
 )
 from .manifest import ShardManifest, dtype_from_name
 from .recycle import FilePool
+from .rollback_fence import FENCE_NAME, hidden, read_fence, remove_fence, write_fence
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
 from .views import COPY_OUT_MAX_NBYTES, byte_view, device_bytes
@@ -179,6 +180,51 @@ class ShardStore:
     def committed(self) -> list[ShardRef]:
         """Committed shards under this root (see :func:`list_shards`)."""
         return list_shards(self.root, self.session_id)
+
+    # ---------------------------------------------------------------- rollback
+
+    def fence_rollback(self, iteration: int, world_size: int | None) -> None:
+        """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
+        every world size) from every listing, durably, until :meth:`finish_rollback` deleted
+        them (see :mod:`.rollback_fence`)."""
+        write_fence(self.session_path, iteration, world_size, f"w{self.writer_rank:05d}")
+
+    def cancel_rollback(self) -> None:
+        """Remove this root's rollback fence (a rollback that deleted nothing)."""
+        remove_fence(self.session_path)
+
+    def finish_rollback(self) -> list[str]:
+        """Delete the shards this root's rollback fence hides, then the fence (kept if a
+        deletion failed: they stay hidden). What failed, as text; nothing to do without a
+        fence. The deleted shards' space is freed in the background."""
+        fence = read_fence(self.session_path)
+        if fence is None:
+            return []
+        failed = []
+        for ref in list_shards(self.root, self.session_id, fenced=False):
+            if hidden(fence, ref.iteration, ref.world_size):
+                try:
+                    self.delete(ref, background=True)
+                except OSError as exc:
+                    failed.append(f"{ref.path}: {exc}")
+        if not failed:
+            try:
+                remove_fence(self.session_path)
+            except OSError as exc:
+                failed.append(f"{self.session_path / FENCE_NAME}: {exc}")
+        return failed
+
+    def lift_fence(self) -> None:
+        """Before a save writes anything: :meth:`finish_rollback`; OSError naming what could
+        not be deleted when the fence must stay (a save's shards, newer than the rollback's
+        iteration, would be hidden by it)."""
+        failed = self.finish_rollback()
+        if failed:
+            fence = read_fence(self.session_path)
+            raise OSError(
+                f"save: the rollback to iteration {fence[0] if fence else '?'} is unfinished "
+                f"under {self.root}: {'; '.join(failed[:3])}; no save can be written there "
+                "until those shards are gone")
 
     def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
         return shard_path(self.root, self.session_id, iteration, owner, world_size)
