@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import mixed_scenarios as mixed
 import pytest
 import rollback_scenarios as sc
 from dist_harness import run_ranks
@@ -234,6 +235,50 @@ def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
     # raised "different saves" and the job could not start); 30 stays on disk, left out
     assert r.value == {"loaded": 20, "error": None}, r.value
     assert replica.is_dir()
+
+
+def _resaved_with_stale_own_copies(tmp_path: Path, base: Path, strategy: str | None,
+                                   saved_twice: list[int]) -> None:
+    """10, 20 and ``saved_twice`` saved; a rollback to 20 saves ``saved_twice`` again (values
+    + 1000); then rank 1's own copy of each is put back from the first save (by hand)."""
+    for r in run_ranks(mixed.save, 2, tmp_path, str(base), strategy, [10, 20, *saved_twice],
+                       0):
+        assert r.ok, r.message
+    own = lambda it: base / "node1" / "job" / f"iter_{it:010d}" / "rank_00001_of_00002"  # noqa: E731
+    for it in saved_twice:
+        shutil.copytree(own(it), tmp_path / f"first-{it}")
+    for r in run_ranks(mixed.save, 2, tmp_path, str(base), strategy, saved_twice, 1000, 20):
+        assert r.ok, r.message
+    for it in saved_twice:
+        shutil.rmtree(own(it))
+        shutil.copytree(tmp_path / f"first-{it}", own(it))
+
+
+@pytest.mark.parametrize("exact", [None, 30])
+def test_a_resharding_load_of_an_iteration_saved_twice_loads_the_covering_save(
+        tmp_path: Path, exact: int | None) -> None:
+    """Node 0 holds both shards of 30's second save, node 1 its own shard of the first: the
+    resharding load (into another layout) gave 30 up for good and fell back to 20 (then a
+    save of 30 wrote over the second save), and load(iteration=30) failed; the plain load
+    sets the stale copy aside and loads the second save, and so must it."""
+    base = tmp_path / "roots"
+    _resaved_with_stale_own_copies(tmp_path, base, "node_spread", [30])
+    for r in run_ranks(mixed.load_other_layout, 2, tmp_path, str(base), "node_spread", exact):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 30, "value": 1030.0, "w": 1030.0}, r.value
+    assert len(list((base / "node1" / "job").glob(".quarantine-*"))) == 1
+
+
+def test_iterations_saved_twice_that_cannot_load_do_not_use_up_the_resharding_attempts(
+        tmp_path: Path) -> None:
+    """Without replicas no save of 30-60 covers every rank: each is left out in turn. Each
+    fallback counted as a failed attempt, and the fourth gave up: the job could not start
+    although 20 loads."""
+    base = tmp_path / "roots"
+    _resaved_with_stale_own_copies(tmp_path, base, None, [30, 40, 50, 60])
+    for r in run_ranks(mixed.load_other_layout, 2, tmp_path, str(base), None):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "value": 20.0, "w": 20.0}, r.value
 
 
 def test_the_save_loaded_is_the_newest_and_only_when_it_covers_every_rank() -> None:

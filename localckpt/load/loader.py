@@ -33,6 +33,7 @@ from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
 from .from_durable import durable_candidates, fetch_from_durable, within
+from .mixed import resolve_mixed
 from .rebuild import needs_rebuild, rebuild_lost
 from .reshard import reshard_restore
 from .restore import find_latest, restore, write_back_after
@@ -258,14 +259,24 @@ class LoadPath:
         complete, or after RESHARD_ATTEMPTS tries."""
         ctx = self.ctx
         failures: list[str] = []
-        for _ in range(RESHARD_ATTEMPTS):
+        resolved = False
+        attempt = 0
+        while attempt < RESHARD_ATTEMPTS:
             inventories = ctx.gather_inventories(f"load of iteration {iteration}")
             if iteration not in complete_iterations(inventories, ctx.world_size, ctx.erasure):
                 break  # only after a failure: restore() found it complete just before
             try:
                 manifest, state = reshard_restore(ctx, iteration, ctx.world_size, inventories,
                                                   into)
+            except MixedSavesError as exc:  # agreed: the covering save's copies, once
+                why = "still mixed" if resolved else resolve_mixed(ctx, iteration)
+                resolved = True
+                if why is not None:
+                    failures.append(f"{exc} ({why})")
+                    break
+                continue
             except (CorruptShardError, IncompleteCheckpointError) as exc:  # agreed
+                attempt += 1
                 failures.append(str(exc))
                 continue
             self._write_back = write_back_after(ctx, iteration, inventories)
@@ -345,7 +356,9 @@ class LoadPath:
         failed_at = -1  # the newest iteration an attempt failed to load
         self._tier_unavailable = None
         fetched: set[int] = set()  # from the tier in this load: one failing again is given up
-        for attempt in range(1, RESHARD_ATTEMPTS + 1):
+        resolved: set[tuple[int, int]] = set()  # iterations saved twice: stale copies set aside
+        attempt = 0  # lists after a failure (a fallback past an unloadable iteration is none)
+        while attempt < RESHARD_ATTEMPTS:
             if self._listed is None:  # the durable tier was consulted already, by load
                 self.find_latest(durable=False)
                 if self.durable is not None and self.latest_iteration < failed_at:
@@ -373,6 +386,7 @@ class LoadPath:
             old_world = self._saved_by()
             if old_world == ctx.world_size and needs_rebuild(ctx, self.latest_iteration, listed):
                 # erasure coding: its lost shards first, on their owners' nodes; list again
+                attempt += 1
                 outcome = rebuild_lost(ctx, self.latest_iteration, listed)
                 failed = outcome.unusable or outcome.retry  # agreed: every rank's outcome
                 if failed and (outcome.unusable or attempt == RESHARD_ATTEMPTS):
@@ -385,14 +399,25 @@ class LoadPath:
                     manifest, state = reshard_restore(ctx, self.latest_iteration,
                                                       old_world, listed, into)
                     box["nbytes"] = manifest.data_nbytes
-            except MixedSavesError as exc:  # the same on every rank: left out from now on
-                ctx.unloadable[(self.latest_iteration, old_world)] = str(exc)
+            except MixedSavesError as exc:  # the same on every rank
+                key = (self.latest_iteration, old_world)
+                # as the plain load does: the newest save, when it covers every old rank, is
+                # loaded (its stale copies set aside); else the iteration is left out from now
+                # on. Neither counts as an attempt: each happens once per iteration.
+                why = "still mixed after its stale copies were set aside" if key in resolved \
+                    else resolve_mixed(ctx, *key)
+                resolved.add(key)
+                if why is None:
+                    continue
+                ctx.unloadable[key] = f"{exc} ({why})"
                 failures.append(str(exc))
                 failed_at = max(failed_at, self.latest_iteration)
                 if ctx.rank == 0:
-                    logger.warning("load: %s; falling back to an older iteration", exc)
+                    logger.warning("load: %s (%s); falling back to an older iteration", exc,
+                                   why)
                 continue
             except (CorruptShardError, IncompleteCheckpointError) as exc:  # agreed; list again
+                attempt += 1
                 if attempt == RESHARD_ATTEMPTS:
                     raise
                 failures.append(str(exc))

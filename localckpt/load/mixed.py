@@ -44,20 +44,21 @@ def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
                   f"{world_size} ranks' shards")
 
 
-def resolve_mixed(ctx: Context, iteration: int) -> str | None:
-    """Collective. Every rank reports the save of each copy of ``iteration`` its node holds;
-    when the newest save covers every rank, every rank sets its node's copies of other saves
-    aside (quarantine) and None is returned (plan again). Else why the iteration cannot be
-    loaded."""
+def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -> str | None:
+    """Collective. Every rank reports the save of each copy of ``iteration`` (saved by a job
+    of ``world_size`` ranks, default this job's: a resharding load may name another) its node
+    holds; when the newest save covers every old rank, every rank sets its node's copies of
+    other saves aside (quarantine) and None is returned (plan again). Else why the iteration
+    cannot be loaded."""
     where = f"load of iteration {iteration}"
-    if ctx.erasure is not None:
+    world = ctx.world_size if world_size is None else world_size
+    if ctx.erasure is not None and world == ctx.world_size:
         return "erasure-coded iterations saved twice are not resolved"
     held: list[tuple[ShardRef, Any]] = []
 
     def mine() -> list[list[Any]]:  # inside the exchange: a rank's failure is every rank's
         for ref in ctx.store.committed():
-            if ref.iteration == iteration and ref.world_size == ctx.world_size \
-                    and ref.owner_rank >= 0:
+            if ref.iteration == iteration and ref.world_size == world and ref.owner_rank >= 0:
                 try:
                     held.append((ref, ctx.store.read_manifest(ref).metadata))
                 except Exception as exc:  # left out: a copy that cannot be read is no vote
@@ -67,7 +68,7 @@ def resolve_mixed(ctx: Context, iteration: int) -> str | None:
                 for ref, meta in held]
 
     reports = ctx.group.exchange(f"{where}: the saves of every copy", mine)
-    chosen, why = covering_save(reports, ctx.world_size)
+    chosen, why = covering_save(reports, world)
     if chosen is None:
         return why
 
