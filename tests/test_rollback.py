@@ -10,6 +10,7 @@ from typing import Any
 import mixed_scenarios as mixed
 import pytest
 import rollback_scenarios as sc
+import torch
 from dist_harness import run_ranks
 from scenarios import digest, make_state
 
@@ -235,6 +236,20 @@ def test_a_resharding_load_never_builds_a_state_from_two_saves(tmp_path: Path,
     # raised "different saves" and the job could not start); 30 stays on disk, left out
     assert r.value == {"loaded": 20, "error": None}, r.value
     assert replica.is_dir()
+
+
+def test_a_rollback_while_an_async_save_is_in_flight_keeps_its_target(root: Path) -> None:
+    """load(iteration=10) finalizes the async save of 30 first; its retention (keep_last=2)
+    deleted 10, the very iteration asked for, and the rollback raised NoCheckpointError."""
+    with LocalCheckpointManager(root, "s", keep_last=2, timeout=30) as mgr:
+        for it in (10, 20):
+            mgr.save({"w": torch.full((8,), float(it))}, it)
+        mgr.save({"w": torch.full((8,), 30.0)}, 30, is_async=True)
+        state, (it, _, _) = mgr.load(iteration=10, discard_newer=True)
+        assert it == 10 and torch.equal(state["w"], torch.full((8,), 10.0))
+        assert mgr.iterations() == [10]
+        mgr.save({"w": torch.full((8,), 11.0)}, 11)
+        assert mgr.iterations() == [10, 11]
 
 
 def _resaved_with_stale_own_copies(tmp_path: Path, base: Path, strategy: str | None,

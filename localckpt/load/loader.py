@@ -158,7 +158,15 @@ class LoadPath:
         # that the arguments ride on a load's step. They are checked with its first exchange,
         # whichever it is: a bad argument on one rank, or a rollback on some ranks only, is one
         # error on every rank, before anything is deleted or returned.
-        self.settle()
+        # A rollback's target is kept by the retention of the save finalized here: that
+        # save's keep policy may otherwise delete the very iteration asked for.
+        holding = self._save.retainer.holding
+        target = {iteration} if type(iteration) is int and iteration >= 0 else set()
+        holding |= target
+        try:
+            self.settle()
+        finally:
+            holding -= target
         with self.ctx.group.arguments("load (iteration, discard_newer)", check):
             return self._load(into, iteration, discard_newer)
 

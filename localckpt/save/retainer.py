@@ -38,6 +38,9 @@ class Retainer:
         # Iterations this rank must keep for now (a persist to the durable tier copies them):
         # reported, and kept by every rank (the node roots they share hold them too).
         self.pinned: Callable[[], set[int]] = set
+        # Iterations a call of this rank is about to load (a rollback's target, while the
+        # async save in flight is finalized first): kept alike.
+        self.holding: set[int] = set()
         self.any_world = False  # reshard=True: other world sizes' shards are this job's lineage
 
     def report(self, inventory: Inventory) -> dict[str, Any]:
@@ -49,7 +52,7 @@ class Retainer:
         if self.policy.predicate is not None:
             held = {k[0] for k in inventory.shards if k[2] == self.ctx.world_size}
             doc["predicate_keeps"] = self._predicate_keeps(held, doc.get("metadata", {}))
-        pinned = self.pinned()
+        pinned = self.pinned() | self.holding
         if pinned:
             doc["pinned"] = sorted(pinned)
         return doc
