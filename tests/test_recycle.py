@@ -237,3 +237,25 @@ def _unusable_pool(root: Path) -> None:
         loaded, ckpt = mgr.load()
         assert ckpt[0] == 3 and torch.equal(loaded["w"], big_state(3)["w"])
         assert len(list(target.iterdir())) >= 3
+
+
+def test_the_pool_forgets_files_taken_or_drained(tmp_path: Path) -> None:
+    """Every name pooled stayed in the pool's own list until close: memory, and unlinks at
+    close, grew with every chunk file ever retired in a long job."""
+    from localckpt.storage.recycle import FilePool
+
+    session = tmp_path / "s"
+    session.mkdir()
+    pool = FilePool(session)
+    for save in range(20):
+        shard = session / f".trash-{save}"
+        (shard / "data" / "c").mkdir(parents=True)
+        for i in range(4):
+            (shard / "data" / "c" / str(i)).write_bytes(b"x" * 16)
+        pool.add_chunks_of(shard)
+        for i in range(3):  # the next save takes three, the last is drained
+            target = session / f"taken-{save}-{i}"
+            assert pool.take(target)
+            target.unlink()
+        pool.drain(None)
+    assert pool._added == set()

@@ -136,6 +136,8 @@ class FilePool:
                 if not self._names and not self._rescan():
                     return False
                 name = self._names.pop()
+            with self._lock:  # taken (or gone): not this process's to remove at close
+                self._added.discard(name)
             try:
                 os.rename(self.path / name, target)
             except FileNotFoundError:  # another rank of the node took it, or it was drained
@@ -191,6 +193,8 @@ class FilePool:
                 stamp = entry.name.split("-", 1)[0]
                 if before_ns is None or (_NAME.fullmatch(entry.name)
                                          and int(stamp) < before_ns):
+                    with self._lock:
+                        self._added.discard(entry.name)
                     with contextlib.suppress(OSError):
                         if entry.is_dir(follow_symlinks=False):
                             shutil.rmtree(entry.path, ignore_errors=True)
