@@ -886,3 +886,19 @@ def test_durable_retention_never_deletes_what_it_just_committed_for_a_newer_numb
     with LocalCheckpointManager(root, durable=tier, timeout=5) as mgr:
         state, (it, _, _) = mgr.load()
     assert it == 2 and torch.equal(state["w"], torch.full((3,), 20.0))
+
+
+def test_durable_retention_removes_what_a_crash_left_hidden(root: Path, tmp_path: Path) -> None:
+    """A deletion killed between its rename and its rmtree left a whole shard in the tier's
+    session as .trash-*, which no later run removed."""
+    durable = tmp_path / "shared"
+    tier = DurableTier(durable, keep=1)
+    with LocalCheckpointManager(root, durable=tier, keep_last=2) as mgr:
+        mgr.save({"w": torch.ones(1000)}, 1)
+        assert mgr.wait_for_persist(30)
+        leftover = durable / "_default" / ".trash-iter_0000000000-rank_00000_of_00001-w00000-x"
+        (leftover / "data").mkdir(parents=True)
+        (leftover / "data" / "0").write_bytes(b"x" * 4096)
+        mgr.save({"w": torch.ones(1000)}, 2)
+        assert mgr.wait_for_persist(30)
+    assert not leftover.exists()

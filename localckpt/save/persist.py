@@ -190,6 +190,7 @@ class Persister:
             for it in tier.uncommitted():
                 if it < committed:  # every rank copies in order: none still writes there
                     tier.remove_uncommitted(it)
+            tier.remove_trash()
         except OSError as exc:
             logger.error("rank 0: durable retention in %s: %s (retried after the next "
                          "persist)", tier.root, exc)

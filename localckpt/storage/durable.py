@@ -89,6 +89,7 @@ class Backend(Protocol):
     def delete_shards(self, iteration: int, world_size: int) -> None: ...
     def remove_iteration(self, iteration: int) -> None: ...
     def remove_if_empty(self, iteration: int) -> None: ...
+    def remove_trash(self) -> None: ...
 
 
 def _check_chunks(store: ShardStore, ref: ShardRef, manifest: ShardManifest) -> None:
@@ -430,6 +431,10 @@ class DurableStore:
         for it in self.backend.iterations():
             if it > iteration and not self.committed_by_any(it):
                 self.remove_uncommitted(it)
+
+    def remove_trash(self) -> None:
+        """Rank 0: what deletions a crash interrupted left hidden (a directory tier's)."""
+        self.backend.remove_trash()
 
     def delete(self, iteration: int, world_size: int) -> None:
         """Rank 0: the commit record first (the iteration is no longer complete), then the

@@ -141,3 +141,12 @@ class DirectoryBackend:
     def remove_if_empty(self, iteration: int) -> None:
         with contextlib.suppress(OSError):
             iteration_dir(self.root, self.session_id, iteration).rmdir()
+
+    def remove_trash(self) -> None:
+        """Rank 0's deletions a crash interrupted: the hidden ``.trash-*`` directories of the
+        session (only deletions make them, and only rank 0 deletes here)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.store.session_path) as it:
+            trash = [e.path for e in it if e.name.startswith(".trash-")
+                     and e.is_dir(follow_symlinks=False)]
+        for path in trash:
+            shutil.rmtree(path, ignore_errors=True)

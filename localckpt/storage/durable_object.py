@@ -331,3 +331,6 @@ class ObjectBackend:
 
     def remove_if_empty(self, iteration: int) -> None:
         """Nothing to do: a prefix is gone with its last object."""
+
+    def remove_trash(self) -> None:
+        """Nothing to do: objects are deleted, never hidden first."""
