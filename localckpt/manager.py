@@ -18,6 +18,7 @@ import os
 import uuid
 import zlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy, Schedule
 from .errors import CollectiveError, ConfigurationError, InvalidIterationError
+from .load.from_durable import within
 from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
 from .save.async_calls import AsyncRequest
@@ -242,6 +244,8 @@ class LocalCheckpointManager:
                                       keep_every=durable.keep_every, any_world=reshard)
                 self._save.persister = persister
                 self._save.retainer.pinned = persister.pinned
+                self._save.agreement.discard_durable = partial(_discard_newer_in, tier,
+                                                               self.timeout / 2)
         except BaseException:
             for release in reversed(undo):
                 with contextlib.suppress(Exception):
@@ -492,3 +496,8 @@ class LocalCheckpointManager:
         CollectiveTimeoutError when it overran every bound (the groups are then unusable)."""
         self._load.wait_for_write_back()
 
+
+def _discard_newer_in(tier: DurableStore, seconds: float, iteration: int) -> None:
+    """Rank 0: the durable tier's iterations newer than ``iteration`` removed (a rollback a
+    failure interrupted), within ``seconds`` (a hung mount: an error, not a hung rank)."""
+    within(seconds, lambda: tier.discard_newer(iteration))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,51 @@ def restore_resharding_on_node0(rank: int, world: int, base: str,
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
         mgr.close()
+
+
+def save_keeping_all(rank: int, world: int, base: str, durable: str) -> None:
+    """Saves 1, 2, 3, each persisted; every one kept in the node roots and the tier."""
+    mgr = _manager(rank, base, durable, keep_last=5, keep=5, persist_every=1)
+    try:
+        for it in (1, 2, 3):
+            mgr.save(make_state(rank, it), it)
+            assert mgr.wait_for_persist(30)
+    finally:
+        mgr.close()
+
+
+def rollback_dies_at_fence(rank: int, world: int, base: str, durable: str) -> str:
+    """A rollback to 2 (discard_newer) in which rank 1 is killed once its fence is written:
+    nothing was discarded from the durable tier yet."""
+    import os
+
+    mgr = _manager(rank, base, durable, keep_last=5, keep=5)
+    if rank == 1:
+        real = mgr._ctx.store.fence_rollback
+
+        def fence(iteration: int, world_size: int | None) -> None:
+            real(iteration, world_size)
+            os._exit(9)
+
+        mgr._ctx.store.fence_rollback = fence  # type: ignore[method-assign]
+    try:
+        mgr.load(iteration=2, discard_newer=True)
+        return "rolled back"
+    except Exception as exc:
+        return type(exc).__name__
+    finally:
+        with contextlib.suppress(Exception):
+            mgr.close()
+
+
+def restart_save(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:
+    """A restarted job loads the newest, saves 3 and persists it; what it loaded."""
+    mgr = _manager(rank, base, durable, keep_last=5, keep=5, persist_every=1)
+    try:
+        state, ckpt_id = mgr.load()
+        mgr.wait_for_write_back()
+        mgr.save(make_state(rank, 3 + 1000), 3)
+        assert mgr.wait_for_persist(30)
+    finally:
+        mgr.close()
+    return {"loaded": ckpt_id[0], "identical": digest(state) == digest(make_state(rank, 2))}

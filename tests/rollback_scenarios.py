@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,52 @@ def rollback_dies_deleting(rank: int, world: int, base: str, how: str) -> dict[s
         return {"loaded": ckpt_id[0], "listed": listed, "save_error": None}
     finally:
         mgr.close()
+
+
+def rollback_interrupted(rank: int, world: int, base: str, how: str) -> dict[str, Any]:
+    """Rank 1's rollback to 20 (discard_newer) stops at the fence: "lost answer" (the exchange
+    completed, but rank 1 lost its answer: a CollectiveError there only), "died after fence"
+    (killed once its fence is written), "died before fence" (killed before writing it)."""
+    import os
+
+    from localckpt.errors import CollectiveError
+
+    mgr = manager(rank, base)
+    if rank == 1:
+        store, group = mgr._ctx.store, mgr._ctx.group
+        real_fence, real_gather = store.fence_rollback, group.gather_outcomes
+
+        def fence(iteration: int, world_size: int | None) -> None:
+            if how == "died before fence":
+                os._exit(9)
+            real_fence(iteration, world_size)
+            if how == "died after fence":
+                os._exit(9)
+
+        def gather(step: str, local: Any, wait: float | None = None) -> Any:
+            out = real_gather(step, local, wait)
+            if how == "lost answer" and step.endswith(": fence"):
+                raise CollectiveError("injected: this rank lost the exchange's answer")
+            return out
+
+        store.fence_rollback = fence  # type: ignore[method-assign]
+        group.gather_outcomes = gather  # type: ignore[method-assign]
+    try:
+        _, ckpt_id = mgr.load(iteration=20, discard_newer=True)
+        return {"loaded": ckpt_id[0]}
+    except Exception as exc:
+        return {"error": type(exc).__name__}
+    finally:
+        with contextlib.suppress(Exception):
+            mgr.close()
+
+
+def restart_and_save(rank: int, world: int, base: str, iteration: int) -> dict[str, Any]:
+    """A restarted job: load the newest, save ``iteration``; what it loaded and then lists."""
+    with manager(rank, base) as mgr:
+        state, ckpt_id = mgr.load()
+        mgr.wait_for_write_back()
+        mgr.save(make_state(rank, iteration), iteration)
+        return {"loaded": ckpt_id[0], "is": next(
+            (it for it in (10, 20, 30) if digest(state) == digest(make_state(rank, it))), None),
+            "then": mgr.iterations()}

@@ -902,3 +902,28 @@ def test_durable_retention_removes_what_a_crash_left_hidden(root: Path, tmp_path
         mgr.save({"w": torch.ones(1000)}, 2)
         assert mgr.wait_for_persist(30)
     assert not leftover.exists()
+
+
+def test_a_rollback_a_node_died_in_never_comes_back_from_the_durable_tier(
+        tmp_path: Path, root: Path) -> None:
+    """Rank 1 is killed right after writing its rollback fence, before anything was discarded
+    anywhere (the durable tier still commits 3). The restarted job must load 2, not the
+    tier's 3, and its next save finishes the rollback there too."""
+    durable = tmp_path / "shared"
+    results = run_ranks(sc.save_keeping_all, 2, tmp_path, str(root), str(durable))
+    assert all(r.ok for r in results), [r.message for r in results]
+    old = DurableStore(durable, "job", 0)
+    try:
+        discarded = old.commit_record(3, 2)["save_id"]
+    finally:
+        old.close()
+    run_ranks(sc.rollback_dies_at_fence, 2, tmp_path, str(root), str(durable))
+    for r in run_ranks(sc.restart_save, 2, tmp_path, str(root), str(durable)):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 2, "identical": True}, r.value
+    tier = DurableStore(durable, "job", 0)
+    try:  # the discarded 3 went before the new one was persisted
+        assert tier.complete_any() == [(1, 2), (2, 2), (3, 2)]
+        assert tier.commit_record(3, 2)["save_id"] != discarded
+    finally:
+        tier.close()

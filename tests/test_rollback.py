@@ -98,6 +98,25 @@ def test_a_rollback_a_node_dies_in_never_brings_the_discarded_iteration_back(
         assert r.ok and r.value == {"loaded": 20, "error": None, "is": 20}, r.value
 
 
+@pytest.mark.parametrize("how", ["lost answer", "died after fence", "died before fence"])
+def test_a_rollback_interrupted_at_its_fence_is_finished_never_undone(tmp_path: Path,
+                                                                      how: str) -> None:
+    """One rank's rollback stops at the fence step while the other goes on and deletes its
+    newer shards. Each root's fence hid only that root's shards, and a rank that saw the step
+    fail removed its own: the other node's complete 30 came back. Now any root's fence hides
+    newer shards on every root, and the next save finishes the rollback everywhere."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    results = run_ranks(sc.rollback_interrupted, 2, tmp_path, base, how)
+    assert results[0].ok and results[0].value.get("loaded") in (20, None), results[0]
+    for r in run_ranks(sc.restart_and_save, 2, tmp_path, base, 21):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "is": 20, "then": [10, 20, 21]}, r.value
+    for node in ("node0", "node1"):  # the discarded iteration is gone, and so is the fence
+        assert not (tmp_path / "roots" / node / "job" / "iter_0000000030").exists()
+        assert not (tmp_path / "roots" / node / "job" / "rollback-fence.json").exists()
+
+
 def test_a_rollback_whose_deletion_fails_on_one_node_still_goes_on_from_there(
         tmp_path: Path) -> None:
     """A deletion that failed was logged and left 30 listed on that node: the rollback

@@ -56,7 +56,7 @@ class Context:
         shards = frozenset((s.iteration, s.owner_rank, s.world_size)
                            for s in self.store.committed()
                            if (s.iteration, s.world_size) not in hidden)
-        return Inventory(self.rank, self.session_id, shards)
+        return Inventory(self.rank, self.session_id, shards, self.store.fence())
 
     def gather_inventories(self, step: str) -> list[Inventory]:
         """Every rank's :meth:`inventory`. Collective (on ``group``)."""

@@ -16,6 +16,7 @@ from replication.erasure import rebuildable
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
+from ..storage.rollback_fence import Fence, hidden, merged
 from .retention import KeepPolicy
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
@@ -28,6 +29,9 @@ class Inventory:
     rank: int
     session_id: str
     shards: frozenset[ShardKey]
+    # the fence of a rollback not finished on this rank's root (storage/rollback_fence.py):
+    # (iteration, world size or None); it hides newer shards on every rank's root
+    fence: Fence | None = None
 
     def to_json(self) -> dict[str, Any]:
         """``{"session", "shards": [[iteration, world size, [[first owner, last owner + 1],
@@ -48,7 +52,10 @@ class Inventory:
                 else:
                     runs.append([owner, owner + 1])
             listing.append([it, world, runs])
-        return {"session": self.session_id, "shards": listing}
+        doc: dict[str, Any] = {"session": self.session_id, "shards": listing}
+        if self.fence is not None:
+            doc["fence"] = list(self.fence)
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], rank: int) -> Inventory:
@@ -57,7 +64,13 @@ class Inventory:
         ranks)."""
         shards = frozenset((it, o, w) for it, w, runs in doc["shards"] for a, b in runs
                            for o in range(a, b))
-        return cls(rank, str(doc["session"]), shards)
+        return cls(rank, str(doc["session"]), shards, _fence_of(doc))
+
+
+def _fence_of(doc: dict[str, Any]) -> Fence | None:
+    fence = doc.get("fence")
+    return None if fence is None else (int(fence[0]), None if fence[1] is None
+                                       else int(fence[1]))
 
 
 def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
@@ -73,7 +86,34 @@ def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
         if doc["shards"] is not last_listing and doc["shards"] != last_listing:
             last_listing = doc["shards"]
             shards = Inventory.from_json(doc, rank).shards
-        out.append(Inventory(rank, str(doc["session"]), shards))
+        out.append(Inventory(rank, str(doc["session"]), shards, _fence_of(doc)))
+    return apply_fence(out)
+
+
+def job_fence(inventories: Sequence[Inventory]) -> Fence | None:
+    """The fence of every rank's root together (see rollback_fence.merged), or None."""
+    fence: Fence | None = None
+    for inv in inventories:
+        if inv.fence is not None:
+            fence = merged(fence, inv.fence)
+    return fence
+
+
+def apply_fence(inventories: list[Inventory]) -> list[Inventory]:
+    """``inventories`` without the shards the fence of any rank's root hides: a rollback that
+    reached one root (its fence written) is not undone by another root that never got it, or
+    got past it. Shared shard sets stay shared."""
+    fence = job_fence(inventories)
+    if fence is None:
+        return inventories
+    kept: dict[int, frozenset[ShardKey]] = {}
+    out = []
+    for inv in inventories:
+        shards = kept.get(id(inv.shards))
+        if shards is None:
+            shards = kept[id(inv.shards)] = frozenset(
+                s for s in inv.shards if not hidden(fence, s[0], s[2]))
+        out.append(Inventory(inv.rank, inv.session_id, shards, inv.fence))
     return out
 
 

@@ -16,8 +16,9 @@ from functools import partial
 from typing import Any
 
 from ..control.context import Context
-from ..control.coverage import Inventory, complete_iterations
+from ..control.coverage import Inventory, complete_iterations, job_fence
 from ..errors import (
+    CollectiveError,
     ConfigurationError,
     CorruptShardError,
     DurableTierUnavailableError,
@@ -26,12 +27,14 @@ from ..errors import (
     LayoutMismatchError,
     MixedSavesError,
     NoCheckpointError,
+    error_from_failures,
 )
 from ..gc_pause import gc_paused
 from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
+from ..storage.rollback_fence import hidden
 from .from_durable import durable_candidates, fetch_from_durable, within
 from .mixed import resolve_mixed
 from .rebuild import needs_rebuild, rebuild_lost
@@ -97,8 +100,12 @@ class LoadPath:
             self._local_found = self._found
             if self.durable is not None and durable:  # newer than any local one (any world
                 # size with reshard)
-                self._durable_candidates = durable_candidates(
-                    ctx, self.durable, self.latest_iteration, self.reshard)
+                # a rollback a failure interrupted hides the tier's newer iterations too
+                fence = job_fence(self._listed)
+                self._durable_candidates = [
+                    c for c in durable_candidates(ctx, self.durable, self.latest_iteration,
+                                                  self.reshard)
+                    if not hidden(fence, *c)]
                 if self._durable_candidates:
                     self._found = self._durable_candidates[0]
                     self.latest_iteration = self._found[0]
@@ -225,8 +232,10 @@ class LoadPath:
         Collective; every rank takes the same path (the verdicts are agreed)."""
         ctx = self.ctx
         assert self.durable is not None
+        fence = job_fence(ctx.gather_inventories("load: a rollback's fence"))
         candidates = [c for c in durable_candidates(ctx, self.durable, fallback, any_world)
-                      if c[0] not in exclude]  # fetched already by this load: failed again
+                      if c[0] not in exclude  # fetched already by this load: failed again
+                      and not hidden(fence, *c)]
         if not candidates:
             return -1
         fetched, world, unavailable = fetch_from_durable(ctx, self.durable, candidates)
@@ -306,12 +315,20 @@ class LoadPath:
                            self.wait_for_write_back, wait=bound)
         # All or nothing across nodes: every root hides its newer shards (a fence, durably)
         # before any is deleted, so a node dying part way cannot bring them back.
+        # A failure agreed by every rank cancels it everywhere; a collective that failed (a
+        # peer lost: some ranks may have got past this step and deleted) keeps each fence,
+        # and the rollback is finished by the next save.
         world = None if self.reshard else ctx.world_size
+        step = f"rollback to {iteration}: fence"
+        outcome = ctx.group.gather_outcomes(step, partial(ctx.store.fence_rollback, iteration,
+                                                          world))
         try:
-            ctx.group.exchange(f"rollback to {iteration}: fence",
-                               partial(ctx.store.fence_rollback, iteration, world))
+            if outcome.failures:
+                raise error_from_failures(step, outcome.failures) from outcome.local_error
             if self.durable is not None:  # fails alike on every rank
                 self._discard_newer_durable(iteration)
+        except CollectiveError:
+            raise
         except BaseException:
             with contextlib.suppress(OSError):  # no root deletes: this one shows them again
                 ctx.store.cancel_rollback()

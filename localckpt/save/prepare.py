@@ -14,6 +14,7 @@ writes (see :class:`localckpt.save.job.SaveJob`).
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -25,17 +26,20 @@ import torch
 from replication import ExchangePlan, save_plan
 from replication.stripe_plans import parity_save_plan
 
-from ..control.coverage import check_capacity, decode_inventories, validate_save
+from ..control.coverage import check_capacity, decode_inventories, job_fence, validate_save
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from ..hollow import format_nodes
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
 from ..storage.peer_io import piece_count
+from ..storage.rollback_fence import Fence
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
 from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
+
+logger = logging.getLogger(__name__)
 
 _new_entry = tuple.__new__
 
@@ -157,6 +161,8 @@ class SaveAgreement:
         self.ctx = ctx
         self.any_world = False
         self._checked_replicas: list[int] | None = None
+        # rank 0, with a durable tier: remove its iterations newer than N (a rollback's)
+        self.discard_durable: Callable[[int], None] | None = None
 
     def agree(self, group: CheckpointGroup, staged: StagedShard | Exception) -> AgreedSave:
         """Collective on ``group``. Raises on every rank alike the staging error of any rank,
@@ -168,7 +174,6 @@ class SaveAgreement:
             if isinstance(staged, Exception):
                 raise staged
             _check_loadable(staged.manifest)
-            ctx.store.lift_fence()  # a rollback left unfinished here ends before any write
             # The previous save's retention may still be deleting on the reaper thread: not
             # waited for here, only when the space it frees is needed (_check_capacity).
             reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()
@@ -180,6 +185,9 @@ class SaveAgreement:
         gathered = group.exchange("save: stage and validate", request)
         assert not isinstance(staged, Exception)  # the exchange raised it
         inventories = decode_inventories([g["inventory"] for g in gathered])
+        fence = job_fence(inventories)
+        if fence is not None:  # a rollback a failure interrupted: finished before any write
+            self._finish_rollback(group, fence)
         validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
                       self.any_world, ctx.erasure)
         self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
@@ -210,6 +218,32 @@ class SaveAgreement:
             manifest = replace(manifest, metadata=gathered[0]["meta"])
         return AgreedSave(manifest, plan if plan.transfers else None, steps,
                           parity if parity is not None and parity.transfers else None, sizes)
+
+    def _finish_rollback(self, group: CheckpointGroup, fence: Fence) -> None:
+        """Every root deletes what ``fence`` (the job's) hides, rank 0 the durable tier's
+        newer iterations; then the fences go, once every rank deleted (a crash between leaves
+        some: they still hide the rest). OSError on every rank naming what failed: the save
+        is not written (its shards would be hidden by the fence, or land on a discarded
+        one); the next save tries again."""
+        ctx = self.ctx
+        what = f"save: the rollback to iteration {fence[0]} is unfinished"
+
+        def discard() -> list[str]:
+            failed = ctx.store.discard_fenced(fence)
+            if self.discard_durable is not None and ctx.rank == 0:
+                try:
+                    self.discard_durable(fence[0])
+                except Exception as exc:
+                    failed.append(f"the durable tier: {exc}")
+            return failed
+
+        failed = [f for fs in group.exchange(f"{what}: discard", discard) for f in fs]
+        if failed:
+            raise OSError(f"{what}: {'; '.join(failed[:3])}; no save is written until those "
+                          "are gone")
+        group.exchange(f"{what}: lift the fences", ctx.store.cancel_rollback)
+        logger.warning("rank %d: the rollback to iteration %d a failure interrupted is "
+                       "finished", ctx.rank, fence[0])
 
     def _check_capacity(self, group: CheckpointGroup, writes: list[int],
                         gathered: list[dict[str, Any]]) -> None:

@@ -25,8 +25,10 @@ from .fsutil import fsync_dir
 
 FENCE_NAME = "rollback-fence.json"  # no iteration, leftover or session directory looks so
 
+Fence = tuple[int, int | None]  # (rollback's iteration, world size or None: every one)
 
-def read_fence(session_path: Path) -> tuple[int, int | None] | None:
+
+def read_fence(session_path: Path) -> Fence | None:
     """(N, world size or None for every world size) of the fence in ``session_path``, or None.
     CorruptShardError naming the file when it exists but cannot be read or is malformed."""
     path = session_path / FENCE_NAME
@@ -51,15 +53,25 @@ def read_fence(session_path: Path) -> tuple[int, int | None] | None:
     return iteration, world
 
 
-def hidden(fence: tuple[int, int | None] | None, iteration: int, world_size: int) -> bool:
+def hidden(fence: Fence | None, iteration: int, world_size: int) -> bool:
     """Whether ``fence`` hides a shard of (iteration, world size)."""
     return fence is not None and iteration > fence[0] and fence[1] in (None, world_size)
 
 
+def merged(a: Fence | None, b: Fence) -> Fence:
+    """One fence hiding at least what ``a`` and ``b`` hide (the lower iteration; every world
+    size unless both name the same)."""
+    if a is None:
+        return b
+    return min(a[0], b[0]), a[1] if a[1] == b[1] else None
+
+
 def write_fence(session_path: Path, iteration: int, world_size: int | None, tag: str) -> None:
-    """Write the fence of a rollback to ``iteration`` durably (ranks sharing a root write the
-    same one; ``tag`` keeps their temporary files apart)."""
+    """Write the fence of a rollback to ``iteration`` durably, merged with one already there
+    (an earlier rollback not finished: it still hides what it hid); ranks sharing a root
+    write the same one, ``tag`` keeps their temporary files apart."""
     session_path.mkdir(parents=True, exist_ok=True)
+    iteration, world_size = merged(read_fence(session_path), (iteration, world_size))
     tmp = session_path / f".tmp-fence-{tag}"
     body = json.dumps({"version": 1, "rollback_to": iteration, "world_size": world_size})
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

@@ -55,7 +55,7 @@ from .layout import (
 )
 from .manifest import ShardManifest, dtype_from_name
 from .recycle import FilePool
-from .rollback_fence import FENCE_NAME, hidden, read_fence, remove_fence, write_fence
+from .rollback_fence import FENCE_NAME, Fence, hidden, read_fence, remove_fence, write_fence
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
 from .views import COPY_OUT_MAX_NBYTES, byte_view, device_bytes
@@ -183,48 +183,50 @@ class ShardStore:
 
     # ---------------------------------------------------------------- rollback
 
+    def fence(self) -> Fence | None:
+        """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
+        return read_fence(self.session_path)
+
     def fence_rollback(self, iteration: int, world_size: int | None) -> None:
         """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
-        every world size) from every listing, durably, until :meth:`finish_rollback` deleted
-        them (see :mod:`.rollback_fence`)."""
+        every world size) from every listing, durably (merged with a fence already there),
+        until :meth:`finish_rollback` deleted them."""
         write_fence(self.session_path, iteration, world_size, f"w{self.writer_rank:05d}")
 
     def cancel_rollback(self) -> None:
-        """Remove this root's rollback fence (a rollback that deleted nothing)."""
+        """Remove this root's rollback fence (a rollback that deleted nothing, or finished on
+        every root)."""
         remove_fence(self.session_path)
 
-    def finish_rollback(self) -> list[str]:
-        """Delete the shards this root's rollback fence hides, then the fence (kept if a
-        deletion failed: they stay hidden). What failed, as text; nothing to do without a
-        fence. The deleted shards' space is freed in the background."""
-        fence = read_fence(self.session_path)
-        if fence is None:
-            return []
+    def discard_fenced(self, fence: Fence | None = None) -> list[str]:
+        """Delete the shards this root's fence hides (and those ``fence`` hides, the job's:
+        adopted as this root's first); what failed, as text. Never raises (ranks must not
+        part here). The space is freed in the background."""
+        try:
+            if fence is not None:
+                write_fence(self.session_path, *fence, f"w{self.writer_rank:05d}")
+            mine = read_fence(self.session_path)
+        except OSError as exc:
+            return [str(exc)]
         failed = []
         for ref in list_shards(self.root, self.session_id, fenced=False):
-            if hidden(fence, ref.iteration, ref.world_size):
+            if hidden(mine, ref.iteration, ref.world_size):
                 try:
                     self.delete(ref, background=True)
                 except OSError as exc:
                     failed.append(f"{ref.path}: {exc}")
+        return failed
+
+    def finish_rollback(self) -> list[str]:
+        """:meth:`discard_fenced`, then the fence goes (kept if a deletion failed: those
+        shards stay hidden). What failed, as text; never raises."""
+        failed = self.discard_fenced()
         if not failed:
             try:
                 remove_fence(self.session_path)
             except OSError as exc:
                 failed.append(f"{self.session_path / FENCE_NAME}: {exc}")
         return failed
-
-    def lift_fence(self) -> None:
-        """Before a save writes anything: :meth:`finish_rollback`; OSError naming what could
-        not be deleted when the fence must stay (a save's shards, newer than the rollback's
-        iteration, would be hidden by it)."""
-        failed = self.finish_rollback()
-        if failed:
-            fence = read_fence(self.session_path)
-            raise OSError(
-                f"save: the rollback to iteration {fence[0] if fence else '?'} is unfinished "
-                f"under {self.root}: {'; '.join(failed[:3])}; no save can be written there "
-                "until those shards are gone")
 
     def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
         return shard_path(self.root, self.session_id, iteration, owner, world_size)
