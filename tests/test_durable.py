@@ -927,3 +927,31 @@ def test_a_rollback_a_node_died_in_never_comes_back_from_the_durable_tier(
         assert tier.commit_record(3, 2)["save_id"] != discarded
     finally:
         tier.close()
+
+
+def test_a_panic_in_a_persist_fails_that_persist_not_every_later_one(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The persist thread caught Exception only: a BaseException from the store's client (a
+    pyo3 PanicException from obstore is one) ended the thread, and every later request then
+    waited for ever (wait_for_persist always False, rollbacks failing)."""
+    class Panic(BaseException):
+        pass
+
+    real = DurableStore.put
+    calls = []
+
+    def put(self: DurableStore, *args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise Panic("the client panicked")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DurableStore, "put", put)
+    with LocalCheckpointManager(root, keep_last=2, durable=DurableTier(tmp_path / "d")) as mgr:
+        mgr.save({"w": torch.ones(3)}, 1)
+        assert mgr.wait_for_persist(30)
+        mgr.save({"w": torch.ones(3)}, 2)
+        assert mgr.wait_for_persist(30)
+        persister = mgr._save.persister
+        assert persister is not None and persister.persisted == [2]
+        assert [f[0] for f in persister.failures] == [1] and "Panic" in persister.failures[0][1]

@@ -131,7 +131,7 @@ class Persister:
             try:
                 self._persist(iteration)
                 self.persisted.append(iteration)
-            except Exception as exc:
+            except BaseException as exc:  # a store client's panic too: the thread goes on
                 self.failures.append((iteration, f"{type(exc).__name__}: {exc}"))
                 logger.error("rank %d: persisting iteration %d to %s failed (training goes "
                              "on; the local checkpoint is intact): %s", self.ctx.rank,
