@@ -41,6 +41,7 @@ from .storage.durable import DurableStore
 from .storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
 from .storage.layout import MAX_WORLD_SIZE, session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
+from .storage.rollback_fence import Fence
 from .storage.session_lock import SessionLock
 from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
 
@@ -497,7 +498,7 @@ class LocalCheckpointManager:
         self._load.wait_for_write_back()
 
 
-def _discard_newer_in(tier: DurableStore, seconds: float, iteration: int) -> None:
-    """Rank 0: the durable tier's iterations newer than ``iteration`` removed (a rollback a
-    failure interrupted), within ``seconds`` (a hung mount: an error, not a hung rank)."""
-    within(seconds, lambda: tier.discard_newer(iteration))
+def _discard_newer_in(tier: DurableStore, seconds: float, fence: Fence) -> None:
+    """Rank 0: the durable tier's iterations a rollback's ``fence`` hides removed (a rollback
+    a failure interrupted), within ``seconds`` (a hung mount: an error, not a hung rank)."""
+    within(seconds, lambda: tier.discard_hidden(fence))

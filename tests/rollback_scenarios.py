@@ -219,3 +219,21 @@ def restart_and_save(rank: int, world: int, base: str, iteration: int) -> dict[s
         return {"loaded": ckpt_id[0], "is": next(
             (it for it in (10, 20, 30) if digest(state) == digest(make_state(rank, it))), None),
             "then": mgr.iterations()}
+
+
+def rollback_fails_alike(rank: int, world: int, base: str) -> str:
+    """A rollback to 10 whose fence rank 1 cannot write (ENOSPC): an error every rank agrees
+    on, which cancels it."""
+    mgr = manager(rank, base)
+    if rank == 1:
+        def fence(iteration: int, world_size: int | None) -> None:
+            raise OSError(28, "No space left on device (injected)")
+
+        mgr._ctx.store.fence_rollback = fence  # type: ignore[method-assign]
+    try:
+        mgr.load(iteration=10, discard_newer=True)
+        return "rolled back"
+    except Exception as exc:
+        return type(exc).__name__
+    finally:
+        mgr.close()

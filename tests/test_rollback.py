@@ -117,6 +117,34 @@ def test_a_rollback_interrupted_at_its_fence_is_finished_never_undone(tmp_path: 
         assert not (tmp_path / "roots" / node / "job" / "rollback-fence.json").exists()
 
 
+def test_a_failed_rollback_leaves_an_earlier_unfinished_one_as_it_was(tmp_path: Path) -> None:
+    """A rollback to 20 interrupted (node 0's fence only), then a rollback to 10 whose fence
+    step fails alike on every rank: its cancel removed the whole fence file, the earlier
+    rollback's included, and 30 came back."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    run_ranks(sc.rollback_interrupted, 2, tmp_path, base, "died before fence")
+    for r in run_ranks(sc.rollback_fails_alike, 2, tmp_path, base):
+        assert r.ok and r.value == "RankOSError", (r.value, r.message)
+    for r in run_ranks(sc.restart_and_save, 2, tmp_path, base, 21):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "is": 20, "then": [10, 20, 21]}, r.value
+
+
+def test_gc_honours_a_fence_any_root_holds(tmp_path: Path) -> None:
+    """gc between runs after an interrupted rollback: node 1 (no fence) made 30 look complete,
+    so gc kept 30 and deleted 10 and 20 everywhere; the job then had nothing to load."""
+    from localckpt.ops.cli import main
+
+    base = tmp_path / "roots"
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, str(base)))
+    run_ranks(sc.rollback_interrupted, 2, tmp_path, str(base), "died before fence")
+    assert main(["gc", "--keep-last", "1", str(base / "node0"), str(base / "node1")]) == 0
+    for r in run_ranks(sc.restart_and_save, 2, tmp_path, str(base), 21):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "is": 20, "then": [20, 21]}, r.value
+
+
 def test_a_rollback_whose_deletion_fails_on_one_node_still_goes_on_from_there(
         tmp_path: Path) -> None:
     """A deletion that failed was logged and left 30 listed on that node: the rollback

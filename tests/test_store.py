@@ -583,3 +583,16 @@ def test_a_fence_that_cannot_be_read_is_an_error_not_ignored(store: ShardStore) 
     (store.session_path / "rollback-fence.json").write_text('{"rollback_to": "x"}')
     with pytest.raises(CorruptShardError, match=r"rollback-fence\.json: malformed fence"):
         store.committed()
+
+
+def test_fences_of_rollbacks_at_two_world_sizes_hide_what_each_hid_and_no_more() -> None:
+    """Merged into one entry, (10, world 1) and (40, world 2) became (10, every world size):
+    world 2's 40 itself, the second rollback's target, was hidden and deleted."""
+    from localckpt.storage.rollback_fence import hidden, merged
+
+    fence = merged(((10, 1),), ((40, 2),))
+    assert not hidden(fence, 40, 2) and hidden(fence, 41, 2)
+    assert not hidden(fence, 10, 1) and hidden(fence, 11, 1) and not hidden(fence, 11, 3)
+    assert merged(fence, ((5, None),)) == ((5, None), (10, 1), (40, 2))
+    assert hidden(merged(fence, ((5, None),)), 6, 3)
+    assert merged(((30, 2),), ((20, 2),)) == ((20, 2),)

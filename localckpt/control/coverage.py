@@ -16,7 +16,7 @@ from replication.erasure import rebuildable
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
-from ..storage.rollback_fence import Fence, hidden, merged
+from ..storage.rollback_fence import Fence, fence_of, hidden, merged
 from .retention import KeepPolicy
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
@@ -54,7 +54,7 @@ class Inventory:
             listing.append([it, world, runs])
         doc: dict[str, Any] = {"session": self.session_id, "shards": listing}
         if self.fence is not None:
-            doc["fence"] = list(self.fence)
+            doc["fence"] = [list(e) for e in self.fence]
         return doc
 
     @classmethod
@@ -69,8 +69,7 @@ class Inventory:
 
 def _fence_of(doc: dict[str, Any]) -> Fence | None:
     fence = doc.get("fence")
-    return None if fence is None else (int(fence[0]), None if fence[1] is None
-                                       else int(fence[1]))
+    return None if fence is None else fence_of(fence)
 
 
 def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from functools import partial
 from typing import Any
 
 from ..control.context import Context
@@ -34,7 +33,7 @@ from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
-from ..storage.rollback_fence import hidden
+from ..storage.rollback_fence import Fence, hidden
 from .from_durable import durable_candidates, fetch_from_durable, within
 from .mixed import resolve_mixed
 from .rebuild import needs_rebuild, rebuild_lost
@@ -320,8 +319,12 @@ class LoadPath:
         # and the rollback is finished by the next save.
         world = None if self.reshard else ctx.world_size
         step = f"rollback to {iteration}: fence"
-        outcome = ctx.group.gather_outcomes(step, partial(ctx.store.fence_rollback, iteration,
-                                                          world))
+        written: list[Fence | None] = []  # this root's fence before, once written
+
+        def fence() -> None:
+            written.append(ctx.store.fence_rollback(iteration, world))
+
+        outcome = ctx.group.gather_outcomes(step, fence)
         try:
             if outcome.failures:
                 raise error_from_failures(step, outcome.failures) from outcome.local_error
@@ -330,8 +333,9 @@ class LoadPath:
         except CollectiveError:
             raise
         except BaseException:
-            with contextlib.suppress(OSError):  # no root deletes: this one shows them again
-                ctx.store.cancel_rollback()
+            if written:  # no root deletes: as it was before (an earlier rollback's stays)
+                with contextlib.suppress(OSError):
+                    ctx.store.cancel_rollback(written[0])
             raise
         for failure in ctx.store.finish_rollback():  # hidden: tried again before each save
             logger.error("rank %d: discarding after the rollback to %d: %s", ctx.rank,

@@ -49,6 +49,7 @@ from ..storage.layout import (
     session_dir,
 )
 from ..storage.manifest import ShardManifest
+from ..storage.rollback_fence import hidden, merged, read_fence
 from ..storage.session_lock import SessionLock
 from ..storage.shard_reader import parse_manifest_file
 from ..storage.shard_writer import array_metadata, chunk_files_off
@@ -349,8 +350,15 @@ def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
 
 def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
              dry_run: bool) -> list[Path]:
-    """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``)."""
-    shards = {root: list_shards(root, session) for root in roots}
+    """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``). A
+    rollback's fence on one root hides the newer shards on every root (as the job does): they
+    are neither counted nor removed (the job's next save finishes that rollback)."""
+    fence = None
+    for root in roots:
+        if (held := read_fence(session_dir(root, session))) is not None:
+            fence = merged(fence, held)
+    shards = {root: [s for s in list_shards(root, session)
+                     if not hidden(fence, s.iteration, s.world_size)] for root in roots}
     worlds = sorted({s.world_size for refs in shards.values() for s in refs})
     complete_of = {world: _complete(roots, session, shards, world) for world in worlds}
     doomed: list[tuple[Path, ShardRef]] = []

@@ -27,6 +27,7 @@ from ..control.retention import KeepPolicy
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
+from ..storage.rollback_fence import hidden
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ class Persister:
         with ctx.timed("persist", iteration) as box:
             tier.mark_progress(ctx.rank, self.run, iteration)
             fault_point("persist_write", ctx.rank, iteration)
+            if hidden(ctx.store.fence(), iteration, ctx.world_size):
+                raise FileNotFoundError(f"iteration {iteration} was discarded by a rollback "
+                                        "(its fence hides it): not persisted")
             manifest = ctx.store.read_manifest(ctx.store.ref(iteration, ctx.rank,
                                                              ctx.world_size))
             save_id = manifest.metadata.get("save_id")  # None: written before save ids

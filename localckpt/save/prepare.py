@@ -33,7 +33,7 @@ from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
 from ..storage.peer_io import piece_count
-from ..storage.rollback_fence import Fence
+from ..storage.rollback_fence import Fence, lowest
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .metadata import iteration_metadata, wall_clock
@@ -161,8 +161,8 @@ class SaveAgreement:
         self.ctx = ctx
         self.any_world = False
         self._checked_replicas: list[int] | None = None
-        # rank 0, with a durable tier: remove its iterations newer than N (a rollback's)
-        self.discard_durable: Callable[[int], None] | None = None
+        # rank 0, with a durable tier: remove its iterations a rollback's fence hides
+        self.discard_durable: Callable[[Fence], None] | None = None
 
     def agree(self, group: CheckpointGroup, staged: StagedShard | Exception) -> AgreedSave:
         """Collective on ``group``. Raises on every rank alike the staging error of any rank,
@@ -179,7 +179,10 @@ class SaveAgreement:
             reaping = ctx.store.deletions_pending() or ctx.store.holds_recycled()
             ctx.store.remove_quarantined()  # corrupt copies a load set aside
             st = os.statvfs(ctx.root)
-            return {**staged.request, "inventory": ctx.inventory().to_json(),
+            inventory = ctx.inventory()
+            # a rollback's fence: its shards are deleted before the write (_finish_rollback)
+            reaping = reaping or inventory.fence is not None
+            return {**staged.request, "inventory": inventory.to_json(),
                     "free": st.f_bavail * st.f_frsize, "reaping": reaping}
 
         gathered = group.exchange("save: stage and validate", request)
@@ -226,13 +229,13 @@ class SaveAgreement:
         is not written (its shards would be hidden by the fence, or land on a discarded
         one); the next save tries again."""
         ctx = self.ctx
-        what = f"save: the rollback to iteration {fence[0]} is unfinished"
+        what = f"save: the rollback to iteration {lowest(fence)} is unfinished"
 
         def discard() -> list[str]:
             failed = ctx.store.discard_fenced(fence)
             if self.discard_durable is not None and ctx.rank == 0:
                 try:
-                    self.discard_durable(fence[0])
+                    self.discard_durable(fence)
                 except Exception as exc:
                     failed.append(f"the durable tier: {exc}")
             return failed
@@ -243,7 +246,7 @@ class SaveAgreement:
                           "are gone")
         group.exchange(f"{what}: lift the fences", ctx.store.cancel_rollback)
         logger.warning("rank %d: the rollback to iteration %d a failure interrupted is "
-                       "finished", ctx.rank, fence[0])
+                       "finished", ctx.rank, lowest(fence))
 
     def _check_capacity(self, group: CheckpointGroup, writes: list[int],
                         gathered: list[dict[str, Any]]) -> None:

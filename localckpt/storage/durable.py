@@ -38,6 +38,7 @@ from .durable_dir import DirectoryBackend
 from .durable_object import ObjectBackend, is_object_url, shard_key
 from .layout import ShardRef, iteration_dir, parse_shard_name
 from .manifest import ShardManifest
+from .rollback_fence import Fence, hidden, lowest
 from .shard_reader import parse_manifest_file
 from .store import ShardStore
 from .views import byte_view
@@ -435,6 +436,16 @@ class DurableStore:
     def remove_trash(self) -> None:
         """Rank 0: what deletions a crash interrupted left hidden (a directory tier's)."""
         self.backend.remove_trash()
+
+    def discard_hidden(self, fence: Fence) -> None:
+        """Rank 0, finishing a rollback a failure interrupted: remove the iterations ``fence``
+        hides (see :meth:`discard_newer`), and the uncommitted ones newer than its oldest."""
+        for it, world in self.complete_any():
+            if hidden(fence, it, world):
+                self.delete(it, world)
+        for it in self.backend.iterations():
+            if it > lowest(fence) and not self.committed_by_any(it):
+                self.remove_uncommitted(it)
 
     def delete(self, iteration: int, world_size: int) -> None:
         """Rank 0: the commit record first (the iteration is no longer complete), then the

@@ -19,22 +19,26 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptShardError
 from .fsutil import fsync_dir
 
 FENCE_NAME = "rollback-fence.json"  # no iteration, leftover or session directory looks so
 
-Fence = tuple[int, int | None]  # (rollback's iteration, world size or None: every one)
+# One (N, W) per world size a rollback ran at, W None for every world size (a resharding job's
+# lineage): a shard of (iteration, world size) is hidden when one entry hides it. Sorted, one
+# entry per W (the lowest N): fences of rollbacks at different world sizes never widen.
+Fence = tuple[tuple[int, int | None], ...]
 
 
 def read_fence(session_path: Path) -> Fence | None:
-    """(N, world size or None for every world size) of the fence in ``session_path``, or None.
-    CorruptShardError naming the file when it exists but cannot be read or is malformed."""
+    """The fence in ``session_path``, or None. CorruptShardError naming the file when it exists
+    but cannot be read or is malformed."""
     path = session_path / FENCE_NAME
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            data = f.read(4096)
+            data = f.read(1 << 16)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -42,38 +46,55 @@ def read_fence(session_path: Path) -> Fence | None:
                                 f"({exc}); until it is, no listing of this root is safe") from exc
     try:
         doc = json.loads(data)
-        iteration, world = doc["rollback_to"], doc["world_size"]
-        if doc.get("version") != 1 or type(iteration) is not int or iteration < 0 or not (
-                world is None or (type(world) is int and world >= 1)):
-            raise ValueError(f"unexpected fields {doc!r}")
+        if type(doc) is not dict or doc.get("version") != 1:
+            raise ValueError(f"unexpected document {str(doc)[:200]}")
+        return fence_of(doc["rollback_to"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptShardError(
             f"{path}: malformed fence of an unfinished rollback ({exc}); remove it only once "
             "every shard newer than the rollback's iteration is gone from this root") from None
-    return iteration, world
+
+
+def fence_of(entries: Any) -> Fence:
+    """The fence of JSON ``[[N, W or null], ...]`` (ValueError, TypeError otherwise)."""
+    out: list[tuple[int, int | None]] = []
+    for n, w in entries:
+        if type(n) is not int or n < 0 or not (w is None or (type(w) is int and w >= 1)):
+            raise ValueError(f"fence entry {[n, w]!r}")
+        out.append((n, w))
+    if not out:
+        raise ValueError("a fence with no entry")
+    return merged(None, tuple(out))
 
 
 def hidden(fence: Fence | None, iteration: int, world_size: int) -> bool:
     """Whether ``fence`` hides a shard of (iteration, world size)."""
-    return fence is not None and iteration > fence[0] and fence[1] in (None, world_size)
+    return fence is not None and any(iteration > n and w in (None, world_size)
+                                     for n, w in fence)
 
 
 def merged(a: Fence | None, b: Fence) -> Fence:
-    """One fence hiding at least what ``a`` and ``b`` hide (the lower iteration; every world
-    size unless both name the same)."""
-    if a is None:
-        return b
-    return min(a[0], b[0]), a[1] if a[1] == b[1] else None
+    """One fence hiding exactly what ``a`` or ``b`` hides."""
+    lowest: dict[int | None, int] = {}
+    for n, w in (*(a or ()), *b):
+        lowest[w] = min(n, lowest.get(w, n))
+    return tuple(sorted(((n, w) for w, n in lowest.items()), key=lambda e: (e[1] or 0, e[0])))
 
 
-def write_fence(session_path: Path, iteration: int, world_size: int | None, tag: str) -> None:
-    """Write the fence of a rollback to ``iteration`` durably, merged with one already there
-    (an earlier rollback not finished: it still hides what it hid); ranks sharing a root
-    write the same one, ``tag`` keeps their temporary files apart."""
+def lowest(fence: Fence) -> int:
+    """The iteration of the oldest rollback ``fence`` holds (for messages)."""
+    return min(n for n, _ in fence)
+
+
+def write_fence(session_path: Path, fence: Fence, tag: str, merge: bool = True) -> None:
+    """Write ``fence`` durably, merged with one already there unless ``merge`` is False (an
+    earlier rollback not finished: it still hides what it hid); ranks sharing a root write
+    the same one, ``tag`` keeps their temporary files apart."""
     session_path.mkdir(parents=True, exist_ok=True)
-    iteration, world_size = merged(read_fence(session_path), (iteration, world_size))
+    if merge:
+        fence = merged(read_fence(session_path), fence)
     tmp = session_path / f".tmp-fence-{tag}"
-    body = json.dumps({"version": 1, "rollback_to": iteration, "world_size": world_size})
+    body = json.dumps({"version": 1, "rollback_to": [list(e) for e in fence]})
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, body.encode())

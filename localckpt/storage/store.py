@@ -111,6 +111,7 @@ class ShardStore:
         self.session_id = session_id
         self.session_path = session_dir(self.root, session_id)
         self.writer_rank = writer_rank
+        self._tag = f"w{writer_rank:05d}"  # this writer's temporary files
         self.chunk_nbytes = chunk_nbytes
         self.fault_points = fault_points  # False: the chaos fault points of a save never fire
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="localckpt-io")
@@ -187,16 +188,22 @@ class ShardStore:
         """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
         return read_fence(self.session_path)
 
-    def fence_rollback(self, iteration: int, world_size: int | None) -> None:
+    def fence_rollback(self, iteration: int, world_size: int | None) -> Fence | None:
         """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
         every world size) from every listing, durably (merged with a fence already there),
-        until :meth:`finish_rollback` deleted them."""
-        write_fence(self.session_path, iteration, world_size, f"w{self.writer_rank:05d}")
+        until :meth:`finish_rollback` deleted them. Returns the fence there before (for
+        :meth:`cancel_rollback`)."""
+        before = read_fence(self.session_path)
+        write_fence(self.session_path, ((iteration, world_size),), self._tag)
+        return before
 
-    def cancel_rollback(self) -> None:
-        """Remove this root's rollback fence (a rollback that deleted nothing, or finished on
-        every root)."""
-        remove_fence(self.session_path)
+    def cancel_rollback(self, before: Fence | None = None) -> None:
+        """Put back this root's fence as it was ``before`` a rollback that deleted nothing
+        (None: remove it, as when a rollback finished on every root)."""
+        if before is None:
+            remove_fence(self.session_path)
+        else:
+            write_fence(self.session_path, before, self._tag, merge=False)
 
     def discard_fenced(self, fence: Fence | None = None) -> list[str]:
         """Delete the shards this root's fence hides (and those ``fence`` hides, the job's:
@@ -204,7 +211,7 @@ class ShardStore:
         part here). The space is freed in the background."""
         try:
             if fence is not None:
-                write_fence(self.session_path, *fence, f"w{self.writer_rank:05d}")
+                write_fence(self.session_path, fence, self._tag)
             mine = read_fence(self.session_path)
         except OSError as exc:
             return [str(exc)]
