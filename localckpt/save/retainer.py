@@ -91,8 +91,11 @@ class Retainer:
                     cache[key] = ctx.store.read_manifest(ref).metadata
                 except Exception:  # a corrupt copy says nothing; another rank's may
                     continue
-            if cache[key]:
-                out[str(ref.iteration)] = cache[key]
+            # only what the policy reads: custom metadata (up to 64 KiB an iteration) would
+            # be all-gathered at every finalize, for every iteration held
+            wanted = {k: v for k, v in cache[key].items() if k in ("metrics", "saved_unix")}
+            if wanted:
+                out[str(ref.iteration)] = wanted
         return out
 
     def _predicate_keeps(self, held: set[int], metadata: dict[str, Any]) -> list[int]:
