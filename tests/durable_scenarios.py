@@ -284,3 +284,25 @@ def restart_save(rank: int, world: int, base: str, durable: str) -> dict[str, An
     finally:
         mgr.close()
     return {"loaded": ckpt_id[0], "identical": digest(state) == digest(make_state(rank, 2))}
+
+
+def one_rank_never_delivers(rank: int, world: int, base: str, durable: str) -> int:
+    """Rank 1's copies always fail (its node cannot write the tier); four saves, each
+    persisted; how many persists failed on this rank."""
+    from localckpt.storage.durable import DurableStore
+
+    if rank == 1:
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise PermissionError(13, "Permission denied (injected)")
+
+        DurableStore.put = refuse  # type: ignore[method-assign]
+    mgr = _manager(rank, base, durable, keep=2, commit_timeout=1)
+    try:
+        for it in range(1, 5):
+            mgr.save(make_state(rank, it), it)
+            mgr.wait_for_persist(20)
+        persister = mgr._save.persister
+        assert persister is not None
+        return len(persister.failures)
+    finally:
+        mgr.close()

@@ -955,3 +955,14 @@ def test_a_panic_in_a_persist_fails_that_persist_not_every_later_one(
         persister = mgr._save.persister
         assert persister is not None and persister.persisted == [2]
         assert [f[0] for f in persister.failures] == [1] and "Panic" in persister.failures[0][1]
+
+
+def test_a_rank_that_never_delivers_leaves_a_bounded_uncommitted_trail(
+        tmp_path: Path, root: Path) -> None:
+    """Uncommitted iterations were removed only after a successful commit: a rank whose copies
+    always fail left the other ranks' shards of every persist in the tier, without bound."""
+    durable = tmp_path / "shared"
+    results = run_ranks(sc.one_rank_never_delivers, 2, tmp_path, str(root), str(durable))
+    assert all(r.ok for r in results) and results[1].value == 4, [r.message for r in results]
+    left = sorted(p.name for p in (durable / "job").glob("iter_*"))
+    assert len(left) <= 2, left

@@ -166,10 +166,31 @@ class Persister:
         # Only shards of this very save count (rank 0's id, in every rank's manifest); a rank
         # whose newer request replaced this one never delivers it: its progress record says
         # it went past, and this one is given up at once.
-        tier.commit(iteration, ctx.world_size, save_id, self.wait_s,
-                    before=lambda: fault_point("persist_commit", ctx.rank, iteration),
-                    gone_past=lambda r: tier.progress(r, self.run) > iteration)
+        try:
+            tier.commit(iteration, ctx.world_size, save_id, self.wait_s,
+                        before=lambda: fault_point("persist_commit", ctx.rank, iteration),
+                        gone_past=lambda r: tier.progress(r, self.run) > iteration)
+        except BaseException:
+            self._remove_abandoned(iteration)
+            raise
         self._retain(iteration)
+
+    def _remove_abandoned(self, failed: int) -> None:
+        """Rank 0, after the commit of ``failed`` failed: remove the uncommitted iterations
+        older than it that every rank has gone past (its progress record: each rank copies in
+        order), which no commit will ever name. Without this a rank whose copies always fail
+        (its node cannot write the tier) leaves the other ranks' shards of every persist."""
+        tier = self.tier
+        try:
+            older = [it for it in tier.uncommitted() if it < failed]
+            if not older:
+                return
+            past = min(tier.progress(r, self.run) for r in range(self.ctx.world_size))
+            for it in older:
+                if it < past:
+                    tier.remove_uncommitted(it)
+        except OSError as exc:
+            logger.error("rank 0: removing abandoned copies in %s: %s", tier.root, exc)
 
     def _retain(self, committed: int) -> None:
         """Rank 0, after committing ``committed``: keep what the keep policy keeps of the
