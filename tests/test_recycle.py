@@ -259,3 +259,24 @@ def test_the_pool_forgets_files_taken_or_drained(tmp_path: Path) -> None:
             target.unlink()
         pool.drain(None)
     assert pool._added == set()
+
+
+def test_draining_the_pool_stops_at_its_deadline(tmp_path: Path) -> None:
+    """The space check's retry drained the whole pool however long it took (0.4 s per GiB of
+    tmpfs), inside an exchange whose peers wait one timeout."""
+    import time
+
+    from localckpt.storage.recycle import FilePool
+
+    session = tmp_path / "s"
+    session.mkdir()
+    pool = FilePool(session)
+    shard = session / ".trash-0"
+    (shard / "data" / "c").mkdir(parents=True)
+    for i in range(5):
+        (shard / "data" / "c" / str(i)).write_bytes(b"x" * 16)
+    pool.add_chunks_of(shard)
+    pool.drain(deadline=time.monotonic() - 1)  # past already: nothing freed
+    assert len(list(pool.path.iterdir())) == 5
+    pool.drain(deadline=time.monotonic() + 60)
+    assert list(pool.path.iterdir()) == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -264,9 +265,10 @@ class SaveAgreement:
                 raise
             store, root = self.ctx.store, self.ctx.root
 
-            def free_after_deletions() -> int:
-                store.wait_for_deletions(timeout=self.ctx.timeout / 2)  # others wait a timeout
-                store.drain_all_recycled()
+            def free_after_deletions() -> int:  # within half the timeout the others wait
+                deadline = time.monotonic() + self.ctx.timeout / 2
+                store.wait_for_deletions(timeout=self.ctx.timeout / 4)
+                store.drain_all_recycled(deadline)
                 st = os.statvfs(root)
                 return st.f_bavail * st.f_frsize
 

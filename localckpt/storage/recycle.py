@@ -182,14 +182,18 @@ class FilePool:
             with contextlib.suppress(OSError):
                 os.unlink(self.path / name)
 
-    def drain(self, before_ns: int | None = None) -> None:
+    def drain(self, before_ns: int | None = None, deadline: float | None = None) -> None:
         """Delete the pooled files that arrived before ``before_ns`` (time.monotonic_ns): those
         the save that started then did not take. None: everything in the pool (no rank of the
-        node may be writing then)."""
+        node may be writing then). Stops at ``deadline`` (time.monotonic()), if given: freeing
+        tmpfs pages takes about 0.4 s per GiB, and a caller inside an exchange must answer
+        within the timeout."""
         if not self._usable():
             return
         with contextlib.suppress(FileNotFoundError), os.scandir(self.path) as entries:
             for entry in entries:
+                if deadline is not None and time.monotonic() > deadline:
+                    return
                 stamp = entry.name.split("-", 1)[0]
                 if before_ns is None or (_NAME.fullmatch(entry.name)
                                          and int(stamp) < before_ns):

@@ -158,10 +158,11 @@ class ShardStore:
         """Whether recycled files hold space (never without recycling)."""
         return self.files is not None and self.files.holds_any()
 
-    def drain_all_recycled(self) -> None:
-        """Delete every recycled file now (space is short; no rank of the node writes)."""
+    def drain_all_recycled(self, deadline: float | None = None) -> None:
+        """Delete every recycled file now (space is short; no rank of the node writes), until
+        ``deadline`` (time.monotonic()) if given."""
         if self.files is not None:
-            self.files.drain()
+            self.files.drain(deadline=deadline)
 
     def deletions_pending(self) -> bool:
         """Whether a ``background=True`` deletion is still running or queued (the space it
