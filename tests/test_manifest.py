@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +266,64 @@ def test_entries_are_read_as_str_and_int_take_them(item: object) -> None:
     got = _entries([item])
     assert got == expected and type(got[0]) is TensorEntry
     assert [type(v) for v in got[0]] == [type(v) for v in expected[0]]  # type: ignore[index]
+
+
+def _columns_manifest() -> ShardManifest:
+    """Version 6: the same tensors, their table in columns."""
+    return dataclasses.replace(_manifest(), format_version=6)
+
+
+def test_a_table_in_columns_round_trips_exactly() -> None:
+    m = _columns_manifest()
+    body = m.to_json_dict()["manifest"]
+    assert "tensors" not in body and list(body["tensor_table"]["key_path"]) == ["model/w", "step"]
+    back = ShardManifest.from_json_dict(json.loads(json.dumps(m.to_json_dict())), "where")
+    assert back == m
+    assert ShardManifest.from_json_bytes(m.encoded, "where") == m  # the canonical envelope
+    empty = dataclasses.replace(m, tensors=(), hollow={"dict": []}, data_nbytes=0)
+    assert ShardManifest.from_json_bytes(empty.encoded, "where") == empty
+
+
+def _columns_edited(edit: object) -> dict:  # type: ignore[type-arg]
+    from localckpt.storage.manifest import _crc_of
+
+    doc = _columns_manifest().to_json_dict()
+    doc["manifest"] = json.loads(json.dumps(doc["manifest"]))  # tuples as JSON has them
+    edit(doc["manifest"]["tensor_table"])  # type: ignore[operator]
+    doc["crc32c"] = _crc_of(doc["manifest"])
+    return doc
+
+
+@pytest.mark.parametrize("edit,text", [
+    (lambda t: t["offset"].append(80), "one length"),
+    (lambda t: t.pop("device"), "device"),
+    (lambda t: t.update(offset=[0, True]), "int values"),
+    (lambda t: t.update(nbytes=[16, 8.0]), "int values"),
+    (lambda t: t.update(shape=[[4, 2], 7]), "list values"),
+    (lambda t: t.update(shape=[[4, "2"], []]), "shapes of ints"),
+    (lambda t: t.update(key_path=["model/w", 3]), "str values"),
+    (lambda t: t.update(offset=[0, 8]), "overlap"),
+    (lambda t: t.update(nbytes=[17, 8]), "nbytes"),
+])
+def test_a_malformed_or_inconsistent_table_in_columns_is_corrupt(edit: object,
+                                                                 text: str) -> None:
+    with pytest.raises(CorruptShardError, match=text):
+        ShardManifest.from_json_dict(_columns_edited(edit), "shard-x")
+
+
+def test_many_tensors_are_saved_in_columns_and_few_in_rows(root: Path) -> None:
+    import torch
+
+    from localckpt import LocalCheckpointManager
+    from localckpt.storage.manifest import COLUMNS_MIN_TENSORS
+
+    many = {f"p{i}": torch.full((3,), float(i)) for i in range(COLUMNS_MIN_TENSORS)}
+    with LocalCheckpointManager(root, "s", keep_last=2) as mgr:
+        mgr.save(many, 1)
+        mgr.save({"w": torch.ones(3)}, 2)
+        store = mgr._ctx.store
+        assert store.read_manifest(store.ref(1, 0, 1)).format_version == 6
+        assert store.read_manifest(store.ref(2, 0, 1)).format_version == 1
+    with LocalCheckpointManager(root, "s") as mgr:
+        state, _ = mgr.load(iteration=1)
+    assert all(torch.equal(state[k], v) for k, v in many.items())

@@ -32,7 +32,15 @@ from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceErr
 from ..hollow import format_nodes
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
-from ..storage.manifest import ShardManifest, TensorEntry, check_hollow, dtype_name, writer_identity
+from ..storage.manifest import (
+    COLUMNS_MIN_TENSORS,
+    COLUMNS_VERSION,
+    ShardManifest,
+    TensorEntry,
+    check_hollow,
+    dtype_name,
+    writer_identity,
+)
 from ..storage.peer_io import piece_count
 from ..storage.rollback_fence import Fence, lowest
 from ..storage.store import bytes_needed, chunking
@@ -119,13 +127,14 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
     hollow = deduped.hollow
     # The lowest version that describes it: older readers read what they can, and refuse (not
     # misread) the rest. 2: DTensor and Stateful nodes; 3: replicas kept by another rank;
-    # 4: numpy, Generator, dataclass and named tuple nodes.
+    # 4: numpy, Generator, dataclass and named tuple nodes; 6: a table of many tensors, in
+    # columns (parsed in a third of the time).
     if type(tasd) is BasicTensorAwareStateDict:  # known from its walk (or, loaded, its tags)
         extended, stateful = tasd.extended, tasd.stateful_nodes
     else:
         extended, stateful = format_nodes(hollow)
-    version = 4 if extended else 3 if deduped.expected else \
-        2 if tasd.layouts or stateful else 1
+    version = COLUMNS_VERSION if len(entries) >= COLUMNS_MIN_TENSORS else 4 if extended \
+        else 3 if deduped.expected else 2 if tasd.layouts or stateful else 1
     manifest = ShardManifest(
         session_id=ctx.session_id, iteration=iteration, owner_rank=ctx.rank,
         world_size=ctx.world_size, tensors=entries, hollow=hollow, format_version=version,
