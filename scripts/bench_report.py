@@ -74,8 +74,10 @@ are those of 4 processes on 2 cores, noisier and lower per rank than for 2.
   rank, `python scripts/profile_save_load.py --device cpu --case small --phases`): about 0.9 µs
   to walk the state dict, 1 µs to lay it out (small host tensors of one dtype packed in runs,
   each tensor checked to lie inside its storage), 0.8 µs to stage it (one `torch.cat` into the
-  arena per run), 0.5 µs to describe it in the manifest; a load parses about 2 µs of manifest
-  JSON per tensor (its CRC-32C is checked over the bytes as written), allocates one tensor each
+  arena per run), 0.5 µs to describe it in the manifest (and, on the save's thread, 0.8 µs to
+  encode it); a load parses about 1.2 µs of manifest per tensor (its CRC-32C checked over the
+  bytes as written; from 1,024 tensors on the table is written in columns, format 6, which
+  halved that: [benchmarks-manifest.md](benchmarks-manifest.md)), allocates one tensor each
   (1.4 µs), and copies tensors up to 16 KiB out of a read window rather than reading into each.
 """
 
@@ -171,7 +173,8 @@ with 8-64 real processes: [benchmarks-control.md](benchmarks-control.md); saves 
 `recycle_files=True`: [benchmarks-recycle/benchmarks.md](benchmarks-recycle/benchmarks.md); from a
 preemption signal to a finalized checkpoint: [benchmarks-preemption.md](benchmarks-preemption.md);
 the durable tier: [benchmarks-durable.md](benchmarks-durable.md); erasure codes and their memory:
-[benchmarks-erasure.md](benchmarks-erasure.md).
+[benchmarks-erasure.md](benchmarks-erasure.md); manifests of many tensors:
+[benchmarks-manifest.md](benchmarks-manifest.md).
 """]
     if plot is not None:
         out.append(f"![throughput per rank against size]({plot.name})\n")
