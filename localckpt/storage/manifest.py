@@ -6,9 +6,10 @@ Format history: version 1; version 2 adds DTensor (``{"DT": ...}``) and Stateful
 nodes to the hollow structure; version 3 DTensor nodes whose replicated shard another rank stored
 (``"replica"``); version 4 (this one) numpy, torch.Generator, dataclass and named tuple nodes
 (:mod:`localckpt.leaves`); version 5 parity blocks of erasure-coded stripes (``"parity"``,
-see :mod:`localckpt.storage.parity_info`). A writer uses the lowest version that describes the
-shard; a reader reads all five and rejects any other version with
-:class:`UnsupportedFormatError` rather than guessing.
+see :mod:`localckpt.storage.parity_info`); version 6 the tensor table in columns, for shards of
+COLUMNS_MIN_TENSORS tensors or more. A writer uses the lowest version that describes the shard;
+a reader reads all six and rejects any other version with :class:`UnsupportedFormatError`
+rather than guessing.
 """
 
 from __future__ import annotations
@@ -322,6 +323,10 @@ def _entries(items: list[Any]) -> tuple[TensorEntry, ...]:
 
 
 _FIELD_COUNT = len(TensorEntry._fields)
+_ARRAYS = {list, tuple}
+# A dimension a tensor can have (torch takes int64 sizes): larger ones, or thousands of digits
+# that math.prod would multiply for seconds, mark a manifest no writer made.
+_MAX_DIM = (1 << 63) - 1
 
 
 def _entries_from_columns(table: Any) -> tuple[TensorEntry, ...]:
@@ -331,16 +336,20 @@ def _entries_from_columns(table: Any) -> tuple[TensorEntry, ...]:
     if type(table) is not dict:
         raise TypeError(f"tensor_table: expected an object, got {type(table).__name__}")
     columns = [table[name] for name in TensorEntry._fields]
-    n = len(columns[0]) if type(columns[0]) is list else -1
-    if any(type(c) is not list or len(c) != n for c in columns):
-        raise ValueError("tensor_table: expected columns of one length")
+    # lists as parsed; tuples as to_json_dict builds them (a manifest kept in memory)
+    n = len(columns[0]) if type(columns[0]) in _ARRAYS else -1
+    if any(type(c) not in _ARRAYS or len(c) != n for c in columns):
+        raise ValueError(f"tensor_table: expected lists of one length, got "
+                         f"{[type(c).__name__ for c in columns]} of lengths "
+                         f"{[len(c) if type(c) in _ARRAYS else None for c in columns]}")
     if not n:
         return ()
     key_paths, dtypes, shapes, offsets, nbytes, devices = columns
-    for column, kind in ((key_paths, str), (dtypes, str), (devices, str), (offsets, int),
-                         (nbytes, int), (shapes, list)):
-        if set(map(type, column)) != {kind}:
-            raise TypeError(f"tensor_table: expected {kind.__name__} values")
+    for column, kinds in ((key_paths, {str}), (dtypes, {str}), (devices, {str}),
+                          (offsets, {int}), (nbytes, {int}), (shapes, _ARRAYS)):
+        if not set(map(type, column)) <= kinds:
+            raise TypeError(f"tensor_table: expected "
+                            f"{'/'.join(sorted(k.__name__ for k in kinds))} values")
     if not set(map(type, itertools.chain.from_iterable(shapes))) <= {int}:
         raise TypeError("tensor_table: expected shapes of ints")
     return tuple(map(_new_entry, itertools.repeat(TensorEntry),
@@ -442,8 +451,8 @@ def _check_entries(m: ShardManifest, bad: Callable[[str], CorruptShardError],
         itemsize = itemsizes.get(dtype)
         if itemsize is None:
             dtype_from_name(dtype, where)  # raises UnsupportedFormatError
-        if shape and min(shape) < 0:
-            raise bad(f"tensor {i} ({key_path}) has shape {list(shape)}")
+        if shape and (min(shape) < 0 or max(shape) > _MAX_DIM):
+            raise bad(f"tensor {i} ({key_path}) has shape {str(list(shape))[:200]}")
         if prod(shape) * itemsize != nbytes:  # type: ignore[operator]
             raise bad(f"tensor {i} ({key_path}): shape {list(shape)} of {dtype} is "
                       f"{prod(shape) * itemsize} bytes, entry says nbytes={nbytes}")  # type: ignore[operator]
