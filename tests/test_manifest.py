@@ -251,7 +251,7 @@ def test_a_huge_number_in_a_spaced_manifest_is_corruption() -> None:
     ["key_path", "dtype"],  # not an object
 ])
 def test_entries_are_read_as_str_and_int_take_them(item: object) -> None:
-    from localckpt.storage.manifest import TensorEntry, _entries
+    from localckpt.storage.tensor_table import TensorEntry, entries_from_rows
 
     def as_before(t: dict) -> TensorEntry:  # type: ignore[type-arg]
         return TensorEntry(str(t["key_path"]), str(t["dtype"]), tuple(map(int, t["shape"])),
@@ -261,9 +261,9 @@ def test_entries_are_read_as_str_and_int_take_them(item: object) -> None:
         expected: object = (as_before(item),)
     except (KeyError, TypeError, ValueError) as exc:
         with pytest.raises(type(exc)):
-            _entries([item])
+            entries_from_rows([item])
         return
-    got = _entries([item])
+    got = entries_from_rows([item])
     assert got == expected and type(got[0]) is TensorEntry
     assert [type(v) for v in got[0]] == [type(v) for v in expected[0]]  # type: ignore[index]
 

@@ -15,7 +15,7 @@ from scenarios import digest
 
 from localckpt import BasicTensorAwareStateDict, LocalCheckpointManager
 from localckpt.state_dict import decode_hollow, restore_devices
-from localckpt.storage.manifest import _DTYPES
+from localckpt.storage.tensor_table import _DTYPES
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
