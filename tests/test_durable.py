@@ -966,3 +966,24 @@ def test_a_rank_that_never_delivers_leaves_a_bounded_uncommitted_trail(
     assert all(r.ok for r in results) and results[1].value == 4, [r.message for r in results]
     left = sorted(p.name for p in (durable / "job").glob("iter_*"))
     assert len(left) <= 2, left
+
+
+def test_a_commit_wait_stops_at_its_deadline_within_a_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline was checked only between passes; a pass reads every copy not confirmed
+    yet, each as slow as the store, so a slow store overran commit_timeout many times over."""
+    import time
+
+    tier = DurableStore(tmp_path / "d", "", 0)
+    monkeypatch.setattr(DurableStore, "shards_present", lambda self, it, w: list(range(w)))
+
+    def slow(self: DurableStore, *args: Any) -> Any:
+        time.sleep(0.2)
+        raise FileNotFoundError("not there yet")
+
+    monkeypatch.setattr(DurableStore, "read_with_digest", slow)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not there after"):
+        tier.commit(1, 20, "save", wait=0.5, poll=0.01)
+    assert time.monotonic() - started < 1.5
+    tier.close()

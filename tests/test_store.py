@@ -596,3 +596,21 @@ def test_fences_of_rollbacks_at_two_world_sizes_hide_what_each_hid_and_no_more()
     assert merged(fence, ((5, None),)) == ((5, None), (10, 1), (40, 2))
     assert hidden(merged(fence, ((5, None),)), 6, 3)
     assert merged(((30, 2),), ((20, 2),)) == ((20, 2),)
+
+
+def test_a_fence_half_written_by_a_killed_writer_is_a_leftover(store: ShardStore) -> None:
+    """The fence's temporary file was named .tmp-fence-*: no leftover cleanup knew it."""
+    from localckpt.storage import rollback_fence
+
+    real = os.rename
+    try:
+        def killed(a: Any, b: Any) -> None:
+            raise KeyboardInterrupt  # stands for a kill between the write and the rename
+        os.rename = killed  # type: ignore[assignment]
+        with pytest.raises(KeyboardInterrupt):
+            rollback_fence.write_fence(store.session_path, ((3, 1),), "w00000")
+    finally:
+        os.rename = real
+    assert [p.name[:19] for p in store.session_path.iterdir()] == [".trash-fence-w00000"]
+    store.remove_leftovers()
+    assert list(store.session_path.iterdir()) == []

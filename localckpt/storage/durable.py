@@ -353,6 +353,8 @@ class DurableStore:
             for owner in self.shards_present(iteration, world_size):
                 if owner in digests:  # confirmed: within a run no rank copies it again
                     continue
+                if time.monotonic() >= deadline:  # each read may take a request's timeout
+                    break
                 try:  # not there yet, or being replaced
                     digest, manifest = self.read_with_digest(iteration, owner, world_size)
                 except (OSError, CorruptShardError):

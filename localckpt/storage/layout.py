@@ -189,7 +189,11 @@ def remove_paths(session_path: Path, paths: list[Path]) -> None:
     """Delete ``paths``, then the session's empty iteration directories (a writer that loses
     its new, still empty iteration directory to this retries: see ShardWriter)."""
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a file (a rollback fence half written)
+            with contextlib.suppress(OSError):
+                path.unlink()
     for it_entry in _scandir(session_path):
         if _ITER_RE.fullmatch(it_entry.name):
             remove_if_empty(Path(it_entry.path))

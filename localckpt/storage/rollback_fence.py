@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,8 @@ def write_fence(session_path: Path, fence: Fence, tag: str, merge: bool = True) 
     session_path.mkdir(parents=True, exist_ok=True)
     if merge:
         fence = merged(read_fence(session_path), fence)
-    tmp = session_path / f".tmp-fence-{tag}"
+    # a writer's crash leftover (find_leftovers), if it is killed before the rename
+    tmp = session_path / f".trash-fence-{tag}-{uuid.uuid4().hex}"
     body = json.dumps({"version": 1, "rollback_to": [list(e) for e in fence]})
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
