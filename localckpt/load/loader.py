@@ -17,7 +17,6 @@ from typing import Any
 from ..control.context import Context
 from ..control.coverage import Inventory, complete_iterations, job_fence
 from ..errors import (
-    CollectiveError,
     ConfigurationError,
     CorruptShardError,
     DurableTierUnavailableError,
@@ -26,19 +25,19 @@ from ..errors import (
     LayoutMismatchError,
     MixedSavesError,
     NoCheckpointError,
-    error_from_failures,
 )
 from ..gc_pause import gc_paused
 from ..ops.metrics import PhaseMetric
 from ..save.saver import SavePath
 from ..storage.durable import DurableStore
 from ..storage.manifest import ShardManifest
-from ..storage.rollback_fence import Fence, hidden
-from .from_durable import durable_candidates, fetch_from_durable, within
+from ..storage.rollback_fence import hidden
+from .from_durable import durable_candidates, fetch_from_durable
 from .mixed import resolve_mixed
 from .rebuild import needs_rebuild, rebuild_lost
 from .reshard import reshard_restore
 from .restore import find_latest, restore, write_back_after
+from .rollback import discard_newer
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -312,63 +311,10 @@ class LoadPath:
         bound = self._write_back.bound() if self._write_back is not None else None
         ctx.group.exchange(f"rollback to {iteration}: write-back over",
                            self.wait_for_write_back, wait=bound)
-        # All or nothing across nodes: every root hides its newer shards (a fence, durably)
-        # before any is deleted, so a node dying part way cannot bring them back.
-        # A failure agreed by every rank cancels it everywhere; a collective that failed (a
-        # peer lost: some ranks may have got past this step and deleted) keeps each fence,
-        # and the rollback is finished by the next save.
-        world = None if self.reshard else ctx.world_size
-        step = f"rollback to {iteration}: fence"
-        written: list[Fence | None] = []  # this root's fence before, once written
-
-        def fence() -> None:
-            written.append(ctx.store.fence_rollback(iteration, world))
-
-        outcome = ctx.group.gather_outcomes(step, fence)
-        try:
-            if outcome.failures:
-                raise error_from_failures(step, outcome.failures) from outcome.local_error
-            if self.durable is not None:  # fails alike on every rank
-                self._discard_newer_durable(iteration)
-        except CollectiveError:
-            raise
-        except BaseException:
-            if written:  # no root deletes: as it was before (an earlier rollback's stays)
-                with contextlib.suppress(OSError):
-                    ctx.store.cancel_rollback(written[0])
-            raise
-        for failure in ctx.store.finish_rollback():  # hidden: tried again before each save
-            logger.error("rank %d: discarding after the rollback to %d: %s", ctx.rank,
-                         iteration, failure)
+        discard_newer(ctx, iteration, None if self.reshard else ctx.world_size, self.durable,
+                      self._save.persister)
         self._listed = None
         self.latest_iteration = iteration
-
-    def _discard_newer_durable(self, iteration: int) -> None:
-        """The rollback reaches the durable tier too, or its newer iterations would come back
-        at the next ``find_latest``: every rank's persists settle (two agreed steps), then rank
-        0 removes the newer iterations there, commit files first. Raises on every rank when
-        that fails (nothing local was discarded yet)."""
-        ctx, tier, persister = self.ctx, self.durable, self._save.persister
-        assert tier is not None
-
-        settle_s = (persister.wait_s if persister is not None else 0.0) + ctx.timeout / 2
-
-        def settled() -> None:
-            if persister is None:
-                return
-            try:
-                if not persister.wait_idle(settle_s):
-                    raise TimeoutError(f"a persist to {tier.root} still runs")
-            finally:  # alike on every rank, whatever the outcome
-                within(ctx.timeout / 2, lambda: persister.rolled_back(iteration))
-
-        def fence() -> None:
-            if ctx.rank == 0:  # a hung mount: an error on every rank, not a hung rank 0
-                within(ctx.timeout / 2, lambda: tier.discard_newer(iteration))
-
-        ctx.group.exchange(f"rollback to {iteration}: persists settled", settled,
-                           wait=settle_s + ctx.timeout)
-        ctx.group.exchange(f"rollback to {iteration}: the durable tier", fence)
 
     def _fetched(self, seconds: float, nbytes: int) -> None:
         ctx = self.ctx
