@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -254,23 +253,16 @@ def rollback_dies_at_fence(rank: int, world: int, base: str, durable: str) -> st
     nothing was discarded from the durable tier yet."""
     import os
 
+    from rollback_scenarios import rollback_with_fence
+
     mgr = _manager(rank, base, durable, keep_last=5, keep=5)
-    if rank == 1:
-        real = mgr._ctx.store.fence_rollback
+    real = mgr._ctx.store.fence_rollback
 
-        def fence(iteration: int, world_size: int | None) -> None:
-            real(iteration, world_size)
-            os._exit(9)
+    def fence(iteration: int, world_size: int | None) -> None:
+        real(iteration, world_size)
+        os._exit(9)
 
-        mgr._ctx.store.fence_rollback = fence  # type: ignore[method-assign]
-    try:
-        mgr.load(iteration=2, discard_newer=True)
-        return "rolled back"
-    except Exception as exc:
-        return type(exc).__name__
-    finally:
-        with contextlib.suppress(Exception):
-            mgr.close()
+    return rollback_with_fence(mgr, rank, 2, fence)
 
 
 def restart_save(rank: int, world: int, base: str, durable: str) -> dict[str, Any]:

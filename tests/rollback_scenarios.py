@@ -221,19 +221,27 @@ def restart_and_save(rank: int, world: int, base: str, iteration: int) -> dict[s
             "then": mgr.iterations()}
 
 
-def rollback_fails_alike(rank: int, world: int, base: str) -> str:
-    """A rollback to 10 whose fence rank 1 cannot write (ENOSPC): an error every rank agrees
-    on, which cancels it."""
-    mgr = manager(rank, base)
+def rollback_with_fence(mgr: LocalCheckpointManager, rank: int, iteration: int,
+                        fence: Any) -> str:
+    """``mgr.load(iteration=..., discard_newer=True)`` with rank 1's fence step replaced by
+    ``fence`` (which may kill the process); "rolled back", or the error's class. Closes
+    ``mgr``."""
     if rank == 1:
-        def fence(iteration: int, world_size: int | None) -> None:
-            raise OSError(28, "No space left on device (injected)")
-
         mgr._ctx.store.fence_rollback = fence  # type: ignore[method-assign]
     try:
-        mgr.load(iteration=10, discard_newer=True)
+        mgr.load(iteration=iteration, discard_newer=True)
         return "rolled back"
     except Exception as exc:
         return type(exc).__name__
     finally:
-        mgr.close()
+        with contextlib.suppress(Exception):
+            mgr.close()
+
+
+def rollback_fails_alike(rank: int, world: int, base: str) -> str:
+    """A rollback to 10 whose fence rank 1 cannot write (ENOSPC): an error every rank agrees
+    on, which cancels it."""
+    def fence(iteration: int, world_size: int | None) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    return rollback_with_fence(manager(rank, base), rank, 10, fence)

@@ -29,8 +29,8 @@ class Inventory:
     rank: int
     session_id: str
     shards: frozenset[ShardKey]
-    # the fence of a rollback not finished on this rank's root (storage/rollback_fence.py):
-    # (iteration, world size or None); it hides newer shards on every rank's root
+    # the fence of a rollback not finished on this rank's root (storage/rollback_fence.py);
+    # it hides the shards it names on every rank's root
     fence: Fence | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ..dtensors import DTensorLayout, mesh_key, wrap
 from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
-from ..storage.views import extent, outside, refuse_past_storage, writable_memory
+from ..storage.views import extent, first_read_only_span, refuse_past_storage
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +228,7 @@ def _refuse_read_only(manifest: ShardManifest, spans: list[tuple[int, int, int]]
     ``load`` writes (``spans``: start, end, entry) is not writable (a read-only mapping of a
     file): bytes received from a peer, a copy or a memmove into it would kill the process where
     a read from disk only fails."""
-    if not spans:
-        return
-    writable = writable_memory()
-    if writable is None:
-        return
-    k = outside([(start, end) for start, end, _ in spans], writable)
+    k = first_read_only_span([(start, end) for start, end, _ in spans])
     if k is not None:
         raise read_only_error(manifest.tensors[spans[k][2]].key_path)
 

@@ -428,20 +428,16 @@ class DurableStore:
         """Rank 0, in a rollback to ``iteration``: remove every newer iteration, of any world
         size (commit records first; a job restarted with ``reshard=True`` would load them),
         and every newer uncommitted one."""
-        for it, world in self.complete_any():
-            if it > iteration:
-                self.delete(it, world)
-        for it in self.backend.iterations():
-            if it > iteration and not self.committed_by_any(it):
-                self.remove_uncommitted(it)
+        self.discard_hidden(((iteration, None),))
 
     def remove_trash(self) -> None:
         """Rank 0: what deletions a crash interrupted left hidden (a directory tier's)."""
         self.backend.remove_trash()
 
     def discard_hidden(self, fence: Fence) -> None:
-        """Rank 0, finishing a rollback a failure interrupted: remove the iterations ``fence``
-        hides (see :meth:`discard_newer`), and the uncommitted ones newer than its oldest."""
+        """Rank 0, in a rollback or finishing one a failure interrupted: remove the iterations
+        ``fence`` hides (commit records first), and the uncommitted ones newer than its
+        oldest."""
         for it, world in self.complete_any():
             if hidden(fence, it, world):
                 self.delete(it, world)

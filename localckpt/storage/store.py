@@ -55,7 +55,15 @@ from .layout import (
 )
 from .manifest import ShardManifest, dtype_from_name
 from .recycle import FilePool
-from .rollback_fence import FENCE_NAME, Fence, hidden, read_fence, remove_fence, write_fence
+from .rollback_fence import (
+    FENCE_NAME,
+    Fence,
+    hidden,
+    merged,
+    read_fence,
+    remove_fence,
+    write_fence,
+)
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
 from .views import COPY_OUT_MAX_NBYTES, byte_view, device_bytes
@@ -195,7 +203,8 @@ class ShardStore:
         until :meth:`finish_rollback` deleted them. Returns the fence there before (for
         :meth:`cancel_rollback`)."""
         before = read_fence(self.session_path)
-        write_fence(self.session_path, ((iteration, world_size),), self._tag)
+        write_fence(self.session_path, merged(before, ((iteration, world_size),)), self._tag,
+                    merge=False)
         return before
 
     def cancel_rollback(self, before: Fence | None = None) -> None:

@@ -98,17 +98,24 @@ def outside(spans: Sequence[tuple[int, int]], writable: Sequence[tuple[int, int]
     return None
 
 
+def first_read_only_span(spans: Sequence[tuple[int, int]]) -> int | None:
+    """The index of the first of ``spans`` (sorted [start, end) addresses) this process may
+    not write (see :func:`outside`); None when every one may be written, or it cannot be told
+    (/proc/self/maps is read only when there is a span)."""
+    writable = writable_memory() if spans else None
+    return None if writable is None else outside(spans, writable)
+
+
 def first_read_only(tensors: Sequence[torch.Tensor]) -> int | None:
     """The index of the first host tensor of ``tensors`` whose memory this process may not
-    write (see :func:`outside`); None when every one may be written, or it cannot be told."""
+    write; None when every one may be written, or it cannot be told."""
     spans = []
     for k, t in enumerate(tensors):
         if t.is_cpu and t.numel():
             start = t.data_ptr()
             spans.append((start, start + extent(t) * t.element_size(), k))
     spans.sort()
-    writable = writable_memory() if spans else None
-    found = None if writable is None else outside([s[:2] for s in spans], writable)
+    found = first_read_only_span([s[:2] for s in spans])
     return None if found is None else spans[found][2]
 
 
