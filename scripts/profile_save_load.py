@@ -48,9 +48,8 @@ PHASES = [
     ("localckpt.save.prepare", None, "_describe", "stall: manifest (copies running)"),
     ("localckpt.load.loader", "LoadPath", "find_latest", "load: find_latest"),
     ("localckpt.storage.store", "ShardStore", "read_manifest", "load: read the manifest"),
-    ("localckpt.storage.store", None, "fresh_or_given", "load: allocate"),
-    ("localckpt.storage.device_reader", "DeviceScatter", "__init__", "load: plan the copies"),
-    ("localckpt.storage.store", None, "read_chunks_into", "load: read + copy to the device"),
+    ("localckpt.storage.store", None, "read_shard_tensors",
+     "load: allocate, read + copy to the device"),
     ("localckpt.storage.device_reader", "DeviceScatter", "finish", "load: wait for the copies"),
     ("localckpt.load.restore", None, "rebuild_state_dict", "load: rebuild the state dict"),
 ]

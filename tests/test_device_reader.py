@@ -18,7 +18,7 @@ from localckpt.load import restore
 from localckpt.load.destinations import Destinations, Target, match
 from localckpt.save import staging
 from localckpt.save.staging import StagingArena, plan_layout
-from localckpt.storage import device_reader
+from localckpt.storage import device_reader, tensor_reads
 from localckpt.storage.manifest import ShardManifest, TensorEntry, dtype_name
 from localckpt.storage.shard_reader import read_chunks_into
 from localckpt.storage.store import ShardStore, chunking
@@ -267,3 +267,146 @@ def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
     with pytest.raises(RuntimeError, match="injected"):
         arena.stage_begin(tensors, layout, layout.nbytes)
     assert synced == ["queued", "cuda:0"]
+
+
+# ---------------------------------------------------------------- allocating while reading
+
+
+class _Recorder:
+    """read_shard_tensors with fresh tensors made here (device entries as _OnDevice host
+    tensors), every allocation and every chunk queued logged, and at each chunk queued a
+    check that every tensor with bytes in it exists."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, m: ShardManifest,
+                 given: list[torch.Tensor | None], fail_at: int | None = None) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.made = {k for k, t in enumerate(given) if t is not None}
+        self.running = 0
+        index = {id(e): k for k, e in enumerate(m.tensors)}
+        size = m.chunk_nbytes
+
+        def fresh(e: TensorEntry, device: Any, cache: Any) -> torch.Tensor:
+            k = index[id(e)]
+            if fail_at is not None and len(self.events) >= fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            self.events.append(("alloc", k))
+            self.made.add(k)
+            t = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+            return _on_device(t) if e.device != "cpu" and e.nbytes else t
+
+        real_submit, real_read = tensor_reads.ChunkReads.submit, tensor_reads.ChunkReads._read
+
+        def submit(reads: Any, c: int, into: Any) -> None:
+            self.events.append(("read", c))
+            missing = [k for k, e in enumerate(m.tensors) if e.nbytes and k not in self.made
+                       and e.offset // size <= c <= (e.offset + e.nbytes - 1) // size]
+            assert not missing, f"chunk {c} queued before tensors {missing} existed"
+            real_submit(reads, c, into)
+
+        def read(reads: Any, *args: Any) -> None:
+            self.running += 1
+            try:
+                real_read(reads, *args)
+            finally:
+                self.running -= 1
+
+        monkeypatch.setattr(tensor_reads, "fresh", fresh)
+        monkeypatch.setattr(tensor_reads.ChunkReads, "submit", submit)
+        monkeypatch.setattr(tensor_reads.ChunkReads, "_read", read)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_tensors_allocated_while_reading_get_every_byte(tmp_path: Path, fake_cuda: _Log,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        seed: int) -> None:
+    """Random shards, some entries given (on the host or the "device"), the rest made while
+    the chunks already covered are read: every chunk is queued only once each tensor with bytes
+    in it exists, and every tensor comes back with its saved bytes."""
+    rng = random.Random(seed)
+    store, ref, tensors, devices = _shard(tmp_path, seed, rng.choice([256, 1024, 4096]),
+                                          rng.choice([1, 2, 4]))
+    try:
+        m = store.read_manifest(ref)
+        given: list[torch.Tensor | None] = [
+            None if rng.random() < 0.6 or not e.nbytes else
+            _on_device(torch.full_like(t, 7)) if e.device != "cpu" else torch.full_like(t, 7)
+            for e, t in zip(m.tensors, tensors, strict=True)]
+        log = _Recorder(monkeypatch, m, given)
+        out = tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, given,
+                                              torch.device("cuda:0"), store._pool,
+                                              rng.choice([1, 3]))
+    finally:
+        store.close()
+    assert sorted(c for what, c in log.events if what == "read") == list(range(m.chunk_count))
+    for i, (saved, loaded) in enumerate(zip(tensors, out, strict=True)):
+        assert torch.equal(saved, loaded), (i, devices[i])
+        if given[i] is not None:
+            assert loaded is given[i]
+
+
+def _big_and_small(tmp_path: Path) -> tuple[ShardStore, Any, list[torch.Tensor]]:
+    """Many small tensors packed first, then two that span chunks (as a CUDA save lays out)."""
+    tensors = [torch.randn(16) for _ in range(40)] + [torch.randn(700), torch.randn(900)]
+    layout = plan_layout(tensors)
+    nbytes, count = chunking(layout.nbytes, 1024)
+    payload = StagingArena(pin=False).stage(tensors, layout, nbytes * count)
+    entries = tuple(TensorEntry(f"t{i}", "float32", tuple(t.shape), layout.offsets[i],
+                                layout.sizes[i], "cuda:0") for i, t in enumerate(tensors))
+    store = ShardStore(tmp_path / "root", "s", writer_rank=0, chunk_nbytes=1024, io_threads=2)
+    manifest = ShardManifest("s", 1, 0, 1, entries, {"dict": []}, "plain", layout.nbytes,
+                             nbytes, count, ())
+    ref, _ = store.write(manifest, payload)
+    return store, ref, tensors
+
+
+def test_the_big_tensors_are_made_first_and_read_while_the_small_ones_are_made(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, ref, tensors = _big_and_small(tmp_path)
+    try:
+        m = store.read_manifest(ref)
+        log = _Recorder(monkeypatch, m, [None] * len(tensors))
+        out = tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, None,
+                                              torch.device("cuda:0"), store._pool, 3)
+    finally:
+        store.close()
+    allocs = [k for what, k in log.events if what == "alloc"]
+    assert allocs[:2] == [40, 41] and allocs[2:] == list(range(40))
+    first_small = log.events.index(("alloc", 0))
+    # the chunks holding only big tensors' bytes are queued before any small tensor is made
+    big_only = {c for c in range(m.chunk_count) if c * 1024 >= m.tensors[40].offset}
+    assert {c for what, c in log.events[:first_small] if what == "read"} == big_only
+    assert all(torch.equal(a, b) for a, b in zip(tensors, out, strict=True))
+
+
+def test_a_corrupt_chunk_stops_the_allocation_and_no_read_outlives_the_error(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, ref, tensors = _big_and_small(tmp_path)
+    m = store.read_manifest(ref)
+    last = ref.path / "data" / "c" / str(m.chunk_count - 1)  # a big tensor's: read first
+    data = bytearray(last.read_bytes())
+    data[10] ^= 0xFF
+    last.write_bytes(bytes(data))
+    try:
+        log = _Recorder(monkeypatch, m, [None] * len(tensors))
+        with pytest.raises(CorruptShardError, match=f"{last}: checksum mismatch"):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, None,
+                                            torch.device("cuda:0"), store._pool, 3)
+        assert log.running == 0
+    finally:
+        store.close()
+    assert "stream sync" in fake_cuda  # the slots' copies waited for
+
+
+def test_an_allocation_that_fails_waits_for_the_reads_already_queued(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, ref, tensors = _big_and_small(tmp_path)
+    try:
+        m = store.read_manifest(ref)
+        log = _Recorder(monkeypatch, m, [None] * len(tensors), fail_at=12)
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, None,
+                                            torch.device("cuda:0"), store._pool, 3)
+        assert log.running == 0 and ("read", m.chunk_count - 1) in log.events
+    finally:
+        store.close()
+    assert "stream sync" in fake_cuda

@@ -50,6 +50,10 @@ def cuda_destination(manifest: ShardManifest) -> torch.device | None:
     return max(nbytes, key=nbytes.__getitem__) if nbytes else None
 
 
+def _place(piece: tuple[torch.Tensor, int, int, int]) -> int:
+    return piece[3]
+
+
 @dataclass
 class _Slot:
     pinned: torch.Tensor
@@ -76,27 +80,32 @@ class DeviceScatter:
         self.chunk_nbytes = chunk_nbytes
         self._max_slots = max(1, max_slots)
         # Copies on the slots' streams must come after whatever the loading thread's stream
-        # still has queued on the memory the targets were allocated from.
+        # still has queued on the memory the targets were allocated from. That thread queues no
+        # work while the chunks are read (it allocates the targets of later chunks), so what a
+        # slot waits for when it is made covers the targets added after it too.
         self._origin = torch.cuda.current_stream(device)
         # chunk -> (the target's bytes, [a, b) of them in this chunk, where they start in it)
         self._per_chunk: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
         for off, view in targets:
-            n = view.numel()
-            first, last = off // chunk_nbytes, (off + n - 1) // chunk_nbytes
-            if first == last:  # most tensors: within one chunk
-                self._per_chunk.setdefault(first, []).append(
-                    (view, 0, n, off - first * chunk_nbytes))
-                continue
-            for c in range(first, last + 1):
-                lo = max(off, c * chunk_nbytes)
-                hi = min(off + n, (c + 1) * chunk_nbytes)
-                self._per_chunk.setdefault(c, []).append(
-                    (view, lo - off, hi - off, lo - c * chunk_nbytes))
-        for pieces in self._per_chunk.values():
-            pieces.sort(key=lambda p: p[3])
+            self.add(off, view)
         self._lock = threading.Condition()
         self._free: list[_Slot] = []
         self._made: list[_Slot] = []
+
+    def add(self, off: int, view: torch.Tensor) -> None:
+        """One more target (as in the constructor), added before its chunks' copies are
+        queued (:meth:`copy_out`). Loading thread."""
+        chunk_nbytes = self.chunk_nbytes
+        n = view.numel()
+        first, last = off // chunk_nbytes, (off + n - 1) // chunk_nbytes
+        if first == last:  # most tensors: within one chunk
+            self._per_chunk.setdefault(first, []).append((view, 0, n, off - first * chunk_nbytes))
+            return
+        for c in range(first, last + 1):
+            lo = max(off, c * chunk_nbytes)
+            hi = min(off + n, (c + 1) * chunk_nbytes)
+            self._per_chunk.setdefault(c, []).append(
+                (view, lo - off, hi - off, lo - c * chunk_nbytes))
 
     def holds(self, chunk: int) -> bool:
         """Whether ``chunk`` has bytes bound for the device."""
@@ -129,6 +138,7 @@ class DeviceScatter:
         pieces = self._per_chunk.get(chunk)
         if not pieces:
             return
+        pieces.sort(key=_place)  # added in allocation order, not offset order
         with torch.cuda.stream(slot.stream):
             try:
                 self._copy(slot, pieces)

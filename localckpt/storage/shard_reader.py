@@ -13,7 +13,7 @@ import json
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..errors import CorruptShardError
@@ -41,37 +41,80 @@ def read_chunks_into(chunk_dir: Path, manifest: ShardManifest,
     the tensors it holds go through its pinned slots to the device (bytes no target covers land
     there too), and every copy is complete on return. Raises CorruptShardError naming the first
     bad file."""
+    reads = ChunkReads(chunk_dir, manifest, pool, device)
     try:
-        _read_chunks(chunk_dir, manifest, targets, pool, chunks, device, small)
+        # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
+        ordered = sorted(targets, key=lambda target: target[0])
+        in_order = sorted(small)
+        into = (ordered, [off for off, _ in ordered], in_order, [off for off, _, _ in in_order])
+        for i in range(manifest.chunk_count) if chunks is None else chunks:
+            reads.submit(i, into)
     finally:
-        if device is not None:
-            device.finish()
+        reads.wait()
 
 
-def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
-                 targets: Sequence[tuple[int, memoryview]], pool: ThreadPoolExecutor | None,
-                 chunks: range | None, device: DeviceScatter | None,
-                 small: Sequence[SmallTarget]) -> None:
-    size = manifest.chunk_nbytes
-    # State-dict order is not offset order: small CUDA tensors are packed first (staging.py).
-    targets = sorted(targets, key=lambda target: target[0])
-    starts = [off for off, _ in targets]
-    small = sorted(small)
-    small_starts = [off for off, _, _ in small]
+# Where a chunk's bytes go: targets read into (offset in the packed data, buffer) sorted by
+# offset, their offsets, small targets copied out of the window (sorted), their offsets. A
+# target covering other chunks too, or only those, is skipped over.
+ChunkTargets = tuple[Sequence[tuple[int, memoryview]], Sequence[int], Sequence[SmallTarget],
+                     Sequence[int]]
 
-    def one(i: int) -> None:
-        if device is None or not device.holds(i):
-            read_one(i, None)
-            return
-        slot = device.take()
+
+class ChunkReads:
+    """The reads of one shard's chunks, each queued once the memory its bytes go to is known
+    (a load allocates its tensors while the first chunks are read: :mod:`.tensor_reads`).
+
+    :meth:`submit` and :meth:`wait` are called by one thread; each read runs on ``pool`` (None:
+    inside :meth:`submit`, which then raises its error)."""
+
+    def __init__(self, chunk_dir: Path, manifest: ShardManifest, pool: ThreadPoolExecutor | None,
+                 device: DeviceScatter | None = None) -> None:
+        self.chunk_dir, self.manifest, self.pool, self.device = chunk_dir, manifest, pool, device
+        self._futures: list[Future[None]] = []
+        self.failed = False  # a read raised: what is still to be queued is of no use
+
+    def submit(self, i: int, into: ChunkTargets) -> None:
+        """Queue the read of chunk ``i`` into ``into``'s targets (those of other chunks
+        are skipped over)."""
+        if self.pool is None:
+            self._one(i, into)
+        else:
+            self._futures.append(self.pool.submit(self._one, i, into))
+
+    def wait(self) -> None:
+        """Block until every queued read returned and, with a device, every copy is complete;
+        then raise the error of the first chunk queued that failed. Every read is over before
+        this returns, failed or not: a read still running after the first failure would go on
+        writing into buffers the caller reuses."""
         try:
-            read_one(i, slot.host)
-            device.copy_out(slot, i)
+            wait(self._futures)
+            for f in self._futures:
+                f.result()
         finally:
-            device.give(slot)
+            if self.device is not None:
+                self.device.finish()
 
-    def read_one(i: int, fill: memoryview | None) -> None:
-        path = chunk_dir / str(i)
+    def _one(self, i: int, into: ChunkTargets) -> None:
+        try:
+            device = self.device
+            if device is None or not device.holds(i):
+                self._read(i, None, into)
+                return
+            slot = device.take()
+            try:
+                self._read(i, slot.host, into)
+                device.copy_out(slot, i)
+            finally:
+                device.give(slot)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _read(self, i: int, fill: memoryview | None, into: ChunkTargets) -> None:
+        manifest = self.manifest
+        size = manifest.chunk_nbytes
+        path = self.chunk_dir / str(i)
+        targets, starts, small, small_starts = into
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -117,18 +160,6 @@ def _read_chunks(chunk_dir: Path, manifest: ShardManifest,
                 f"{path}: checksum mismatch (computed crc32c {crc:#010x}, file says "
                 f"{stored:#010x}, manifest says {manifest.chunk_crc32c[i]:#010x})"
             )
-
-    todo = range(manifest.chunk_count) if chunks is None else chunks
-    if pool is None:
-        for i in todo:
-            one(i)
-        return
-    # Every read is over before this returns, failed or not: a read still running after the
-    # first failure would go on writing into buffers the caller reuses.
-    futures = [pool.submit(one, i) for i in todo]
-    wait(futures)
-    for f in futures:
-        f.result()
 
 
 # Reading a copy can fail because of this process or machine (no descriptors or memory left,
@@ -202,7 +233,7 @@ def _scratch() -> tuple[memoryview, int]:
     return found
 
 
-def _pieces(targets: Sequence[tuple[int, memoryview]], starts: list[int], lo: int,
+def _pieces(targets: Sequence[tuple[int, memoryview]], starts: Sequence[int], lo: int,
             hi: int, fill: memoryview, base: int) -> list[memoryview]:
     """The buffers that bytes [lo, hi) of the packed data go to, in order. Bytes no target
     covers go to ``fill``, which holds packed offset ``base`` at its start."""

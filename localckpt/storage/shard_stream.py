@@ -24,7 +24,8 @@ from .checksum import crc32c
 from .layout import ShardRef
 from .manifest import ShardManifest
 from .peer_io import PieceRing, received_manifest
-from .store import ShardStore, fresh_or_given
+from .store import ShardStore
+from .tensor_reads import fresh_or_given
 from .views import COPY_OUT_MAX_NBYTES, byte_view, copy_out
 
 # A tensor at least this large is its own segment on the wire, received in place; smaller ones

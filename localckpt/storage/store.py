@@ -41,8 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptShardError, InsufficientSpaceError
-from ..hollow import resolve_device
-from .device_reader import SPARE_SLOTS, DeviceScatter
+from .device_reader import SPARE_SLOTS
 from .layout import (
     ShardRef,
     find_leftovers,
@@ -53,7 +52,7 @@ from .layout import (
     session_dir,
     shard_path,
 )
-from .manifest import ShardManifest, dtype_from_name
+from .manifest import ShardManifest
 from .recycle import FilePool
 from .rollback_fence import (
     FENCE_NAME,
@@ -66,7 +65,8 @@ from .rollback_fence import (
 )
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter, trash_name
-from .views import COPY_OUT_MAX_NBYTES, byte_view, device_bytes
+from .tensor_reads import read_shard_tensors
+from .views import byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -354,30 +354,8 @@ class ShardStore:
         manifest = self.read_manifest(ref)
         device = device_of(manifest) if device_of is not None else None
         given = into(manifest) if into is not None else None
-        tensors = fresh_or_given(manifest, given, device)
-        host, small, on_device = [], [], []
-        for k, (e, t) in enumerate(zip(manifest.tensors, tensors, strict=True)):
-            if not e.nbytes:
-                continue
-            if t.is_cpu:
-                if e.nbytes <= COPY_OUT_MAX_NBYTES and (given is None or given[k] is None):
-                    small.append((e.offset, t.data_ptr(), e.nbytes))  # fresh: ours, writable
-                else:
-                    host.append((e.offset, byte_view(t)))
-            elif t.device == device and t.is_contiguous():
-                on_device.append((e.offset, device_bytes(t)))
-            else:
-                raise ValueError(f"read_tensors: {e.key_path!r} is to be read into a tensor on "
-                                 f"{t.device} (contiguous: {t.is_contiguous()}); expected a "
-                                 f"contiguous tensor on the CPU or on {device or 'the CPU'}")
-        scatter = None
-        if on_device:
-            assert device is not None
-            scatter = DeviceScatter(device, on_device, manifest.chunk_nbytes,
-                                    self._pool._max_workers + SPARE_SLOTS)
-        read_chunks_into(ref.path / "data" / "c", manifest, host, self._pool, device=scatter,
-                         small=small)
-        return manifest, tensors
+        return manifest, read_shard_tensors(ref.path / "data" / "c", manifest, given, device,
+                                            self._pool, self._pool._max_workers + SPARE_SLOTS)
 
     def read_into(self, ref: ShardRef, manifest: ShardManifest,
                   targets: Sequence[tuple[int, memoryview]]) -> None:
@@ -458,25 +436,6 @@ class ShardStore:
         else:
             self._in_background(partial(remove_paths, self.session_path, found))
         return found
-
-
-def fresh_or_given(manifest: ShardManifest, given: Sequence[torch.Tensor | None] | None,
-                   device: torch.device | None = None) -> list[torch.Tensor]:
-    """A tensor per entry of ``manifest`` to load into: ``given``'s (the caller's, or None for
-    an entry), else a fresh one, on ``device`` for a non-empty entry saved from it (None: every
-    fresh one on the CPU)."""
-    empty = torch.empty
-    if given is None and device is None:  # a plain load to the host: thousands of small ones
-        return [empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in manifest.tensors]
-    cache: dict[str, torch.device] = {}
-    out = []
-    for e, t in zip(manifest.tensors, given or [None] * len(manifest.tensors), strict=True):
-        if t is None:
-            here = device if (device is not None and e.nbytes and e.device.startswith("cuda")
-                              and resolve_device(e.device, cache) == device) else None
-            t = empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
-        out.append(t)
-    return out
 
 
 def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
