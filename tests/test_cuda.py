@@ -323,7 +323,7 @@ def test_a_corrupt_own_copy_on_the_gpu_is_replaced_by_the_peers_replica(tmp_path
 
 def test_an_entry_filled_by_a_copy_is_read_into_host_memory_not_a_second_device_tensor(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from localckpt.storage import tensor_reads
+    from localckpt.storage import store
 
     saved = {"conv": torch.randn(16, 8, 4, 4, device="cuda"), "b": torch.randn(100, device="cuda")}
     with LocalCheckpointManager(root, "s") as mgr:
@@ -331,16 +331,16 @@ def test_an_entry_filled_by_a_copy_is_read_into_host_memory_not_a_second_device_
     into = {"conv": torch.zeros(16, 8, 4, 4, device="cuda").to(memory_format=torch.channels_last),
             "b": torch.zeros(100, device="cuda")}
     fresh: list[str] = []
-    real = tensor_reads.fresh
+    real = store.read_shard_tensors
 
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def spy(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
         out = real(*args, **kwargs)
-        fresh.append(str(out.device))
+        fresh.extend(str(t.device) for t in out)
         return out
 
-    monkeypatch.setattr(tensor_reads, "fresh", spy)
+    monkeypatch.setattr(store, "read_shard_tensors", spy)
     with LocalCheckpointManager(root, "s") as mgr:
         loaded, _ = mgr.load(into=into)
     assert loaded["conv"] is into["conv"] and torch.equal(loaded["conv"], saved["conv"])
     assert loaded["b"] is into["b"] and torch.equal(loaded["b"], saved["b"])
-    assert fresh == ["cpu"]  # the channels_last one through the host, "b" read into
+    assert fresh == ["cpu", "cuda:0"]  # the channels_last one through the host, "b" read into
