@@ -15,7 +15,8 @@ from dist_harness import run_python
 
 from localckpt import LocalCheckpointManager
 from localckpt.errors import CorruptShardError
-from localckpt.save.staging import EagerCopies, StagingArena, plan_layout, unpack
+from localckpt.save.early_copies import EagerCopies
+from localckpt.save.staging import StagingArena, plan_layout, unpack
 
 
 def test_unpack_inverts_stage_into_separate_storages() -> None:

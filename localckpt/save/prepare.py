@@ -45,8 +45,9 @@ from ..storage.peer_io import piece_count
 from ..storage.rollback_fence import Fence, lowest
 from ..storage.store import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
+from .early_copies import EagerCopies
 from .metadata import iteration_metadata, wall_clock
-from .staging import GATHER_MAX_NBYTES, EagerCopies, PackedLayout, StagingArena, plan_layout
+from .staging import GATHER_MAX_NBYTES, PackedLayout, StagingArena, plan_layout
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,7 @@ stream and finished by an event; small CUDA tensors of one device and dtype are 
 each other, so that they are gathered on the GPU and cross to the host in one copy.
 
 The copies of large tensors start while the state dict is still being walked
-(:class:`EagerCopies`): from the second save on, the arena is as large as the last save needed,
-so a large tensor's place in it is known the moment the walk meets it, and the device copies it
-while the Python work of the rest of the walk, the layout and the manifest runs (the stall is
-then that work or the copy, whichever is longer, instead of both).
+(:class:`localckpt.save.early_copies.EagerCopies`).
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from torch._utils import _flatten_dense_tensors
 
 from ..errors import CorruptShardError
 from ..storage.manifest import dtype_name
-from ..storage.views import past_storage, refuse_past_storage
+from ..storage.views import refuse_past_storage
 
 ALIGNMENT = 64  # bytes; every dtype view and vectorised copy is happy with this
 
@@ -336,109 +333,6 @@ class StagingArena:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return event
-
-
-# Their state_dict() reads, never writes, the tensors of a state dict (a state dict hook still
-# may: an in-place change is seen by the tensor's version either way).
-_READ_ONLY_STATEFULS = (torch.nn.Module, torch.optim.Optimizer,
-                        torch.optim.lr_scheduler.LRScheduler)
-
-
-class EagerCopies:
-    """Copies of a save's large tensors queued while its state dict is still being walked.
-
-    :meth:`offer` is the walk's ``on_tensor`` (:func:`localckpt.state_dict.as_tensor_aware`):
-    each large CPU or CUDA tensor it is handed goes into the arena's buffer as it is, at the next
-    aligned offset in the order met, as long as it fits: the device copies it while the walk,
-    the layout and the manifest are built. Small CUDA tensors (gathered later, in runs), lazy
-    views and efficient zero tensors are left to the layout, and so is every tensor of a save
-    the buffer cannot hold yet (the first one). After the walk, :meth:`placement` goes to
-    :func:`plan_layout`, which places the others after them, and
-    :meth:`StagingArena.stage_begin` copies the others, and again those the walk may have
-    changed after their copy: the user code it runs (a Stateful's ``state_dict()``, see
-    :meth:`stateful_met`) may write into tensors met before. Training thread; whoever gives
-    up before the stage began must call :meth:`abandon` (no copy may write into the arena
-    after)."""
-
-    def __init__(self, arena: StagingArena) -> None:
-        self._arena = arena
-        self._full = arena.capacity == 0  # before the first save: nothing is copied early
-        self._streams: set[torch.device] = set()
-        self._storable: set[torch.dtype] = set()
-        self._stale: set[int] = set()
-        # index -> the tensor, its version, memory and size when it was copied
-        self._copied: dict[int, tuple[torch.Tensor, int, int, int]] = {}
-        self.placed: dict[int, int] = {}  # tensor index -> its offset in the arena
-        self.end = 0
-
-    def stateful_met(self, obj: Any) -> None:
-        """The walk is about to run ``obj.state_dict()``: unless it is one of torch's that only
-        read, the tensors copied so far are copied again at the stage (in place, after the
-        early copy)."""
-        if not isinstance(obj, _READ_ONLY_STATEFULS):
-            self._stale.update(self.placed)
-
-    def placement(self) -> tuple[dict[int, int], int, frozenset[int]]:
-        """After the walk, for :func:`plan_layout`: the tensors placed (index -> offset), where
-        the others start, and those whose early copy is their value. One changed since its
-        copy (a new version, other memory) is copied again; one of another size no longer fits
-        its slot and is placed anew (the slot stays unused)."""
-        placed: dict[int, int] = {}
-        copied: set[int] = set()
-        for i, offset in self.placed.items():
-            t, version, address, size = self._copied[i]
-            if t.nbytes != size:
-                continue
-            placed[i] = offset
-            if i not in self._stale and t._version == version and t.data_ptr() == address:
-                copied.add(i)
-        return placed, self.end, frozenset(copied)
-
-    def offer(self, i: int, t: torch.Tensor) -> None:
-        """Copy tensor ``i`` of the walk into the arena now, if it is one copied early."""
-        if self._full:
-            return
-        size = t.nbytes
-        if size <= GATHER_MAX_NBYTES or t.device.type not in ("cpu", "cuda"):
-            return
-        dtype = t.dtype
-        if dtype not in self._storable:  # the layout raises on a dtype that cannot be stored
-            try:
-                _check_storable(t)
-            except TypeError:
-                return
-            self._storable.add(dtype)
-        if not _plain_memory(t) or past_storage(t) is not None:  # the stage refuses the latter
-            return
-        try:
-            version = t._version  # how placement() tells a tensor changed after its copy
-        except RuntimeError:  # an inference tensor keeps none: copied at the stage
-            return
-        offset = aligned(self.end)
-        buffer = self._arena._buffer
-        if buffer is None or offset + size > buffer.numel():
-            self._full = True  # the rest go where the layout puts them
-            return
-        dst = tensor_view(buffer, offset, size, dtype, t.shape)
-        with torch.no_grad():
-            if t.is_cuda:
-                stream = self._arena.side_stream(t.device)
-                self._streams.add(t.device)
-                # After all that is queued so far, each time: the walk runs user code (a
-                # Stateful's state_dict()) that may have queued the kernels making this tensor.
-                stream.wait_stream(torch.cuda.current_stream(t.device))
-                with torch.cuda.stream(stream):
-                    dst.copy_(t, non_blocking=self._arena._pin)
-            else:
-                dst.copy_(t)
-        self.placed[i] = offset
-        self._copied[i] = (t, version, t.data_ptr(), size)
-        self.end = offset + size
-
-    def abandon(self) -> None:
-        """The save gave up before its stage began: wait for the copies queued."""
-        if self._streams:
-            self._arena.synchronize()
 
 
 def _stage_cpu(tensors: Sequence[torch.Tensor], indices: list[int], layout: PackedLayout,
