@@ -6,6 +6,8 @@ running. What only a GPU shows (real streams, pinned memory) is in tests/test_cu
 from __future__ import annotations
 
 import random
+import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from localckpt.load import restore
 from localckpt.load.destinations import Destinations, Target, match
 from localckpt.save import staging
 from localckpt.save.staging import StagingArena, plan_layout
-from localckpt.storage import device_reader, tensor_reads
+from localckpt.storage import device_reader, shard_reader, tensor_reads
 from localckpt.storage.manifest import ShardManifest, TensorEntry, dtype_name
 from localckpt.storage.shard_reader import read_chunks_into
 from localckpt.storage.store import ShardStore, chunking
@@ -46,7 +48,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _Log:
             pass
 
         def wait_stream(self, other: Any) -> None:
-            pass
+            log.append("wait")
 
         def synchronize(self) -> None:
             log.append("stream sync")
@@ -410,3 +412,120 @@ def test_an_allocation_that_fails_waits_for_the_reads_already_queued(
     finally:
         store.close()
     assert "stream sync" in fake_cuda
+
+
+def test_a_slot_whose_wait_fails_goes_back_and_the_load_raises_instead_of_hanging(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA error is sticky: every wait for a slot's last copy fails from then on. Each
+    reader that takes a slot raises, and gives the slot back: the others do not wait for ever
+    for one."""
+    class Broken:
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+
+    monkeypatch.setattr(device_reader.torch.cuda, "Event", Broken)
+    store, ref, _ = _big_and_small(tmp_path)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", store.read_manifest(ref),
+                                            None, torch.device("cuda:0"), store._pool, 1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        monkeypatch.setattr(tensor_reads, "fresh", lambda e, device, cache: _on_device(
+            torch.empty(e.shape, dtype=getattr(torch, e.dtype))))
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        worker.join(timeout=20)
+        assert not worker.is_alive(), "the load hangs waiting for a slot that was lost"
+    finally:
+        if not worker.is_alive():
+            store.close()
+    assert len(outcome) == 1 and "injected" in str(outcome[0])
+
+
+def test_an_interrupt_while_waiting_leaves_no_read_running(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the wait for the reads: the reads not started are dropped and the running
+    ones waited for before KeyboardInterrupt goes on; none starts or copies after it."""
+    store, ref, tensors = _big_and_small(tmp_path)
+    m = store.read_manifest(ref)
+    log = _Recorder(monkeypatch, m, [None] * len(tensors))
+    started: list[int] = []
+    real_read = tensor_reads.ChunkReads._read
+
+    def slow(reads: Any, i: int, *args: Any) -> None:
+        started.append(i)
+        time.sleep(0.05)
+        real_read(reads, i, *args)
+
+    monkeypatch.setattr(tensor_reads.ChunkReads, "_read", slow)
+    real_wait = shard_reader.wait
+    calls: list[int] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(shard_reader, "wait", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, None,
+                                            torch.device("cuda:0"), store._pool, 3)
+        running, begun, copies = log.running, len(started), fake_cuda.count("record")
+        time.sleep(0.3)
+        assert (running, len(started), fake_cuda.count("record")) == (0, begun, copies)
+        assert begun < m.chunk_count  # those not started were dropped
+    finally:
+        store.close()
+
+
+def test_a_given_tensor_that_cannot_be_read_into_is_refused_before_any_read(
+        tmp_path: Path, fake_cuda: _Log) -> None:
+    store, ref, tensors = _big_and_small(tmp_path)
+    try:
+        m = store.read_manifest(ref)
+        given: list[torch.Tensor | None] = [None] * len(tensors)
+        given[40] = torch.full_like(tensors[40], 7)  # fine: a host tensor, read first
+        given[0] = _on_device(torch.full((32,), 7.0)[::2])  # not contiguous
+        with pytest.raises(ValueError, match="'t0' is to be read into a tensor on cuda:0"):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, given,
+                                            torch.device("cuda:0"), store._pool, 3)
+        assert given[40] is not None and bool((given[40] == 7).all())
+        with pytest.raises(ValueError, match="41 tensors given for a shard of 42 entries"):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, given[1:],
+                                            torch.device("cuda:0"), store._pool, 3)
+        with pytest.raises(ValueError, match="43 tensors given for a shard of 42 entries"):
+            tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, [*given, None], None,
+                                            store._pool, 3)
+        assert bool((given[40] == 7).all())
+    finally:
+        store.close()
+
+
+def test_each_chunk_is_copied_after_what_the_stream_queued_once_its_tensors_existed(
+        tmp_path: Path, fake_cuda: _Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors are made after the first slots: each chunk's copies wait again for the
+    loading thread's stream (another thread may have queued work on memory the allocator
+    hands out later)."""
+    store, ref, tensors = _big_and_small(tmp_path)
+    try:
+        m = store.read_manifest(ref)
+        _Recorder(monkeypatch, m, [None] * len(tensors))
+        tensor_reads.read_shard_tensors(ref.path / "data" / "c", m, None,
+                                        torch.device("cuda:0"), store._pool, 1)
+    finally:
+        store.close()
+    copies = fake_cuda.count("record")  # one per chunk copied out
+    assert copies == m.chunk_count and fake_cuda.count("wait") >= copies
+    for k, entry in enumerate(fake_cuda):
+        if entry == "record":
+            assert "wait" in fake_cuda[:k]

@@ -80,9 +80,9 @@ class DeviceScatter:
         self.chunk_nbytes = chunk_nbytes
         self._max_slots = max(1, max_slots)
         # Copies on the slots' streams must come after whatever the loading thread's stream
-        # still has queued on the memory the targets were allocated from. That thread queues no
-        # work while the chunks are read (it allocates the targets of later chunks), so what a
-        # slot waits for when it is made covers the targets added after it too.
+        # still has queued on the memory the targets were allocated from: each chunk's copies
+        # wait for it again (copy_out), since targets are added while chunks are read and
+        # another thread may queue work on that stream in between.
         self._origin = torch.cuda.current_stream(device)
         # chunk -> (the target's bytes, [a, b) of them in this chunk, where they start in it)
         self._per_chunk: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
@@ -122,9 +122,12 @@ class DeviceScatter:
                 slot = _Slot(pinned, byte_view(pinned),
                              torch.cuda.Stream(self.device),  # type: ignore[no-untyped-call]
                              torch.cuda.Event())  # type: ignore[no-untyped-call]
-                slot.stream.wait_stream(self._origin)
                 self._made.append(slot)
-        slot.event.synchronize()
+        try:
+            slot.event.synchronize()
+        except BaseException:  # a CUDA error (sticky): the slot is not lost to the others
+            self.give(slot)
+            raise
         return slot
 
     def give(self, slot: _Slot) -> None:
@@ -139,6 +142,7 @@ class DeviceScatter:
         if not pieces:
             return
         pieces.sort(key=_place)  # added in allocation order, not offset order
+        slot.stream.wait_stream(self._origin)  # after all queued once its targets existed
         with torch.cuda.stream(slot.stream):
             try:
                 self._copy(slot, pieces)

@@ -84,10 +84,17 @@ class ChunkReads:
     def wait(self) -> None:
         """Block until every queued read returned and, with a device, every copy is complete;
         then raise the error of the first chunk queued that failed. Every read is over before
-        this returns, failed or not: a read still running after the first failure would go on
-        writing into buffers the caller reuses."""
+        this returns or raises, failed or not, also when interrupted (a KeyboardInterrupt drops
+        the reads not started yet): a read still running after would go on writing into buffers
+        the caller reuses or frees."""
         try:
-            wait(self._futures)
+            try:
+                wait(self._futures)
+            except BaseException:  # Ctrl-C: the reads not started are dropped, the rest end
+                for f in self._futures:
+                    f.cancel()
+                _wait_through_interrupts(self._futures)
+                raise
             for f in self._futures:
                 f.result()
         finally:
@@ -160,6 +167,17 @@ class ChunkReads:
                 f"{path}: checksum mismatch (computed crc32c {crc:#010x}, file says "
                 f"{stored:#010x}, manifest says {manifest.chunk_crc32c[i]:#010x})"
             )
+
+
+def _wait_through_interrupts(futures: Sequence[Future[None]]) -> None:
+    """Wait until every one of ``futures`` is done, however often interrupted (each is one
+    chunk's read: milliseconds)."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except BaseException:  # a read must not outlive the call
+            continue
 
 
 # Reading a copy can fail because of this process or machine (no descriptors or memory left,

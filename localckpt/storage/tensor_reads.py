@@ -59,11 +59,20 @@ def read_shard_tensors(chunk_dir: Path, manifest: ShardManifest,
     chunks already covered are read; every copy is complete on return, and every read is over,
     also when one raised (its error is raised then).
 
-    Raises CorruptShardError naming the first bad file, ValueError for a given tensor it
-    cannot read into, and what allocating raises (OutOfMemoryError)."""
+    Raises CorruptShardError naming a bad file (of the first chunk queued that failed),
+    ValueError for given tensors it cannot read into (before reading anything), and what
+    allocating raises (OutOfMemoryError)."""
+    entries = manifest.tensors
+    if given is not None:  # refused before any read: nothing of the caller's is written then
+        if len(given) != len(entries):
+            raise ValueError(f"read_tensors: {len(given)} tensors given for a shard of "
+                             f"{len(entries)} entries")
+        for e, t in zip(entries, given, strict=True):
+            if t is not None and e.nbytes and not (
+                    t.is_cpu or (t.device == device and t.is_contiguous())):
+                raise _not_readable(e, t, device)
     if device is None:
         return _read_to_host(chunk_dir, manifest, given, pool)
-    entries = manifest.tensors
     size = manifest.chunk_nbytes
     tensors: list[torch.Tensor | None] = \
         list(given) if given is not None else [None] * len(entries)
@@ -110,10 +119,8 @@ def read_shard_tensors(chunk_dir: Path, manifest: ShardManifest,
                     view = (e.offset, byte_view(t))
                     for c in range(first, last + 1):
                         host.setdefault(c, []).append(view)
-            elif t.device == device and t.is_contiguous():
+            else:  # on the device, contiguous (checked above for given ones)
                 scatter.add(e.offset, device_bytes(t))
-            else:
-                raise _not_readable(e, t, device)
             for c in range(first, last + 1):
                 waiting[c] -= 1
                 if not waiting[c]:
@@ -136,8 +143,6 @@ def _read_to_host(chunk_dir: Path, manifest: ShardManifest,
     for k, (e, t) in enumerate(zip(manifest.tensors, tensors, strict=True)):
         if not e.nbytes:
             continue
-        if not t.is_cpu:
-            raise _not_readable(e, t, None)
         if e.nbytes <= COPY_OUT_MAX_NBYTES and (given is None or given[k] is None):
             small.append((e.offset, t.data_ptr(), e.nbytes))  # fresh: ours, writable
         else:
