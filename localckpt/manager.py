@@ -30,7 +30,7 @@ from .control.context import Context
 from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy, Schedule
-from .errors import CollectiveError, ConfigurationError, InvalidIterationError
+from .errors import CheckpointingError, CollectiveError, ConfigurationError, InvalidIterationError
 from .load.from_durable import within
 from .load.loader import LoadPath
 from .ops.metrics import MetricHook, Metrics, as_metrics
@@ -359,12 +359,17 @@ class LocalCheckpointManager:
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption signal reached any rank: True on every rank at the same call,
-        after finalizing an async save in flight, so the loop saves ``step`` (``save(...,
-        force=True)``) and exits. Collective (one exchange of a flag: about a millisecond on a
-        few ranks; call it every step, or every few when the job has thousands of ranks); False
-        at once, and not collective, without ``preemption_signals``."""
+        after finalizing an async save in flight (its failure is logged, not raised: the loop
+        must still save), so the loop saves ``step`` (``save(..., force=True)``) and exits.
+        Collective (one exchange of a flag: about a millisecond on a few ranks; call it every
+        step, or every few when the job has thousands of ranks); False at once, and not
+        collective, without ``preemption_signals``."""
         if self._schedule.reached_preemption(step):
-            self._save.settle()
+            try:
+                self._save.settle()
+            except CheckpointingError as exc:  # the preemption save must still be made
+                logger.error("rank %d: the async save in flight at the preemption failed (%s); "
+                             "saving step %d now", self.rank, exc, step)
             return True
         return False
 

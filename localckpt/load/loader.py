@@ -123,7 +123,7 @@ class LoadPath:
 
     def metadata(self, iteration: Any) -> dict[str, Any]:
         """See :meth:`LocalCheckpointManager.metadata`."""
-        self.settle()
+        self._settle_keeping(iteration)
         ctx = self.ctx
 
         def mine() -> dict[str, Any] | None:
@@ -145,6 +145,17 @@ class LoadPath:
                                 f"{iteration} (session {ctx.session_id!r}, world size "
                                 f"{ctx.world_size})")
 
+    def _settle_keeping(self, iteration: Any) -> None:
+        """settle(), ``iteration`` (when one is asked for) kept by the retention of the save
+        finalized there: its keep policy may otherwise delete the very iteration asked for."""
+        holding = self._save.retainer.holding
+        target = {iteration} if type(iteration) is int and iteration >= 0 else set()
+        holding |= target
+        try:
+            self.settle()
+        finally:
+            holding -= target
+
     def load(self, into: Any, iteration: int | None,
              discard_newer: bool = False) -> tuple[ShardManifest, Any]:
         """See :meth:`LocalCheckpointManager.load`. Returns the manifest of the shard loaded (its
@@ -163,15 +174,8 @@ class LoadPath:
         # that the arguments ride on a load's step. They are checked with its first exchange,
         # whichever it is: a bad argument on one rank, or a rollback on some ranks only, is one
         # error on every rank, before anything is deleted or returned.
-        # A rollback's target is kept by the retention of the save finalized here: that
-        # save's keep policy may otherwise delete the very iteration asked for.
-        holding = self._save.retainer.holding
-        target = {iteration} if type(iteration) is int and iteration >= 0 else set()
-        holding |= target
-        try:
-            self.settle()
-        finally:
-            holding -= target
+        # A rollback's target is kept by the retention of the save finalized here.
+        self._settle_keeping(iteration)
         with self.ctx.group.arguments("load (iteration, discard_newer)", check):
             return self._load(into, iteration, discard_newer)
 

@@ -159,11 +159,14 @@ class AsyncCallsQueue:
             finally:
                 call.done.set()
 
-    def schedule_async_request(self, request: AsyncRequest) -> int:
+    def schedule_async_request(self, request: AsyncRequest | None) -> int:
         """Run ``request.preload_fn`` now, queue ``async_fn`` for the worker; returns the call's
-        index. Does not block on earlier calls."""
+        index. Does not block on earlier calls. None (a save skipped with ``busy="skip"``)
+        schedules nothing: -1."""
         if self._closed:
             raise ConfigurationError("AsyncCallsQueue: schedule_async_request after close()")
+        if request is None:
+            return -1
         request = request.freeze()  # what runs is what was scheduled
         if request.preload_fn is not None:
             request.preload_fn()

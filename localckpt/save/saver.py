@@ -91,6 +91,8 @@ class SavePath:
                               metrics=ctx.metrics, wait_steps=agreed.wait_steps,
                               parity=agreed.parity, sizes=agreed.sizes)
                 job.run(ctx)
+                if job.error is not None and not isinstance(job.error, Exception):
+                    raise job.error  # Ctrl-C or an exit on the training thread: not a failed save
                 self._finalize_job(job)
                 return None
             if isinstance(staged, Exception):

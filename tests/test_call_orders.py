@@ -1,0 +1,82 @@
+"""Call orders and interrupts around a save a user can make in one process (world of one):
+each once lost a checkpoint, a preemption save or a Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from localckpt import LocalCheckpointManager
+from localckpt.ops import faults
+from localckpt.save.async_calls import AsyncCallsQueue
+from localckpt.storage.store import ShardStore
+
+
+def test_ctrl_c_in_a_synchronous_save_is_not_turned_into_a_failed_save(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop that catches a failed save and goes on must still stop on Ctrl-C (or a
+    handler's sys.exit) arriving while a synchronous save writes."""
+    with LocalCheckpointManager(root, "s", timeout=10) as mgr:
+        mgr.save({"w": torch.ones(4)}, 1)
+        real = ShardStore.write
+
+        def interrupted(self: ShardStore, manifest: Any, payload: Any) -> Any:
+            if manifest.iteration == 2:
+                raise KeyboardInterrupt
+            return real(self, manifest, payload)
+
+        monkeypatch.setattr(ShardStore, "write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save({"w": torch.zeros(4)}, 2)
+    with LocalCheckpointManager(root, "s", timeout=10) as mgr:
+        assert mgr.find_latest() == 1
+
+
+def test_a_skipped_save_handed_to_the_queue_schedules_nothing() -> None:
+    """``queue.schedule_async_request(ckpt.save(..., is_async=True))`` (docs/async.md) with
+    ``busy="skip"``: a skipped save returns None."""
+    queue = AsyncCallsQueue(timeout=10)
+    try:
+        assert queue.schedule_async_request(None) == -1
+        assert queue.get_num_unfinalized_calls() == 0
+        assert queue.maybe_finalize_async_calls(blocking=True) == []
+    finally:
+        queue.close()
+
+
+def test_metadata_of_an_iteration_the_save_in_flight_would_retire(root: Path) -> None:
+    """metadata(1) finalizes the save of 2 in flight first; with keep_last=1 its retention
+    deleted 1 before the question was answered (load(iteration=1) keeps it: so does this)."""
+    with LocalCheckpointManager(root, "s", keep_last=1, timeout=10) as mgr:
+        mgr.save({"w": torch.ones(4)}, 1, custom_metadata={"tag": "one"})
+        mgr.save({"w": torch.zeros(4)}, 2, is_async=True)
+        assert mgr.metadata(1)["custom"] == {"tag": "one"}
+        assert mgr.iterations() == [1, 2]
+        mgr.save({"w": torch.zeros(4)}, 3)
+        assert mgr.iterations() == [3]  # held for the question only
+
+
+def test_a_preemption_after_a_failed_async_save_still_saves_its_step(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The async save of 20 fails (no space); the preemption noticed at step 21 must still
+    answer True so the loop saves 21, not raise the old failure and lose 11 steps."""
+    faults.arm(faults.Fault("local_write", "enospc", iteration=20))
+    try:
+        with LocalCheckpointManager(root, "s", keep_last=5, timeout=10,
+                                    preemption_signals=[signal.SIGUSR2]) as mgr:
+            mgr.save({"w": torch.ones(4)}, 10)
+            assert mgr.save({"w": torch.ones(4)}, 20, is_async=True) is not None
+            os.kill(os.getpid(), signal.SIGUSR2)
+            with caplog.at_level(logging.ERROR, logger="localckpt.manager"):
+                assert mgr.reached_preemption(21)
+            assert "the async save in flight at the preemption failed" in caplog.text
+            mgr.save({"w": torch.zeros(4)}, 21, force=True)
+            assert mgr.iterations() == [10, 21]
+    finally:
+        faults.disarm()
