@@ -181,7 +181,7 @@ class LocalCheckpointManager:
         tiers: list[DurableStore] = []
         # What construction took so far, released in reverse if a later step refuses (a bad
         # setting on one rank, preemption_signals it cannot handle): nothing stays held.
-        undo: list[Callable[[], None]] = [group.close, data_group.close]
+        undo: list[Callable[[], object]] = [group.close, data_group.close]
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:
@@ -266,7 +266,10 @@ class LocalCheckpointManager:
         except CollectiveError as exc:  # logged; closing goes on
             logger.error("rank %d: close: %s", self.rank, exc)
             ended = self._load.stop_write_back(self.timeout)
-        self._save.close()
+        ended = self._save.close() and ended
+        # A save thread still running past its bound commits nothing from now on: it would
+        # replace what a later manager of the session commits under the same name.
+        self._ctx.store.stop_commits()
         if self._save.persister is not None:
             self._save.persister.close(self.timeout)
         self._schedule.close()
@@ -277,8 +280,8 @@ class LocalCheckpointManager:
         if ended:
             self._lock.release()
         else:  # gc must not delete under a thread that may still write (freed at exit)
-            logger.error("rank %d: close: the write-back thread is still running; the session "
-                         "lock is kept until this process exits", self.rank)
+            logger.error("rank %d: close: a save or write-back thread is still running; the "
+                         "session lock is kept until this process exits", self.rank)
 
     def __enter__(self) -> LocalCheckpointManager:
         return self

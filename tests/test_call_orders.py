@@ -80,3 +80,36 @@ def test_a_preemption_after_a_failed_async_save_still_saves_its_step(
             assert mgr.iterations() == [10, 21]
     finally:
         faults.disarm()
+
+
+def test_a_save_thread_that_outlives_close_commits_nothing_and_keeps_the_lock(
+        root: Path) -> None:
+    """close() gives up on an async save stuck before its commit (a stalled fsync, here a
+    sleep): the thread must not commit later (a later manager's shard of that name would be
+    replaced by stale bytes), and gc must not get the session while it runs."""
+    import fcntl
+    import time
+
+    faults.arm(faults.Fault("before_commit", "sleep", iteration=2, seconds=4))
+    try:
+        mgr = LocalCheckpointManager(root, "s", timeout=0.5, keep_last=2)
+        mgr.save({"w": torch.ones(4)}, 1)
+        assert mgr.save({"w": torch.zeros(4)}, 2, is_async=True) is not None
+        mgr.close()  # gives up after the job's bound
+        thread = mgr._save._inflight.thread  # type: ignore[union-attr]
+        assert thread is not None and thread.is_alive()
+        fd = os.open(root / "s", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        faults.disarm()
+    time.sleep(0.1)
+    late = root / "s" / "iter_0000000002"  # its empty directory is a leftover the next start
+    assert not late.exists() or not list(late.iterdir())  # removes: no shard, no .tmp
+    assert [p.name for p in (root / "s" / "iter_0000000001").iterdir()] == [
+        "rank_00000_of_00001"]

@@ -135,14 +135,17 @@ class SavePath:
             files.preallocate(chunk_count * (1 + held), chunk_nbytes + 4)
         return nbytes
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Wait (up to the timeout) for the local work of a save in flight: its shard is then
-        committed, to be finalized through the AsyncCallsQueue or found by the next job."""
+        committed, to be finalized through the AsyncCallsQueue or found by the next job.
+        Whether no save thread is left running."""
         job = self._inflight
-        if job is not None and not job.wait(self.ctx.timeout):
+        ended = job is None or job.wait(self.ctx.timeout)
+        if not ended:
             logger.error("rank %d: async save of iteration %d still running at close",
-                         self.ctx.rank, job.iteration)
+                         self.ctx.rank, job.iteration)  # type: ignore[union-attr]
         self._arena = StagingArena()  # the staging memory goes now, not when garbage collected
+        return ended
 
     # ------------------------------------------------------------------ 1. settle
 

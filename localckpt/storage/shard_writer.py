@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -116,8 +117,9 @@ class ShardWriter:
 
     def __init__(self, manifest: ShardManifest, final: Path, writer_rank: int,
                  pool: ThreadPoolExecutor, files: FilePool | None = None,
-                 fault_points: bool = True) -> None:
+                 fault_points: bool = True, stopped: threading.Event | None = None) -> None:
         self.manifest = manifest
+        self._stopped = stopped  # set: the owner closed, nothing may be committed any more
         self._fault_points = fault_points  # the node root's writes (not the durable tier's)
         self.final = final
         self._writer_rank = writer_rank
@@ -202,6 +204,9 @@ class ShardWriter:
                 fsync_dir(d)
             if manifest.owner_rank == self._writer_rank and self._fault_points:
                 fault_point("before_commit", self._writer_rank, manifest.iteration)
+            if self._stopped is not None and self._stopped.is_set():
+                raise RuntimeError(f"{self.final}: not committed: its store was closed (a "
+                                   "thread that outlived close() must not replace a shard)")
             self._rename_into_place()
             fsync_dir(self.final.parent)
         except BaseException as exc:

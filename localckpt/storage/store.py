@@ -134,11 +134,19 @@ class ShardStore:
         # place (a commit renames a new directory), so (path, inode, mtime, size) names content.
         self._manifests: dict[tuple[str, int, int, int], ShardManifest] = {}
         self._manifests_lock = threading.Lock()  # the save thread commits while others read
+        self._commits_stopped = threading.Event()
+
+    def stop_commits(self) -> None:
+        """From now on no shard is committed through this store (a write still running
+        aborts at its commit): a thread that outlived its manager's close() must not replace
+        what a later manager committed."""
+        self._commits_stopped.set()
 
     def close(self) -> None:
-        """Waits for background deletions (and removes the recycled files this process pooled
-        and nobody took: their pages are of no use once it saves no more), then releases the
-        threads."""
+        """Stops commits, waits for background deletions (and removes the recycled files this
+        process pooled and nobody took: their pages are of no use once it saves no more), then
+        releases the threads."""
+        self.stop_commits()
         self.wait_for_deletions()
         if self.files is not None:
             self.files.drain_own()
@@ -259,7 +267,7 @@ class ShardStore:
         """Start writing the shard ``manifest`` describes; see :class:`ShardWriter`."""
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
         return ShardWriter(manifest, final, self.writer_rank, self._pool, self.files,
-                           self.fault_points)
+                           self.fault_points, self._commits_stopped)
 
     def commit(self, writer: ShardWriter) -> Path:
         """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
