@@ -286,7 +286,7 @@ def restore(ctx: Context, iteration: int,
         ctx.unloadable[(iteration, ctx.world_size)] = mixed[iteration]
         return False
 
-    rounds = damaged = 0
+    rounds = damaged = limit = 0
     while True:
         rounds += 1
         started = time.monotonic()
@@ -306,7 +306,10 @@ def restore(ctx: Context, iteration: int,
                 iteration, inventories = newer, None  # list again: its copies are here now
                 mixed.pop(newer, None)
                 continue
-        if not candidates or rounds > 2 + sum(len(i.shards) for i in inventories):
+        # Each round loads, or sets aside at least one copy: bounded by the most ever listed
+        # (the listings shrink as copies are quarantined).
+        limit = max(limit, 2 + sum(len(i.shards) for i in inventories))
+        if not candidates or rounds > limit:
             raise nothing_left(ctx, iteration, quarantined, {**hidden, **mixed})
         if candidates[0] != iteration:
             if rank == 0:

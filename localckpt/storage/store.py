@@ -135,6 +135,9 @@ class ShardStore:
         self._manifests: dict[tuple[str, int, int, int], ShardManifest] = {}
         self._manifests_lock = threading.Lock()  # the save thread commits while others read
         self._commits_stopped = threading.Event()
+        # Copies found bad that could not be moved aside (a file system gone read-only after an
+        # I/O error): hidden from this process's listings until a commit replaces them.
+        self._set_aside: set[Path] = set()
 
     def stop_commits(self) -> None:
         """From now on no shard is committed through this store (a write still running
@@ -196,8 +199,12 @@ class ShardStore:
         self._reaping.append(self._reaper.submit(run))
 
     def committed(self) -> list[ShardRef]:
-        """Committed shards under this root (see :func:`list_shards`)."""
-        return list_shards(self.root, self.session_id)
+        """Committed shards under this root (see :func:`list_shards`), but those set aside in
+        memory by :meth:`quarantine`."""
+        refs = list_shards(self.root, self.session_id)
+        if self._set_aside:
+            refs = [r for r in refs if r.path not in self._set_aside]
+        return refs
 
     # ---------------------------------------------------------------- rollback
 
@@ -272,6 +279,7 @@ class ShardStore:
     def commit(self, writer: ShardWriter) -> Path:
         """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
         final = writer.commit()
+        self._set_aside.discard(final)
         with contextlib.suppress(OSError):
             meta = final / "zarr.json"
             self._remember(_content_key(meta, meta.stat()), writer.manifest)
@@ -393,13 +401,21 @@ class ShardStore:
 
     def quarantine(self, ref: ShardRef) -> Path | None:
         """Move a shard that failed verification out of sight, atomically (listing no longer
-        sees it; an operator still can). Returns where it went, None if it was gone already.
-        Quarantined shards are removed when the next save starts (:meth:`remove_quarantined`)."""
+        sees it; an operator still can). Returns where it went, None if it was gone already or
+        could not be moved: then this process's listings leave it out (logged; a read-only file
+        system must not stop a load that has another copy). Quarantined shards are removed when
+        the next save starts (:meth:`remove_quarantined`)."""
         target = self.session_path / (f".quarantine-{ref.path.parent.name}-{ref.path.name}-"
                                       f"w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}")
         try:
             os.rename(ref.path, target)
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._set_aside.add(ref.path)
+            logger.error("%s failed its checks and cannot be moved aside (%s): this process "
+                         "no longer lists it; remove it by hand or with localckpt gc", ref.path,
+                         exc)
             return None
         remove_if_empty(ref.path.parent)
         return target

@@ -1,0 +1,61 @@
+"""Faults around a load's corrupt copies in one process (world of one): many corrupt
+iterations in a row, and a copy that cannot be moved aside."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from localckpt import LocalCheckpointManager
+from localckpt.storage import store as store_module
+
+
+def _corrupt(root: Path, iteration: int) -> Path:
+    shard = root / "s" / f"iter_{iteration:010d}" / "rank_00000_of_00001"
+    chunk = shard / "data" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_load_falls_back_past_more_corrupt_iterations_than_are_left(root: Path) -> None:
+    """Six of eight iterations are corrupt: the load must reach 2. Its bound on rounds shrank
+    with every copy quarantined, and it gave up at 4 saying the job could start afresh."""
+    with LocalCheckpointManager(root, "s", keep_last=8, timeout=10) as mgr:
+        for it in range(1, 9):
+            mgr.save({"w": torch.full((1000,), float(it))}, it)
+    for it in range(3, 9):
+        _corrupt(root, it)
+    with LocalCheckpointManager(root, "s", keep_last=8, timeout=10) as mgr:
+        state, ckpt = mgr.load()
+    assert ckpt[0] == 2 and torch.equal(state["w"], torch.full((1000,), 2.0))
+
+
+def test_a_corrupt_copy_that_cannot_be_moved_aside_does_not_stop_the_load(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root went read-only after an I/O error (ext4 errors=remount-ro): the quarantine's
+    rename fails. The load falls back as if it had been moved, and this process lists the
+    copy no more."""
+    with LocalCheckpointManager(root, "s", keep_last=3, timeout=10) as mgr:
+        mgr.save({"w": torch.ones(1000)}, 1)
+        mgr.save({"w": torch.zeros(1000)}, 2)
+    bad = _corrupt(root, 2)
+    real = os.rename
+
+    def read_only(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if ".quarantine-" in str(dst):
+            raise OSError(errno.EROFS, "Read-only file system", str(src))
+        real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.os, "rename", read_only)
+    with LocalCheckpointManager(root, "s", keep_last=3, timeout=10) as mgr:
+        state, ckpt = mgr.load()
+        assert ckpt[0] == 1 and torch.equal(state["w"], torch.ones(1000))
+        assert mgr.find_latest() == 1
+    assert bad.is_dir()  # left where it was: an operator removes it
