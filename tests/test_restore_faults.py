@@ -59,3 +59,28 @@ def test_a_corrupt_copy_that_cannot_be_moved_aside_does_not_stop_the_load(
         assert ckpt[0] == 1 and torch.equal(state["w"], torch.ones(1000))
         assert mgr.find_latest() == 1
     assert bad.is_dir()  # left where it was: an operator removes it
+
+
+def test_a_corrupt_copy_read_into_the_callers_tensors_is_judged_in_one_chunks_memory(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(into=...) exists so that no shard-sized memory is needed: telling a bad copy from
+    bad destinations must not allocate the whole shard again (out of memory there hid the
+    checksum error on every retry, and the older iteration was never tried)."""
+    chunk = 64 << 10
+    with LocalCheckpointManager(root, "s", keep_last=3, timeout=10, chunk_nbytes=chunk) as mgr:
+        mgr.save({"w": torch.ones(100_000)}, 1)
+        mgr.save({"w": torch.zeros(100_000)}, 2)
+    _corrupt(root, 2)
+    real = torch.empty
+
+    def bounded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        size = args[0] if args else kwargs.get("size")
+        if isinstance(size, int) and size > chunk:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+        return real(*args, **kwargs)
+
+    into = {"w": torch.full((100_000,), 7.0)}
+    with LocalCheckpointManager(root, "s", keep_last=3, timeout=10, chunk_nbytes=chunk) as mgr:
+        monkeypatch.setattr(store_module.torch, "empty", bounded)
+        state, ckpt = mgr.load(into=into)
+    assert ckpt[0] == 1 and state["w"] is into["w"] and torch.equal(into["w"], torch.ones(100_000))

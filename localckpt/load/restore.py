@@ -114,7 +114,7 @@ def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
                                            for t in rnd.destinations.direct):
         return  # tensors on a device cannot fail a checksum: it is taken on the host
     try:
-        ctx.store.read(shard_ref(ctx, shard))
+        ctx.store.verify(shard_ref(ctx, shard))
     except CorruptShardError:
         return  # the copy itself is bad
     raise ConfigurationError(

@@ -353,6 +353,16 @@ class ShardStore:
         self.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
         return manifest, buf
 
+    def verify(self, ref: ShardRef) -> None:
+        """Read every chunk of ``ref`` and check its CRC-32C, one chunk's memory at a time on the
+        calling thread (a second look at a copy after a failed read: it must not need the
+        memory of the whole shard). Raises CorruptShardError naming the first bad file."""
+        manifest = self.read_manifest(ref)
+        size = manifest.chunk_nbytes
+        buf = torch.empty(size, dtype=torch.uint8)
+        for c in range(manifest.chunk_count):
+            self.read_range(ref, manifest, c * size, buf)
+
     def read_tensors(self, ref: ShardRef,
                      into: Callable[[ShardManifest], Sequence[torch.Tensor | None]] | None = None,
                      device_of: Callable[[ShardManifest], torch.device | None] | None = None
