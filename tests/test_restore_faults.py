@@ -84,3 +84,26 @@ def test_a_corrupt_copy_read_into_the_callers_tensors_is_judged_in_one_chunks_me
         monkeypatch.setattr(store_module.torch, "empty", bounded)
         state, ckpt = mgr.load(into=into)
     assert ckpt[0] == 1 and state["w"] is into["w"] and torch.equal(into["w"], torch.ones(100_000))
+
+
+def test_a_resharding_job_falls_back_to_the_newest_iteration_of_any_world_size(
+        tmp_path: Path) -> None:
+    """reshard=True: a job of 2 ranks saved 5, one of 1 rank saved 8, the job of 2 saved 10,
+    whose copy on rank 1 then failed its checks. 8 is what is left newest (find_latest says
+    so); the load fell back to 5, among its own world size only, and with no 5 it told the job
+    to start afresh."""
+    import restore_scenarios
+    from dist_harness import run_ranks
+
+    base = str(tmp_path)
+    for world, its in ((2, [5]), (1, [8]), (2, [10])):
+        for r in run_ranks(restore_scenarios.save, world, tmp_path, base, its, True):
+            assert r.ok, r.message
+    chunk = tmp_path / "node1" / "job" / "iter_0000000010" / "rank_00001_of_00002" / "data" / \
+        "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    results = run_ranks(restore_scenarios.load, 2, tmp_path, base)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert [r.value for r in results] == [{"iteration": 8, "w": 8.0, "intact": True}] * 2

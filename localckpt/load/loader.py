@@ -15,7 +15,12 @@ import time
 from typing import Any
 
 from ..control.context import Context
-from ..control.coverage import Inventory, complete_iterations, job_fence
+from ..control.coverage import (
+    Inventory,
+    choose_latest_any_world,
+    complete_iterations,
+    job_fence,
+)
 from ..errors import (
     ConfigurationError,
     CorruptShardError,
@@ -216,13 +221,36 @@ class LoadPath:
             with self.ctx.timed("load", self.latest_iteration) as box, gc_paused():
                 manifest, state, self._write_back = restore(
                     self.ctx, self.latest_iteration, self._fetched, listed, into,
-                    elsewhere=self._newer_from_durable if self.durable is not None else None)
+                    elsewhere=self._elsewhere if self.durable is not None or self.reshard
+                    else None)
                 box["nbytes"], box["iteration"] = manifest.data_nbytes, manifest.iteration
         except LayoutMismatchError:  # agreed: another mesh, or replicas another member stored
             return self._load_resharded(into)
         self.latest_iteration = manifest.iteration
         self._warn_if_foreign(manifest)
         return manifest, state
+
+    def _elsewhere(self, fallback: int) -> int:
+        """``restore``'s ``elsewhere`` (see :meth:`_newer_from_durable`), which also looks at
+        the other world sizes with ``reshard``: an iteration of one of them newer than
+        ``fallback`` raises LayoutMismatchError (agreed: every rank decides from the same
+        gathered listings), and the load goes on through resharding, which loads the newest of
+        any world size. Collective."""
+        if self.durable is not None:
+            got = self._newer_from_durable(fallback)
+            if got >= 0:
+                return got
+        if self.reshard:
+            ctx = self.ctx
+            newest, world = choose_latest_any_world(
+                ctx.gather_inventories("load: newer iterations of other world sizes"),
+                ctx.world_size, ctx.erasure)
+            if newest > fallback and world != ctx.world_size:
+                raise LayoutMismatchError(
+                    f"load: iteration {newest}, saved by {world} ranks, is newer than {fallback}, "
+                    f"the newest loadable one of this world size: it is loaded through "
+                    f"resharding")
+        return -1
 
     def _newer_from_durable(self, fallback: int, any_world: bool = False,
                             exclude: set[int] | frozenset[int] = frozenset()) -> int:
