@@ -32,3 +32,31 @@ def load(rank: int, world: int, base: str) -> dict[str, Any]:
         loaded, ckpt = mgr.load()
         return {"iteration": ckpt[0], "w": float(loaded["w"][0]),
                 "intact": torch.equal(loaded["w"], state(ckpt[0])["w"])}
+
+
+def slow_reads(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+    """Rank 1 reads its chunks slowly but steadily (0.2 s each, one at a time: 12 chunks take
+    2.4 s, each well inside the 1 s timeout... of a chunk, not of the whole read)."""
+    import threading
+    import time
+
+    from localckpt.storage import shard_reader
+
+    if rank == 1 and phase == "load":
+        real, lock = shard_reader.ChunkReads._read, threading.Lock()
+
+        def slow(self: Any, *args: Any) -> None:
+            with lock:
+                time.sleep(0.2)
+            real(self, *args)
+
+        shard_reader.ChunkReads._read = slow  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(rank)
+    mine = {"w": torch.randn(3 << 20, generator=g)}  # 12 MiB: 12 chunks of 1 MiB
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=1,
+                                chunk_nbytes=1 << 20, node_id=f"node{rank}") as mgr:
+        if phase == "save":
+            mgr.save(mine, 1)
+            return {}
+        loaded, ckpt = mgr.load()
+        return {"iteration": ckpt[0], "intact": torch.equal(loaded["w"], mine["w"])}

@@ -107,3 +107,17 @@ def test_a_resharding_job_falls_back_to_the_newest_iteration_of_any_world_size(
     results = run_ranks(restore_scenarios.load, 2, tmp_path, base)
     assert all(r.ok for r in results), [r.message for r in results]
     assert [r.value for r in results] == [{"iteration": 8, "w": 8.0, "intact": True}] * 2
+
+
+def test_a_slow_but_steady_read_of_the_own_shard_is_waited_for_per_chunk(
+        tmp_path: Path) -> None:
+    """The others wait for a rank reading its own shard as the save waits for a rank writing
+    it: each chunk bounded by the timeout, not the whole shard (a healthy load failed with a
+    timeout and left the group broken)."""
+    import restore_scenarios
+    from dist_harness import run_ranks
+
+    for phase in ("save", "load"):
+        results = run_ranks(restore_scenarios.slow_reads, 2, tmp_path, str(tmp_path), phase)
+        assert all(r.ok for r in results), [r.message for r in results]
+    assert [r.value for r in results] == [{"iteration": 1, "intact": True}] * 2

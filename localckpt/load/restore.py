@@ -26,6 +26,7 @@ it like a replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -121,6 +122,18 @@ def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
         f"load(into=...): the checkpoint copy {shard_ref(ctx, shard).path} verifies when read into "
         f"fresh memory, but not when read into the tensors of `into` ({exc}): are they "
         "read-only, or changed by another thread while load ran?") from exc
+
+
+def _read_seconds(ctx: Context, rnd: Round) -> float:
+    """How long a rank may wait for the others to read their own shards and build their
+    state dicts: each chunk bounded by the timeout, as a save waits for the chunks written.
+    The others' shards are taken to be as large as the ones this rank reads (the ranks of a job
+    hold shards of one size, as a rule); their manifests are parsed already (find_latest)."""
+    chunks = 0
+    for shard in rnd.plan.sources_of(ctx.rank):
+        with contextlib.suppress(Exception):  # a bad manifest is found by the step itself
+            chunks += ctx.store.read_manifest(shard_ref(ctx, shard)).chunk_count
+    return ctx.timeout * (1 + chunks)
 
 
 def _verify_sources(ctx: Context, rnd: Round,
@@ -340,7 +353,8 @@ def restore(ctx: Context, iteration: int,
         built: list[tuple[ShardManifest, Any]] = []
         local_only = not rnd.plan.exchange.rounds  # the same plan on every rank
         verify = ctx.group.exchange(f"{step}: verify sources", partial(
-            _verify_sources, ctx, rnd, built if local_only else None))
+            _verify_sources, ctx, rnd, built if local_only else None),
+            wait=_read_seconds(ctx, rnd) if local_only else None)
         verified = time.monotonic()
         if any(v["bad"] for v in verify):
             quarantined += [b for v in verify for b in v["bad"]]
