@@ -412,3 +412,34 @@ def peer_dies_before_a_blocking_finalize(rank: int, world: int, base: str,
         time.sleep(2 * timeout)  # rank 0 lingers, as a script logging the error would
     return {"error": error, "seconds": took}
 
+
+
+def sync_save_interrupted(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Ctrl-C reaches rank 1 while its synchronous save of 2 writes: rank 1 gets the
+    KeyboardInterrupt, rank 0 the save's failure at once (not after the finalize's wait)."""
+    from localckpt.storage.store import ShardStore
+
+    if rank == 1:
+        real = ShardStore.write
+
+        def interrupted(self: ShardStore, manifest: Any, payload: Any) -> Any:
+            if manifest.iteration == 2:
+                raise KeyboardInterrupt
+            return real(self, manifest, payload)
+
+        ShardStore.write = interrupted  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    with LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
+                                node_id=f"node{rank}") as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        started = time.monotonic()
+        try:
+            mgr.save(make_state(rank, 2), 2)
+        except BaseException as exc:
+            out["error"] = type(exc).__name__
+        out["seconds"] = time.monotonic() - started
+        if rank == 0:
+            out["latest"] = mgr.find_latest()
+        else:  # a handler that caught the interrupt and goes on (a graceful shutdown)
+            out["latest"] = mgr.find_latest()
+    return out

@@ -101,3 +101,34 @@ def leader_fails_with_memory_error(rank: int, world: int, node_of: list[int], ho
         out["after"] = type(exc).__name__
     time.sleep(hold)
     return out
+
+
+def local_step_interrupted_or_unencodable(rank: int, world: int, node_of: list[int],
+                                          victim: int, what: str) -> dict[str, Any]:
+    """``victim``'s local step raises KeyboardInterrupt (``what="interrupt"``) or returns what
+    JSON refuses (``"nan"``); the victim, having handled the interrupt, goes on to a second
+    step, as do the others. Each rank's outcome of both steps, and how long the first took."""
+    group = CheckpointGroup(5.0)
+    group.use_nodes(node_of)
+
+    def local() -> Any:
+        if rank == victim:
+            if what == "interrupt":
+                raise KeyboardInterrupt
+            return float("nan")
+        return rank
+
+    out: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        group.exchange("step one", local)
+        out["one"] = "ok"
+    except BaseException as exc:  # the victim's KeyboardInterrupt included
+        out["one"] = type(exc).__name__
+    out["seconds"] = time.monotonic() - started
+    try:
+        out["two"] = group.exchange("step two", lambda: {"rank": rank})
+    except BaseException as exc:
+        out["two"] = type(exc).__name__
+    group.close()
+    return out

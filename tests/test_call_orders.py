@@ -113,3 +113,16 @@ def test_a_save_thread_that_outlives_close_commits_nothing_and_keeps_the_lock(
     assert not late.exists() or not list(late.iterdir())  # removes: no shard, no .tmp
     assert [p.name for p in (root / "s" / "iter_0000000001").iterdir()] == [
         "rank_00000_of_00001"]
+
+
+def test_ctrl_c_in_one_ranks_synchronous_save_fails_the_save_on_every_rank_at_once(
+        tmp_path: Path) -> None:
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.sync_save_interrupted, 2, tmp_path, str(tmp_path))
+    assert all(r.ok for r in results), [r.message for r in results]
+    zero, one = (r.value for r in results)
+    assert one["error"] == "KeyboardInterrupt" and zero["error"] == "RankFailureError"
+    assert zero["seconds"] < 4, zero  # told, not timed out (timeout 5 x the finalize's steps)
+    assert zero["latest"] == one["latest"] == 1

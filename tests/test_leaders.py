@@ -120,3 +120,21 @@ def test_a_wait_never_asks_gloo_for_a_zero_timeout_and_a_completed_work_is_never
     assert done.timeouts == [None]
     with pytest.raises(RuntimeError, match="timed out"):
         _wait(FakeWork(completed=False), time.monotonic() - 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("what", ["interrupt", "nan"])
+@pytest.mark.parametrize("victim", [1, 2])  # a member, a node leader
+def test_an_interrupted_or_unencodable_local_step_fails_the_step_on_every_rank(
+        tmp_path: Path, what: str, victim: int) -> None:
+    """Ctrl-C in one rank's local step (or a result JSON refuses) is that step's failure on every
+    rank at once: the others neither wait out the timeout nor pair their next step with the
+    victim's (the interrupt is raised on the victim after the exchange)."""
+    results = run_ranks(sc.local_step_interrupted_or_unencodable, 4, tmp_path,
+                        [0, 0, 1, 1], victim, what)
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        expected = "RankValueError" if what == "nan" else \
+            "KeyboardInterrupt" if r.rank == victim else "RankFailureError"
+        assert r.value["one"] == expected, (r.rank, r.value)
+        assert r.value["seconds"] < 4, (r.rank, r.value)
+        assert r.value["two"] == [{"rank": k} for k in range(4)], (r.rank, r.value)

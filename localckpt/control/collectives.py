@@ -287,15 +287,21 @@ class CheckpointGroup:
             if carried is not None and "exc" in carried:
                 raise carried.pop("exc")  # this rank's own arguments: nothing to run
             doc: dict[str, Any] = {"step": step, "ok": local()}
-        except Exception as exc:
+            if carried is not None:
+                doc["arguments"] = carried
+            # a result JSON refuses is this rank's failure, told to every rank like any other
+            payload = json.dumps(doc, allow_nan=False).encode()
+        except BaseException as exc:
+            # Ctrl-C or an exit too: the others are told at once (they would wait out the
+            # timeout, or pair their next step with this rank's), then it is raised here.
             local_exc = exc
             doc = {"step": step, "error": describe_failure(exc)}
-        if carried is not None:
-            doc["arguments"] = carried
+            if carried is not None:
+                doc["arguments"] = carried
+            payload = json.dumps(doc, allow_nan=False).encode()
         try:
-            payloads = self.all_gather_bytes(json.dumps(doc, allow_nan=False).encode(), step,
-                                             wait if wait is not None and wait > self.timeout
-                                             else None)
+            payloads = self.all_gather_bytes(payload, step, wait if wait is not None
+                                             and wait > self.timeout else None)
         except CollectiveError as exc:
             raise exc from local_exc
         parsed: dict[int, Any] = {}  # a node's equal payloads are one object: parsed once
@@ -314,6 +320,8 @@ class CheckpointGroup:
                 "same order; the group is out of step, restart the job")
             self.mark_broken(err)
             raise err from local_exc
+        if local_exc is not None and not isinstance(local_exc, Exception):
+            raise local_exc  # the others raise this step's failure (Outcome.failures)
         failures = {r: (str(d["error"][0]), str(d["error"][1]))
                     for r, d in enumerate(gathered) if "error" in d}
         return Outcome([d.get("ok") for d in gathered], failures, local_exc)

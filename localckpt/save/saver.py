@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from ..control.context import Context
 from ..control.coverage import choose_latest, decode_inventories, holders_of
 from ..control.retention import KeepPolicy
 from ..errors import (
+    CheckpointingError,
     CollectiveTimeoutError,
     IncompleteCheckpointError,
     describe_failure,
@@ -91,10 +93,14 @@ class SavePath:
                               metrics=ctx.metrics, wait_steps=agreed.wait_steps,
                               parity=agreed.parity, sizes=agreed.sizes)
                 job.run(ctx)
-                if job.error is not None and not isinstance(job.error, Exception):
-                    raise job.error  # Ctrl-C or an exit on the training thread: not a failed save
-                self._finalize_job(job)
-                return None
+                if job.error is None or isinstance(job.error, Exception):
+                    self._finalize_job(job)
+                    return None
+                # Ctrl-C or an exit on the training thread: the finalize tells every rank at
+                # once that this save failed, then it is raised as it came (not a failed save).
+                with contextlib.suppress(CheckpointingError):
+                    self._finalize_job(job)
+                raise job.error
             if isinstance(staged, Exception):
                 logger.error("rank %d: staging iteration %s failed (raised by the finalize "
                              "step, on every rank): %s", ctx.rank, iteration, staged)
