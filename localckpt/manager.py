@@ -344,7 +344,7 @@ class LocalCheckpointManager:
         # every rank is the caller's part, as for any collective).
         if schedule.policy is not None and not force and (
                 schedule.collective or (type(iteration) is int and iteration >= 0)) and \
-                not schedule.should_save(iteration, "iteration", InvalidIterationError):
+                not schedule.should_save(iteration, "iteration", InvalidIterationError, "save"):
             return None
         self._load.forget_listing()  # the disk changes: a load must list again
         self.wait_for_write_back()

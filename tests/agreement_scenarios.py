@@ -443,3 +443,45 @@ def sync_save_interrupted(rank: int, world: int, root: str) -> dict[str, Any]:
         else:  # a handler that caught the interrupt and goes on (a graceful shutdown)
             out["latest"] = mgr.find_latest()
     return out
+
+
+def _plain(rank: int, root: str, **kwargs: Any) -> LocalCheckpointManager:
+    return LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
+                                  node_id=f"node{rank}", **kwargs)
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return fn()
+    except BaseException as exc:
+        return type(exc).__name__
+
+
+def schedule_verbs_differ(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 0 asks should_save(10), rank 1 reached_preemption(10): out of step, not paired."""
+    import signal
+
+    from localckpt import SavePolicy
+
+    with _plain(rank, root, save_policy=SavePolicy(every_steps=5),
+                preemption_signals=[signal.SIGUSR2]) as mgr:
+        return {"asked": _outcome(lambda: mgr.should_save(10) if rank == 0
+                                  else mgr.reached_preemption(10))}
+
+
+def metadata_of_different_iterations(rank: int, world: int, root: str) -> dict[str, Any]:
+    with _plain(rank, root, keep_last=3) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        mgr.save(make_state(rank, 2), 2)
+        return {"asked": _outcome(lambda: mgr.metadata(1 + rank)),
+                "after": _outcome(mgr.find_latest)}
+
+
+def async_save_after_the_group_broke(rank: int, world: int, root: str) -> dict[str, Any]:
+    with _plain(rank, root, keep_last=3) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        broke = _outcome(mgr.find_latest if rank == 0 else mgr.iterations)
+        saved = _outcome(lambda: mgr.save(make_state(rank, 7), 7, is_async=True))
+        return {"broke": broke, "saved": saved,
+                "on_disk": sorted(p.name for p in (Path(root) / f"node{rank}" / "job").iterdir()
+                                  if p.name.startswith("iter_"))}

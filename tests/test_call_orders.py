@@ -1,4 +1,4 @@
-"""Call orders and interrupts around a save a user can make in one process (world of one):
+"""Call orders and interrupts around a save a user can make (one process, or two real ranks):
 each once lost a checkpoint, a preemption save or a Ctrl-C."""
 
 from __future__ import annotations
@@ -126,3 +126,25 @@ def test_ctrl_c_in_one_ranks_synchronous_save_fails_the_save_on_every_rank_at_on
     assert one["error"] == "KeyboardInterrupt" and zero["error"] == "RankFailureError"
     assert zero["seconds"] < 4, zero  # told, not timed out (timeout 5 x the finalize's steps)
     assert zero["latest"] == one["latest"] == 1
+
+
+@pytest.mark.parametrize("scenario", ["schedule_verbs_differ", "metadata_of_different_iterations",
+                                      "async_save_after_the_group_broke"])
+def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) -> None:
+    """Two ranks asking through different schedule verbs were paired (one answer each, no
+    error); metadata of different iterations per rank broke the group for good (load's
+    iteration is a checked argument: so is this one); an async save after the group was found
+    out of step still wrote and committed its shards, failing only at its finalize."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(getattr(agreement_scenarios, scenario), 2, tmp_path, str(tmp_path))
+    assert all(r.ok for r in results), [r.message for r in results]
+    values = [r.value for r in results]
+    if scenario == "schedule_verbs_differ":
+        assert values == [{"asked": "CollectiveError"}] * 2
+    elif scenario == "metadata_of_different_iterations":
+        assert values == [{"asked": "ConfigurationError", "after": 2}] * 2
+    else:
+        assert values == [{"broke": "CollectiveError", "saved": "CollectiveError",
+                           "on_disk": ["iter_0000000001"]}] * 2

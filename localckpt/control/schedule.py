@@ -147,11 +147,12 @@ class Schedule:
         return self.policy is not None and (self.policy.every_seconds is not None
                                             or self.watch is not None)
 
-    def _agree(self, step: Any, due: Callable[[], bool] = lambda: False,
+    def _agree(self, verb: str, step: Any, due: Callable[[], bool] = lambda: False,
                error: type[Exception] = ConfigurationError) -> tuple[bool, bool, float]:
         """(whether ``due()`` said so on any rank, whether any rank noticed a preemption, rank
         0's seconds since its last save). ``due`` runs inside the exchange: what it raises on
-        one rank is every rank's error, and the group stays usable."""
+        one rank is every rank's error, and the group stays usable. ``verb`` names the step:
+        ranks asking through different verbs are out of step, not paired."""
         watch = self.watch
 
         def local() -> dict[str, Any]:
@@ -159,7 +160,7 @@ class Schedule:
                     "preempted": watch is not None and watch.noticed,
                     "since": time.monotonic() - self._last_save}
 
-        seen = self.ctx.group.exchange("schedule: agree", local)
+        seen = self.ctx.group.exchange(f"schedule: {verb}", local)
         steps = sorted({repr(s["step"]) for s in seen})
         if len(steps) > 1:
             raise error(f"every rank must ask about the same step, got "
@@ -168,7 +169,8 @@ class Schedule:
                 float(seen[0]["since"]))
 
     def should_save(self, step: int, what: str = "should_save: step",
-                    error: type[Exception] = ConfigurationError) -> bool:
+                    error: type[Exception] = ConfigurationError,
+                    verb: str = "should_save") -> bool:
         """See LocalCheckpointManager.should_save; ``what`` and ``error`` name a bad ``step``
         (``save`` asks with its iteration). Where it exchanges, the step is checked and the
         step rules (a predicate included) are asked inside the exchange: a rank's error is
@@ -185,13 +187,13 @@ class Schedule:
 
         if not self.collective:
             return due()
-        due_somewhere, preempted, since = self._agree(step, due, error)
+        due_somewhere, preempted, since = self._agree(verb, step, due, error)
         return due_somewhere or preempted or policy.due_by_time(since)
 
     def reached_preemption(self, step: int) -> bool:
         if self.watch is None:
             return False
-        return self._agree(step)[1]
+        return self._agree("reached_preemption", step)[1]
 
     def close(self) -> None:
         if self.watch is not None:

@@ -131,17 +131,24 @@ class LoadPath:
         self._settle_keeping(iteration)
         ctx = self.ctx
 
-        def mine() -> dict[str, Any] | None:
-            if type(iteration) is not int or iteration < 0:  # in the exchange: every rank's
+        def check() -> int:
+            if type(iteration) is not int or iteration < 0:  # every rank's error
                 raise InvalidIterationError(f"metadata: iteration: expected a non-negative "
                                             f"int, got {type(iteration).__name__} {iteration!r}")
+            return iteration
+
+        def mine() -> dict[str, Any] | None:
             for ref in ctx.store.committed():
                 if ref.iteration == iteration and ref.world_size == ctx.world_size:
                     with contextlib.suppress(Exception):  # another copy, or a peer's, may do
                         return {"m": ctx.store.read_manifest(ref).metadata}
             return None
 
-        for seen in ctx.group.exchange(f"metadata of iteration {iteration}", mine):
+        # The iteration is an argument checked alike on every rank, not part of the step's
+        # name: ranks asking about different ones get a ConfigurationError, not a broken group.
+        with ctx.group.arguments("metadata (iteration)", check):
+            seen_by_rank = ctx.group.exchange("metadata", mine)
+        for seen in seen_by_rank:
             if seen is not None:
                 meta = seen["m"]
                 return {"iteration": iteration, "custom": meta.get("custom"),

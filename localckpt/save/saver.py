@@ -74,6 +74,9 @@ class SavePath:
              metrics: Any = None) -> AsyncRequest | None:
         """See :meth:`LocalCheckpointManager.save`. Collective."""
         ctx = self.ctx
+        # An async save agrees on the data group: a control group found out of step (or a
+        # peer lost) must stop it here, not let it write and fail only at its finalize.
+        ctx.group.check_usable("save")
         with ctx.timed("stall", iteration) as box, gc_paused():
             if not self.settle(skip=is_async and self.busy == "skip"):
                 logger.info("rank %d: skipping save of iteration %s: the previous one is still "
