@@ -13,6 +13,7 @@ This module is the facade: arguments, bootstrap, and the verbs. The save path is
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import uuid
@@ -199,10 +200,32 @@ class LocalCheckpointManager:
                                           io_threads=io_threads or 4, timeout=self.timeout,
                                           options=durable.options))
                 undo.append(tiers[0].close)
-            return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex}
+            return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex, "settings": settings}
 
+        # What every rank must be given alike: retention, the agreement's rules and the
+        # schedule are decided per rank from them (different ones: different shards kept,
+        # answers that disagree).
+        settings = {
+            "session_id": session_id, "keep_last": keep_last, "keep_every": keep_every,
+            "keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode,
+            "keep_without_metric": keep_without_metric, "keep_interval": keep_interval,
+            "keep_predicate": keep_predicate is not None, "busy": busy, "strict": strict,
+            "reshard": reshard, "dedupe_replicated": dedupe_replicated, "timeout": self.timeout,
+            "save_policy": None if save_policy is None else [
+                save_policy.every_steps, sorted(save_policy.at_steps),
+                save_policy.every_seconds, save_policy.predicate is not None],
+            "preemption_signals": preemption_signals is not None
+            and preemption_signals is not False}
         try:
             started = group.exchange("start", start)
+            differ = sorted(k for k in settings if len({json.dumps(d["settings"][k])
+                                                        for d in started}) > 1)
+            if differ:  # the same gathered settings: raised on every rank alike
+                raise ConfigurationError(
+                    "LocalCheckpointManager: every rank must be given the same settings; "
+                    + "; ".join(f"{k}: " + ", ".join(f"rank {r} {d['settings'][k]!r}"
+                                                     for r, d in enumerate(started[:8]))
+                                for k in differ))
             names = [str(d["node"]) for d in started]
             topology = Topology(tuple(names))
             placement = place_replicas(strategy, topology,

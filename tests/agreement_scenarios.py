@@ -485,3 +485,14 @@ def async_save_after_the_group_broke(rank: int, world: int, root: str) -> dict[s
         return {"broke": broke, "saved": saved,
                 "on_disk": sorted(p.name for p in (Path(root) / f"node{rank}" / "job").iterdir()
                                   if p.name.startswith("iter_"))}
+
+
+def settings_differ(rank: int, world: int, root: str, setting: str) -> dict[str, Any]:
+    """Rank 1 is given another ``setting`` than rank 0."""
+    values = {"keep_last": (1, 2), "reshard": (False, True), "strict": (False, True),
+              "busy": ("wait", "skip")}[setting]
+    try:
+        with _plain(rank, root, **{setting: values[rank]}):
+            return {"made": True}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "names": setting in str(exc)}

@@ -148,3 +148,18 @@ def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) ->
     else:
         assert values == [{"broke": "CollectiveError", "saved": "CollectiveError",
                            "on_disk": ["iter_0000000001"]}] * 2
+
+
+@pytest.mark.parametrize("setting", ["keep_last", "reshard", "strict", "busy"])
+def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path,
+                                                                  setting: str) -> None:
+    """Retention, resharding and the schedule are decided per rank from the settings: ranks
+    given different ones kept different shards and answered find_latest differently, each
+    without an error (or one rank refused while the other went on)."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.settings_differ, 2, tmp_path, str(tmp_path),
+                        setting)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
