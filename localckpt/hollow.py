@@ -17,6 +17,7 @@ import argparse
 import base64
 import enum
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,8 +65,25 @@ def _encode_key(key: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     return _encode_leaf(key, path)
 
 
+# A high surrogate followed by a low one, as two code points: JSON writes them as the escapes of
+# the one character they pair into, and reads that character back (a str would load changed).
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def _exact_str(value: str, path: tuple[Any, ...], what: str = "value") -> str:
+    """``value`` when JSON gives it back as it is; else TypeError naming the key."""
+    if not value.isascii() and _SURROGATE_PAIR.search(value):
+        raise TypeError(f"state dict key {path_str(path)!r}: a str {what} holding a UTF-16 "
+                        "surrogate pair as two code points (not valid Unicode) would load back "
+                        "as the one character they pair into; store it as bytes "
+                        "(value.encode('utf-16', 'surrogatepass'))")
+    return value
+
+
 def _encode_leaf(value: Any, path: tuple[Any, ...]) -> JSON:
     kind = type(value)
+    if kind is str:
+        return _exact_str(value, path)
     if kind in _SCALAR_TYPES:
         return value
     if kind is float:
@@ -175,7 +193,8 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         _check_tensor(obj, path)
         return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
-        items = [[k if type(k) is str else _encode_key(k, walk, path),
+        items = [[(k if k.isascii() else _exact_str(k, path, "key")) if type(k) is str
+                  else _encode_key(k, walk, path),
                   encode_hollow(v, walk, (*path, k))] for k, v in obj.items()]
         return {"odict" if kind is OrderedDict else "dict": items}
     if kind is list:

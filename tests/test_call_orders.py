@@ -163,3 +163,17 @@ def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path
                         setting)
     assert all(r.ok for r in results), [r.message for r in results]
     assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
+
+
+@pytest.mark.parametrize("state", [{"s": "\ud83d\ude00"}, {"d": {"\ud83d\ude00": 1}}])
+def test_a_str_that_would_load_back_changed_is_refused_and_a_lone_surrogate_is_kept(
+        root: Path, state: dict[str, Any]) -> None:
+    """A str holding a surrogate pair as two code points came back as the one character they
+    pair into, without an error (from the attacker review of the erasure path)."""
+    with LocalCheckpointManager(root, "s", timeout=10) as mgr:
+        with pytest.raises(TypeError, match="surrogate pair"):
+            mgr.save({**state, "t": torch.zeros(1)}, 1)
+        kept = {"lone": "\ud800 and \udc00", "emoji": "\U0001f600", "t": torch.zeros(1)}
+        mgr.save(kept, 2)
+        loaded, _ = mgr.load()
+    assert loaded["lone"] == kept["lone"] and loaded["emoji"] == kept["emoji"]
