@@ -26,7 +26,7 @@ from typing import Any
 from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
 
 from .control.bootstrap import open_node_root, place_replicas, stripes
-from .control.collectives import CheckpointGroup
+from .control.collectives import CheckpointGroup, checked_timeout
 from .control.context import Context
 from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
@@ -152,8 +152,7 @@ class LocalCheckpointManager:
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise ConfigurationError(f"save_policy: expected None or a SavePolicy, got "
                                      f"{type(save_policy).__name__}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ConfigurationError(f"timeout: expected seconds > 0, got {timeout!r}")
+        checked_timeout(timeout, "LocalCheckpointManager")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
             raise ConfigurationError(f"chunk_nbytes: expected an int >= 4096, got {chunk_nbytes!r}")
         if type(reshard) is not bool:

@@ -177,3 +177,16 @@ def test_a_str_that_would_load_back_changed_is_refused_and_a_lone_surrogate_is_k
         mgr.save(kept, 2)
         loaded, _ = mgr.load()
     assert loaded["lone"] == kept["lone"] and loaded["emoji"] == kept["emoji"]
+
+
+@pytest.mark.parametrize("timeout", [True, 0, -1, float("inf"), float("nan"), 1e300, "5", None])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(root: Path,
+                                                                   timeout: Any) -> None:
+    """True was taken for 1 s, inf and 1e300 reached gloo (an OverflowError there), and the
+    queue took anything until its first collective."""
+    from localckpt import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="timeout: expected seconds"):
+        LocalCheckpointManager(root, "s", timeout=timeout)
+    with pytest.raises(ConfigurationError, match="AsyncCallsQueue: timeout: expected seconds"):
+        AsyncCallsQueue(timeout=timeout)

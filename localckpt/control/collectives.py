@@ -54,7 +54,7 @@ class CheckpointGroup:
     """
 
     def __init__(self, timeout: float, owner: str = "LocalCheckpointManager") -> None:
-        self.timeout = timeout
+        self.timeout = checked_timeout(timeout, owner)
         self.owner = owner  # named in errors after close()
         self._broken: CollectiveError | None = None
         self._closed = False
@@ -335,6 +335,18 @@ class Outcome(Generic[T]):
     values: list[T | None]
     failures: dict[int, tuple[str, str]]
     local_error: BaseException | None = None
+
+
+MAX_TIMEOUT = 1e6  # seconds (11.6 days): gloo's timeout is a timedelta of milliseconds
+
+
+def checked_timeout(timeout: Any, owner: str) -> float:
+    """``timeout`` as float seconds; ConfigurationError unless it is an int or float (not a
+    bool) in (0, MAX_TIMEOUT]."""
+    if type(timeout) not in (int, float) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ConfigurationError(f"{owner}: timeout: expected seconds, an int or float in "
+                                 f"(0, {MAX_TIMEOUT:g}], got {timeout!r}")
+    return float(timeout)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from replication.topology import local_node_name
 
-from ..control.collectives import CheckpointGroup
+from ..control.collectives import CheckpointGroup, checked_timeout
 from ..errors import (
     CollectiveTimeoutError,
     ConfigurationError,
@@ -132,6 +132,7 @@ class AsyncCallsQueue:
                  node_id: str | None = None) -> None:
         if not persistent:
             logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
+        timeout = checked_timeout(timeout, "AsyncCallsQueue")
         self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")
         try:  # agreements then go through node leaders (node_id as LocalCheckpointManager's)
             self._group.learn_nodes(local_node_name(node_id))
