@@ -198,3 +198,24 @@ def test_a_member_serves_its_own_shard_when_copies_lie_elsewhere_too(k: int, m: 
         assert planned is not None
         for rebuild in planned[0]:
             assert all(src == slot for slot, src, _ in rebuild.sources if slot >= 0), rebuild
+
+
+def test_a_parity_holder_has_room_for_a_block_whose_manifest_holds_every_members() -> None:
+    """A parity block's manifest embeds each member's: its holder's space check counted 4 KiB
+    for it, so a node sized to the check filled up after everything was written (3,300
+    tensors in an 8+1 stripe: 1 MB reserved, 1.9 MB written)."""
+    from replication import ExchangePlan
+    from replication.erasure import Stripe, StripeLayout
+
+    from localckpt.save.prepare import bytes_written
+    from localckpt.storage.store import bytes_needed, chunking
+
+    tensors, payload, chunk = 1100, 1 << 20, 1 << 20
+    meta = 256 * tensors + 4096
+    gathered = [{"nbytes": bytes_needed(meta, *chunking(payload, chunk)), "payload": payload,
+                 "meta_nbytes": meta} for _ in range(4)]
+    layout = StripeLayout(3, 1, (Stripe((0, 1, 2), (3,)),))
+    writes = bytes_written(gathered, ExchangePlan(()), layout, chunk)
+    own = gathered[3]["nbytes"]
+    assert writes[:3] == [own] * 3
+    assert writes[3] - own >= bytes_needed(3 * meta, *chunking(payload, chunk))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replication import ExchangePlan, save_plan
+from replication.erasure import StripeLayout
 from replication.stripe_plans import parity_save_plan
 
 from ..control.coverage import check_capacity, decode_inventories, job_fence, validate_save
@@ -142,14 +143,36 @@ def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, c
         container="basic" if tasd is state_dict else "plain",
         data_nbytes=layout.nbytes, chunk_nbytes=chunk_nbytes, chunk_count=chunk_count,
         chunk_crc32c=(), identity={**writer_identity(), "job": ctx.job_identity})
+    meta_nbytes = 256 * len(tasd.tensors) + 4096  # the manifest's room: generous
     request = {"iteration": iteration if type(iteration) is int else
                {"type": type(iteration).__name__, "repr": repr(iteration)},
-               "nbytes": bytes_needed(256 * len(tasd.tensors) + 4096, chunk_nbytes,
-                                      chunk_count),
+               "nbytes": bytes_needed(meta_nbytes, chunk_nbytes, chunk_count),
+               "meta_nbytes": meta_nbytes,
                "chunks": chunk_count, "pieces": piece_count(chunk_nbytes, chunk_count),
                "payload": chunk_nbytes * chunk_count,
                "replicas": deduped.digest, "meta": meta}
     return manifest, request
+
+
+def bytes_written(gathered: list[dict[str, Any]], plan: ExchangePlan,
+                  erasure: StripeLayout | None, chunk_nbytes: int) -> list[int]:
+    """Disk bytes each rank's node root takes for a save (pure): its own shard, the replicas
+    ``plan`` sends it, and with ``erasure`` the parity blocks it keeps. A block is as long as
+    its stripe's longest shard, and its manifest holds every member's (a member's estimate:
+    ``meta_nbytes`` of the gathered requests: 256 bytes a tensor, as for the shard itself)."""
+    needed = [int(g["nbytes"]) for g in gathered]
+    writes = list(needed)
+    for t in plan.transfers:
+        writes[t.dst] += needed[t.src]
+    if erasure is not None:
+        sizes = [int(g["payload"]) for g in gathered]
+        for stripe in erasure.stripes:
+            block = max(sizes[r] for r in stripe.members)
+            manifests = 4096 + sum(int(gathered[r].get("meta_nbytes", 4096))
+                                   for r in stripe.members)
+            for holder in stripe.parity:
+                writes[holder] += bytes_needed(manifests, *chunking(block, chunk_nbytes))
+    return writes
 
 
 def _check_loadable(m: ShardManifest) -> None:
@@ -206,20 +229,12 @@ class SaveAgreement:
                       self.any_world, ctx.erasure)
         self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
         plan = save_plan(ctx.placement, ctx.topology, staged.iteration)
-        needed = [int(g["nbytes"]) for g in gathered]
-        writes = list(needed)
-        for t in plan.transfers:
-            writes[t.dst] += needed[t.src]
         sizes = tuple(int(g["payload"]) for g in gathered)
         parity = None
         if ctx.erasure is not None:
             parity = parity_save_plan(ctx.erasure, staged.iteration)
-            for stripe in ctx.erasure.stripes:  # a block is as long as the stripe's longest
-                block = max(sizes[r] for r in stripe.members)
-                for holder in stripe.parity:
-                    writes[holder] += bytes_needed(4096, *chunking(block,
-                                                                  ctx.store.chunk_nbytes))
-        self._check_capacity(group, writes, gathered)
+        self._check_capacity(group, bytes_written(gathered, plan, ctx.erasure,
+                                                  ctx.store.chunk_nbytes), gathered)
         # A rank writes its chunks, then takes part in the replica (or parity) rounds, each as
         # long as the longest transfer in it: the bound of what a fast rank may wait for in
         # finalize.
