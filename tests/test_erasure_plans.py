@@ -204,11 +204,10 @@ def test_a_parity_holder_has_room_for_a_block_whose_manifest_holds_every_members
     """A parity block's manifest embeds each member's: its holder's space check counted 4 KiB
     for it, so a node sized to the check filled up after everything was written (3,300
     tensors in an 8+1 stripe: 1 MB reserved, 1.9 MB written)."""
-    from replication import ExchangePlan
-    from replication.erasure import Stripe, StripeLayout
-
     from localckpt.save.prepare import bytes_written
     from localckpt.storage.store import bytes_needed, chunking
+    from replication import ExchangePlan
+    from replication.erasure import Stripe, StripeLayout
 
     tensors, payload, chunk = 1100, 1 << 20, 1 << 20
     meta = 256 * tensors + 4096
