@@ -400,13 +400,22 @@ class LoadPath:
             old_world = self._saved_by()
             if old_world == ctx.world_size and needs_rebuild(ctx, self.latest_iteration, listed):
                 # erasure coding: its lost shards first, on their owners' nodes; list again
-                attempt += 1
                 outcome = rebuild_lost(ctx, self.latest_iteration, listed)
-                failed = outcome.unusable or outcome.retry  # agreed: every rank's outcome
-                if failed and (outcome.unusable or attempt == RESHARD_ATTEMPTS):
+                if outcome.unusable:  # agreed: left out from now on, as the plain load does
+                    key = (self.latest_iteration, old_world)
+                    ctx.unloadable[key] = outcome.unusable
+                    failures.append(f"iteration {key[0]}: {outcome.unusable}")
+                    failed_at = max(failed_at, self.latest_iteration)
+                    if ctx.rank == 0:
+                        logger.warning("load: iteration %d: its lost shards cannot be rebuilt "
+                                       "(%s); falling back to an older iteration", key[0],
+                                       outcome.unusable)
+                    continue  # not an attempt, as a fallback past mixed saves
+                attempt += 1
+                if outcome.retry and attempt == RESHARD_ATTEMPTS:  # agreed
                     raise CorruptShardError(
                         f"load of iteration {self.latest_iteration}: its lost shards could not "
-                        f"be rebuilt: {failed}")
+                        f"be rebuilt: {outcome.retry}")
                 continue
             try:
                 with ctx.timed("load", self.latest_iteration) as box, gc_paused():
