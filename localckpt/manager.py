@@ -183,6 +183,21 @@ class LocalCheckpointManager:
         # setting on one rank, preemption_signals it cannot handle): nothing stays held.
         undo: list[Callable[[], object]] = [group.close, data_group.close]
 
+        # What every rank must be given alike: retention, the agreement's rules and the
+        # schedule are decided per rank from them (different ones: different shards kept,
+        # answers that disagree).
+        settings = {
+            "session_id": session_id, "keep_last": keep_last, "keep_every": keep_every,
+            "keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode,
+            "keep_without_metric": keep_without_metric, "keep_interval": keep_interval,
+            "keep_predicate": keep_predicate is not None, "busy": busy, "strict": strict,
+            "reshard": reshard, "dedupe_replicated": dedupe_replicated, "timeout": self.timeout,
+            "save_policy": None if save_policy is None else [
+                save_policy.every_steps, sorted(save_policy.at_steps),
+                save_policy.every_seconds, save_policy.predicate is not None],
+            "preemption_signals": preemption_signals is not None
+            and preemption_signals is not False}
+
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:
                 raise ConfigurationError(f"world size: expected at most {MAX_WORLD_SIZE} ranks "
@@ -201,20 +216,6 @@ class LocalCheckpointManager:
                 undo.append(tiers[0].close)
             return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex, "settings": settings}
 
-        # What every rank must be given alike: retention, the agreement's rules and the
-        # schedule are decided per rank from them (different ones: different shards kept,
-        # answers that disagree).
-        settings = {
-            "session_id": session_id, "keep_last": keep_last, "keep_every": keep_every,
-            "keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode,
-            "keep_without_metric": keep_without_metric, "keep_interval": keep_interval,
-            "keep_predicate": keep_predicate is not None, "busy": busy, "strict": strict,
-            "reshard": reshard, "dedupe_replicated": dedupe_replicated, "timeout": self.timeout,
-            "save_policy": None if save_policy is None else [
-                save_policy.every_steps, sorted(save_policy.at_steps),
-                save_policy.every_seconds, save_policy.predicate is not None],
-            "preemption_signals": preemption_signals is not None
-            and preemption_signals is not False}
         try:
             started = group.exchange("start", start)
             differ = sorted(k for k in settings if len({json.dumps(d["settings"][k])

@@ -286,19 +286,13 @@ class CheckpointGroup:
         try:
             if carried is not None and "exc" in carried:
                 raise carried.pop("exc")  # this rank's own arguments: nothing to run
-            doc: dict[str, Any] = {"step": step, "ok": local()}
-            if carried is not None:
-                doc["arguments"] = carried
             # a result JSON refuses is this rank's failure, told to every rank like any other
-            payload = json.dumps(doc, allow_nan=False).encode()
+            payload = _encoded({"step": step, "ok": local()}, carried)
         except BaseException as exc:
             # Ctrl-C or an exit too: the others are told at once (they would wait out the
             # timeout, or pair their next step with this rank's), then it is raised here.
             local_exc = exc
-            doc = {"step": step, "error": describe_failure(exc)}
-            if carried is not None:
-                doc["arguments"] = carried
-            payload = json.dumps(doc, allow_nan=False).encode()
+            payload = _encoded({"step": step, "error": describe_failure(exc)}, carried)
         try:
             payloads = self.all_gather_bytes(payload, step, wait if wait is not None
                                              and wait > self.timeout else None)
@@ -335,6 +329,13 @@ class Outcome(Generic[T]):
     values: list[T | None]
     failures: dict[int, tuple[str, str]]
     local_error: BaseException | None = None
+
+
+def _encoded(doc: dict[str, Any], arguments: dict[str, Any] | None) -> bytes:
+    """A step's document as sent, with the caller's arguments (CheckpointGroup.arguments)."""
+    if arguments is not None:
+        doc["arguments"] = arguments
+    return json.dumps(doc, allow_nan=False).encode()
 
 
 MAX_TIMEOUT = 1e6  # seconds (11.6 days): gloo's timeout is a timedelta of milliseconds

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from replication.topology import local_node_name
 
-from ..control.collectives import CheckpointGroup, checked_timeout
+from ..control.collectives import CheckpointGroup
 from ..errors import (
     CollectiveTimeoutError,
     ConfigurationError,
@@ -132,14 +132,13 @@ class AsyncCallsQueue:
                  node_id: str | None = None) -> None:
         if not persistent:
             logger.info("AsyncCallsQueue: only the persistent thread worker is implemented")
-        timeout = checked_timeout(timeout, "AsyncCallsQueue")
-        self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")
+        self._group = CheckpointGroup(timeout, owner="AsyncCallsQueue")  # checks the timeout
         try:  # agreements then go through node leaders (node_id as LocalCheckpointManager's)
             self._group.learn_nodes(local_node_name(node_id))
         except BaseException:
             self._group.close()
             raise
-        self._timeout = timeout
+        self._timeout = self._group.timeout
         self._calls: list[_Call] = []
         self._next = 0
         self._work: queue.Queue[_Call | None] = queue.Queue()

@@ -416,7 +416,7 @@ class ShardStore:
         system must not stop a load that has another copy). Quarantined shards are removed when
         the next save starts (:meth:`remove_quarantined`)."""
         target = self.session_path / (f".quarantine-{ref.path.parent.name}-{ref.path.name}-"
-                                      f"w{self.writer_rank:05d}-{uuid.uuid4().hex[:12]}")
+                                      f"{self._tag}-{uuid.uuid4().hex[:12]}")
         try:
             os.rename(ref.path, target)
         except FileNotFoundError:
