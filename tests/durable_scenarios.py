@@ -106,6 +106,23 @@ def restore_timeline(rank: int, world: int, base: str, durable: str) -> dict[str
     return {"latest": latest, "loaded": ckpt_id[0], "timeline": _timeline(rank, state)}
 
 
+def restore_timeline_tier_flaky_for(rank: int, world: int, base: str, durable: str,
+                                    failing_owner: int) -> dict[str, Any]:
+    """restore_timeline with the tier failing, on rank 0 only, to read the committed manifest
+    of ``failing_owner``'s shard (a 503 on one key: a fault of the tier, not of any copy)."""
+    from localckpt.storage.durable import DurableStore
+
+    real = DurableStore.committed_manifest
+
+    def flaky(self: DurableStore, iteration: int, owner: int, *args: Any) -> Any:
+        if owner == failing_owner:
+            raise OSError("injected: 503 Slow Down")
+        return real(self, iteration, owner, *args)
+    if rank == 0:
+        DurableStore.committed_manifest = flaky  # type: ignore[method-assign]
+    return restore_timeline(rank, world, base, durable)
+
+
 def local_only_saves(rank: int, world: int, base: str, iterations: list[int]) -> None:
     """Saves without a durable tier (timeline A), to leave shards in node roots."""
     from replication import make_strategy

@@ -649,6 +649,27 @@ def test_stale_replicas_of_a_restored_iteration_are_dropped(tmp_path: Path, root
     assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
 
 
+def test_a_tier_fault_while_checking_a_local_replica_keeps_the_replica(
+        tmp_path: Path, root: Path) -> None:
+    """Node 0 holds its healthy replica of rank 1's shard of 3 but not its own shard; 3 comes
+    from the durable tier. Reading the tier's manifest of rank 1's shard fails (a tier fault):
+    the replica cannot be told from another save's, so it stays (a load resolves copies of two
+    saves by their save ids) rather than being deleted as if it were stale."""
+    durable = str(tmp_path / "shared")
+    b = tmp_path / "b"
+    for r in run_ranks(sc.save_timeline, 2, tmp_path, str(b), durable, [1, 2, 3], 1000, -1, -1):
+        assert r.ok, r.message
+    replica = "job/iter_0000000003/rank_00001_of_00002"
+    (root / "node0" / replica).parent.mkdir(parents=True)
+    shutil.copytree(b / "node0" / replica, root / "node0" / replica)
+    before = (root / "node0" / replica).stat().st_ino
+    loaded = [r.value for r in run_ranks(sc.restore_timeline_tier_flaky_for, 2, tmp_path,
+                                         str(root), durable, 1)]
+    assert [v["timeline"] for v in loaded] == ["B3", "B3"], loaded
+    # the same directory, not one the load's replication wrote again after deleting it
+    assert (root / "node0" / replica).stat().st_ino == before, "the replica was deleted"
+
+
 def test_durable_retention_keeps_the_lineage_across_world_sizes(tmp_path: Path,
                                                                 root: Path) -> None:
     durable = tmp_path / "shared"

@@ -22,6 +22,7 @@ from ..errors import CorruptShardError, DurableTierUnavailableError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore, GiveUp
 from ..storage.layout import ShardRef
+from ..storage.manifest import ShardManifest
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,10 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
     """The copies of ``iteration`` in this rank's node root that are not the committed save's
     (another save of that iteration number, or unreadable): a later restore after a node loss
     would otherwise mix them with the committed shards. Shards this node's ranks copy are
-    theirs to check. Reads only: the caller deletes them, once it knows it still wants to."""
+    theirs to check. A copy the tier's record cannot be read for (a tier fault, not the copy's)
+    is kept: a load resolves the copies of two saves by their save ids, while a healthy replica
+    deleted is redundancy lost. Reads only: the caller deletes them, once it knows it still
+    wants to."""
     node_of = ctx.topology.node_of
     out = []
     committed_save: list[str | None] = []  # the committed save's id, read once if needed
@@ -85,28 +89,35 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
         if ref.owner_rank < 0:  # a parity block (erasure), checked by the node's first rank
             if ctx.topology.leader(ctx.rank) == ctx.rank:
                 if not committed_save:
-                    committed_save.append(_committed_save_id(tier, iteration, world))
-                if not _folded_by(ctx, ref, committed_save[0]):
+                    committed_save.append(_committed(ctx, tier, ref.iteration, 0, world))
+                if committed_save[0] is not None and not _folded_by(
+                        ctx, ref, committed_save[0].metadata.get("save_id")):
                     out.append(ref)
             continue
         fetcher = ref.owner_rank if world == ctx.world_size else ref.owner_rank % ctx.world_size
         if node_of[fetcher] == node_of[ctx.rank]:
             continue
         try:
-            same = ctx.store.read_manifest(ref) == tier.committed_manifest(iteration,
-                                                                           ref.owner_rank, world)
+            mine = ctx.store.read_manifest(ref)
         except (OSError, CorruptShardError):
-            same = False
-        if not same:
+            out.append(ref)  # unreadable here: no load could use it
+            continue
+        theirs = _committed(ctx, tier, iteration, ref.owner_rank, world)
+        if theirs is not None and mine != theirs:
             out.append(ref)
     return out
 
 
-def _committed_save_id(tier: DurableStore, iteration: int, world: int) -> str | None:
-    """The save id of the save the durable tier committed for ``iteration`` (None: unreadable)."""
+def _committed(ctx: Context, tier: DurableStore, iteration: int, owner: int,
+               world: int) -> ShardManifest | None:
+    """The manifest the durable tier committed for ``owner``'s shard; None (logged) when the
+    tier fails to give it."""
     try:
-        return tier.committed_manifest(iteration, 0, world).metadata.get("save_id")
-    except (OSError, CorruptShardError):
+        return tier.committed_manifest(iteration, owner, world)
+    except (OSError, CorruptShardError) as exc:
+        logger.warning("rank %d: the durable tier's record of rank %d's shard of iteration %d "
+                       "could not be read (%s: %s); the local copies of it are kept",
+                       ctx.rank, owner, iteration, type(exc).__name__, exc)
         return None
 
 
