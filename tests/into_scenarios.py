@@ -67,7 +67,7 @@ def save_apart(rank: int, world: int, base: str) -> None:
 
 def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
     """A job of another world size (reshard=True) loads into a shrunk tensor ("shrunk"), a
-    read-only one ("read-only"), next
+    read-only one ("read-only"), an expanded one ("expanded"), next
     to a freed tensor the checkpoint has nothing for ("freed elsewhere"), or into tied tensors
     ("tied": ``emb``/``head`` saved apart, ``tied_a``/``tied_b`` saved alike)."""
     from pathlib import Path
@@ -90,6 +90,8 @@ def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             into = {"w": torch.frombuffer(pages, dtype=torch.float32)}
+    elif case == "expanded":
+        into = {"w": torch.zeros(1).expand(1 << 16)}
     elif case == "freed elsewhere":
         unrelated = torch.zeros(4)
         unrelated.untyped_storage().resize_(0)
@@ -104,6 +106,9 @@ def reshard_into(rank: int, world: int, base: str, case: str) -> dict[str, Any]:
             return {"error": str(exc)}
     if case == "freed elsewhere":
         return {"w_in_place": state["w"] is w and bool((w == 1.0).all())}
+    if case == "expanded":
+        return {"fresh": state["w"] is not into["w"], "w": state["w"].unique().tolist(),
+                "untouched": bool((into["w"] == 0).all())}
     out["emb"], out["head"] = state["emb"][0].item(), state["head"][0].item()
     out["apart_untouched"] = bool((apart == -1.0).all())
     out["tied_in_place"] = state["tied_a"] is tied and state["tied_b"] is tied and \

@@ -287,6 +287,10 @@ def test_a_resharding_load_into_refuses_a_shrunk_tensor_and_keeps_tied_keys_apar
     assert r.ok, r.message
     assert r.value == {"emb": 0.0, "head": 5.0, "apart_untouched": True,
                        "tied_in_place": True}, r.value
+    # one whose elements are one memory location is not written (one value for all)
+    (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "expanded")
+    assert r.ok and r.value == {"fresh": True, "w": [1.0], "untouched": True}, (r.value,
+                                                                                  r.message)
     # a freed tensor of into the checkpoint holds nothing for is not in the way
     (r,) = run_ranks(into_scenarios.reshard_into, 1, tmp_path, base, "freed elsewhere")
     assert r.ok and r.value == {"w_in_place": True}, (r.value, r.message)
@@ -301,3 +305,22 @@ def test_tied_tensors_holding_nan_are_filled_in_place(root: Path) -> None:
         loaded, _ = mgr.load(into={"emb": tied, "head": tied})
     assert loaded["emb"] is tied and loaded["head"] is tied
     assert torch.equal(tied.isnan(), w.isnan()) and tied[0] == 1.0 and tied[2] == 3.0
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(5).unfold(0, 2, 1),
+                                  lambda: torch.zeros(1).expand(4, 2)],
+                         ids=["overlapping windows", "expanded"])
+def test_a_destination_whose_elements_share_memory_is_not_loaded_into(
+        root: Path, make: Any) -> None:
+    """A tensor of `into` some of whose elements are one memory location cannot hold the saved
+    values: the copy into it wrote [[0, 2], [2, 4], ...] for [[0, 1], [2, 3], ...] and returned
+    it as loaded, or raised. It is left alone, as one of another shape is, and the value comes
+    back in a fresh tensor."""
+    saved = {"w": torch.arange(8.0).reshape(4, 2), "v": torch.randn(3)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    into = {"w": make(), "v": torch.zeros(3)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    assert loaded["w"] is not into["w"] and torch.equal(loaded["w"], saved["w"])
+    assert loaded["v"] is into["v"] and torch.equal(into["v"], saved["v"])

@@ -29,7 +29,12 @@ from ..dtensors import DTensorLayout, mesh_key, wrap
 from ..errors import ConfigurationError, LayoutMismatchError
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import ShardManifest, dtype_from_name
-from ..storage.views import extent, first_read_only_span, refuse_past_storage
+from ..storage.views import (
+    distinct_elements,
+    extent,
+    first_read_only_span,
+    refuse_past_storage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +140,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     """Which entries of ``manifest`` go into which of the caller's tensors (pure). A plain
     contiguous CPU tensor is read into, as is one on ``device`` (a read through pinned memory:
     ShardStore.read_tensors; if it shares memory with another, it is filled by a copy instead);
-    one on another device, non-contiguous (channels_last),
+    one on another device, non-contiguous (channels_last; not one whose elements share memory,
+    as an expanded one's do, or where torch cannot tell),
     with a lazy conjugate or negative bit, or empty is filled by a copy after the read; a sparse,
     nested or meta one, or a path the manifest names twice, is not used. A DTensor shard saved
     at another place than ``into``'s goes to ``mismatched``. A numpy array stored as bytes
@@ -178,9 +184,11 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
                                   f"{list(shape)}; `into`'s is {t.dtype} of shape "
                                   f"{list(t.shape)}")
             continue
+        contiguous = t.is_contiguous()
+        if nbytes and not contiguous and not distinct_elements(t):
+            continue  # elements sharing memory (expanded, unfolded) cannot hold the values
         if target.dtensor is not None:
             dtensors[i] = target.dtensor
-        contiguous = t.is_contiguous()
         readable = kind == "cpu" or (device is not None and t.device == device)
         if nbytes:  # a read or copy into it would write memory it does not own
             refuse_past_storage(t, f"load(into=...): the tensor at key {key_path!r}")

@@ -42,7 +42,7 @@ from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
-from ..storage.views import first_read_only, refuse_past_storage
+from ..storage.views import distinct_elements, first_read_only, refuse_past_storage
 from .destinations import Destinations, Into, Rewrap, Target, read_only_error, split_tied
 
 logger = logging.getLogger(__name__)
@@ -388,7 +388,8 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                 data = received[pos:pos + e.nbytes].view(dtype).view(e.shape)
                 mine = targets.get(e.key_path)
                 if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
-                        and tuple(mine.tensor.shape) == tuple(e.shape):
+                        and tuple(mine.tensor.shape) == tuple(e.shape) \
+                        and distinct_elements(mine.tensor):
                     refuse_past_storage(mine.tensor,  # about to be written
                                         f"load(into=...): the tensor at key {e.key_path!r}")
                     fills[p.entry] = (mine.tensor, data)

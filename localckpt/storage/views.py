@@ -129,6 +129,12 @@ def extent(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
+def distinct_elements(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` are one memory location (an expanded or unfolded view's
+    are; such a tensor cannot hold another's values). False where torch cannot tell."""
+    return t.is_contiguous() or torch._debug_has_internal_overlap(t) == 0
+
+
 def past_storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(bytes its storage holds, bytes the tensor spans from the storage's start) when a CPU or
     CUDA tensor reaches past the end of its storage (freed or shrunk with
