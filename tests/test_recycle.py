@@ -280,3 +280,21 @@ def test_draining_the_pool_stops_at_its_deadline(tmp_path: Path) -> None:
     assert len(list(pool.path.iterdir())) == 5
     pool.drain(deadline=time.monotonic() + 60)
     assert list(pool.path.iterdir()) == []
+
+
+def test_a_start_never_deletes_through_a_pool_that_is_a_link(root: Path, tmp_path: Path) -> None:
+    """The pool replaced by a symbolic link (never used, as the pool's doc says): a start alone
+    in the session removed every name beginning with a dot in the link's target (a home
+    directory's .bashrc and .ssh) as half-made pool files."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / ".ssh").mkdir(parents=True)
+    (elsewhere / ".bashrc").write_text("mine")
+    (elsewhere / ".part-0123").write_text("looks like a half-made pool file")
+    with LocalCheckpointManager(root, "job", recycle_files=True) as mgr:
+        mgr.save({"w": torch.ones(1000)}, 1)
+    pool = root / "job" / RECYCLE_DIR
+    shutil.rmtree(pool, ignore_errors=True)
+    pool.symlink_to(elsewhere)
+    with LocalCheckpointManager(root, "job", recycle_files=True) as mgr:
+        assert mgr.find_latest() == 1
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".bashrc", ".part-0123", ".ssh"]

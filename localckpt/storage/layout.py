@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,14 @@ def list_shards(root: Path, session_id: str, fenced: bool = True) -> list[ShardR
     return sorted(out)
 
 
+def _real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory itself, not a link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
@@ -159,9 +168,10 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
     in_session = [Path(e.path) for e in _scandir(session_path)
                   if (e.name.startswith(".trash-") and tag in e.name)
                   or (pool and e.name == RECYCLE_DIR)]
-    if writer_rank is None and keep_recycled:  # files a crash left half-made in the pool
-        in_session += [Path(e.path) for e in _scandir(session_path / RECYCLE_DIR)
-                       if e.name.startswith(".")]
+    pool_dir = session_path / RECYCLE_DIR
+    if writer_rank is None and keep_recycled and _real_dir(pool_dir):
+        # files a crash left half-made in the pool (never through a link: not ours)
+        in_session += [Path(e.path) for e in _scandir(pool_dir) if e.name.startswith(".part-")]
     return in_session + [Path(entry.path) for it_entry in _scandir(session_path)
                          if _ITER_RE.fullmatch(it_entry.name)
                          and it_entry.is_dir(follow_symlinks=False)  # never out of the root
