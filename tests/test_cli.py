@@ -484,3 +484,34 @@ def test_gc_collects_the_other_sessions_and_reports_them_when_one_is_in_use(
     assert f"removed {root / 'c' / 'iter_0000000001' / 'rank_00000_of_00001'}" in out, out
     from localckpt.storage.layout import list_shards
     assert [(s.iteration, s.owner_rank) for s in list_shards(root, "c")] == [(2, 0)]
+
+
+def test_gc_of_a_directory_that_is_no_checkpoint_root_removes_nothing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`localckpt gc /srv` for `/srv/ckpt`: every subdirectory was taken for a session, and its
+    `.recycle` (a Samba recycle bin), `.trash-*` and `.quarantine-*` entries were deleted, exit
+    0. Now only names localckpt makes are leftovers, and a root with no checkpoint is refused
+    as `ls` refuses it."""
+    share = tmp_path / "projects"
+    (share / ".recycle" / "alice").mkdir(parents=True)
+    (share / ".recycle" / "alice" / "thesis.tex").write_text("recoverable")
+    (share / ".quarantine-av").mkdir()
+    (share / ".trash-old").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    assert main(["gc", str(tmp_path)]) == 2
+    assert "no localckpt checkpoints" in capsys.readouterr().err
+    assert sorted(p.name for p in share.iterdir()) == [".quarantine-av", ".recycle", ".trash-old"]
+    # beside a real session, such names are left alone too
+    _shard(tmp_path, 1, 0, 1, session="projects")
+    assert cli_json(capsys, "gc", str(tmp_path))["removed"] == []
+    assert (share / ".recycle" / "alice" / "thesis.tex").exists()
+    assert sorted(p.name for p in share.iterdir()) == [
+        ".quarantine-av", ".recycle", ".trash-old", "iter_0000000001"]
+
+
+def test_gc_of_a_session_not_there_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    """A mistyped --session removed nothing and exited 0, as if there were nothing to collect."""
+    _shard(tmp_path, 1, 0, 1)
+    assert main(["gc", str(tmp_path), "--session", "jbo", "--world-size", "7"]) == 2
+    assert "--session 'jbo': no such session" in capsys.readouterr().err

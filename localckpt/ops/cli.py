@@ -43,6 +43,7 @@ from ..storage.layout import (
     ShardRef,
     find_leftovers,
     find_quarantined,
+    holds_checkpoints,
     iteration_dir,
     list_sessions,
     list_shards,
@@ -315,10 +316,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if all(not os.path.samefile(root, r) for r in roots):  # one root named twice: once
             roots.append(root)
     removed: list[Path] = []
-    sessions = sorted({s for root in roots for s in list_sessions(root)})
+    # only directories holding what localckpt writes: a root given by mistake (a parent of
+    # the real one) must not have its subdirectories collected as sessions
+    sessions = sorted({s for root in roots for s in list_sessions(root)
+                       if holds_checkpoints(session_dir(root, s))})
+    if not sessions:
+        raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
     if args.session is not None:
-        sessions = [s for s in sessions if s == args.session]
         session_dir(roots[0], args.session)  # an invalid id is a usage error
+        if args.session not in sessions:  # a typo must not pass for "nothing to collect"
+            raise UsageError(f"--session {args.session!r}: no such session under "
+                             f"{', '.join(map(str, roots))} (sessions: "
+                             f"{', '.join(repr(s) for s in sessions)})")
+        sessions = [args.session]
     in_use: list[str] = []
     for session in sessions:
         with contextlib.ExitStack() as locks:

@@ -25,7 +25,7 @@ from pathlib import Path
 from replication import parity_of_slot, parity_slot
 
 from ..errors import ConfigurationError
-from .rollback_fence import hidden, read_fence
+from .rollback_fence import FENCE_NAME, hidden, read_fence
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # ASCII digits only: \d and int() also take other scripts' digits, which would list a directory
@@ -144,6 +144,14 @@ def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
         return
 
 
+def holds_checkpoints(session_path: Path) -> bool:
+    """Whether ``session_path`` holds anything localckpt writes: an iteration directory, a
+    rollback fence, or a leftover of its own naming."""
+    return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME
+               or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
+               for e in _scandir(session_path))
+
+
 def list_sessions(root: Path) -> list[str]:
     """Session ids with a directory under ``root`` ("" for the default session). Other entries
     (``lost+found`` on a file system's root, stray files, symbolic links) are skipped."""
@@ -158,15 +166,32 @@ def list_sessions(root: Path) -> list[str]:
     return sorted(out)
 
 
+# What localckpt hides in a session directory: a shard's, a fence's or a durable iteration's
+# deletion, a shard set aside. Only these names are ever removed there: an operator command
+# given the wrong directory must not take a Samba ``.recycle`` or someone's ``.trash-old``.
+_SESSION_TRASH_RE = re.compile(
+    r"\.trash-(?:iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}|fence-w[0-9]{5}-[0-9a-f]{32}"
+    r"|durable-[0-9a-f]{32})")
+_QUARANTINE_RE = re.compile(r"\.quarantine-iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}")
+_POOL_FILE_RE = re.compile(r"[0-9]{20}-[0-9a-f]{12}|\.part-[0-9a-f]{32}")
+
+
+def _pool_of_ours(session_path: Path) -> bool:
+    """Whether the session's ``.recycle`` is a directory itself holding only pool files."""
+    pool_dir = session_path / RECYCLE_DIR
+    return _real_dir(pool_dir) and all(_POOL_FILE_RE.fullmatch(e.name)
+                                       for e in _scandir(pool_dir))
+
+
 def find_leftovers(session_path: Path, writer_rank: int | None = None,
                    keep_recycled: bool = False) -> list[Path]:
     """The temporary and trash directories (crash leftovers) of ``writer_rank`` (None: of every
     writer, and the pool of recycled chunk files unless ``keep_recycled``) under
     ``session_path``."""
     tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
-    pool = writer_rank is None and not keep_recycled
+    pool = writer_rank is None and not keep_recycled and _pool_of_ours(session_path)
     in_session = [Path(e.path) for e in _scandir(session_path)
-                  if (e.name.startswith(".trash-") and tag in e.name)
+                  if (tag in e.name and _SESSION_TRASH_RE.fullmatch(e.name))
                   or (pool and e.name == RECYCLE_DIR)]
     pool_dir = session_path / RECYCLE_DIR
     if writer_rank is None and keep_recycled and _real_dir(pool_dir):
@@ -182,7 +207,7 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
 def find_quarantined(session_path: Path) -> list[Path]:
     """Quarantined shards (see :meth:`ShardStore.quarantine`) under ``session_path``."""
     return sorted(Path(e.path) for e in _scandir(session_path)
-                  if e.name.startswith(".quarantine-"))
+                  if _QUARANTINE_RE.fullmatch(e.name))
 
 
 def remove_leftovers(session_path: Path, writer_rank: int | None,
