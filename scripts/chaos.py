@@ -151,7 +151,7 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
     recycled = ("--recycle-files",)
     kills += [
         Scenario("kill rank writing over recycled files", "local_write", k,
-                 "local_write:kill:rank=0:iteration=29", args=recycled),
+                 "local_write:kill:rank=0:iteration=29", args=recycled, ci=False),
         Scenario("crash before commit over recycled files", "before_commit", "leftovers",
                  "before_commit:kill:rank=1:iteration=29", args=recycled),
     ]
@@ -188,7 +188,7 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
                  "persist_write:kill:rank=1:iteration=19", args=bucket, ci=False),
         Scenario("job lost and the newest copy in the bucket corrupt: the older one loads",
                  "at_rest", "job_lost", damage="job_lost:flip_bucket", args=bucket,
-                 expect_resume=SAVED[1]),
+                 expect_resume=SAVED[1], ci=False),
     ]
     raises += [
         Scenario("raise while persisting on one rank", "persist_write", "raise",
@@ -209,7 +209,8 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         Scenario("manager closed before the queue with a save pending", "finalize", "reorder",
                  pre_args=("--close-order", "manager-first"), expect_resume=SAVED[-1]),
         Scenario("flip a byte in a primary shard", "at_rest", "flip_byte", damage="flip:primary"),
-        Scenario("flip a byte in a replica", "at_rest", "flip_byte", damage="flip:replica"),
+        Scenario("flip a byte in a replica", "at_rest", "flip_byte", damage="flip:replica",
+                 ci=False),
         Scenario("truncate a primary shard", "at_rest", "truncate", damage="truncate:primary"),
         Scenario("truncate a replica", "at_rest", "truncate", damage="truncate:replica",
                  ci=False),
@@ -221,7 +222,8 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         Scenario("ENOSPC on local write, then a kill", "local_write", "enospc",
                  "local_write:enospc:rank=1:iteration=19;staging:kill:rank=0:iteration=29"),
         Scenario("ENOSPC on replica receive, then a kill", "replica_receive", "enospc",
-                 "replica_receive:enospc:rank=0:iteration=29;staging:kill:rank=1:iteration=39"),
+                 "replica_receive:enospc:rank=0:iteration=29;staging:kill:rank=1:iteration=39",
+                 ci=False),
         Scenario("rank slower than the timeout in local write", "local_write", "slow_rank",
                  "local_write:sleep:rank=1:iteration=19:seconds=600"),
         Scenario("crash leftovers at rest are cleaned", "at_rest", "leftovers",
