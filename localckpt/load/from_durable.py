@@ -82,7 +82,7 @@ def other_saves(ctx: Context, tier: DurableStore, iteration: int,
     wants to."""
     node_of = ctx.topology.node_of
     out = []
-    committed_save: list[str | None] = []  # the committed save's id, read once if needed
+    committed_save: list[ShardManifest | None] = []  # the committed record, read once
     for ref in ctx.store.committed():
         if ref.iteration != iteration or ref.world_size != world:
             continue
