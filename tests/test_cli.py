@@ -183,8 +183,10 @@ def test_console_script_runs_as_a_program(root: Path) -> None:
 # ------------------------------------------------------------------ airtight core
 
 
-def _shard(root: Path, it: int, owner: int, world: int, session: str = "job") -> Path:
-    """A committed shard of (it, owner, world) under ``root``, as a job would leave it."""
+def _shard(root: Path, it: int, owner: int, world: int, session: str = "job",
+           save: tuple[str, float] | None = None) -> Path:
+    """A committed shard of (it, owner, world) under ``root``, as a job would leave it;
+    ``save``: the (save id, rank 0's clock) it names."""
     import torch
 
     from localckpt.storage.manifest import ShardManifest
@@ -193,7 +195,8 @@ def _shard(root: Path, it: int, owner: int, world: int, session: str = "job") ->
     store = ShardStore(root, session, writer_rank=owner, chunk_nbytes=4096)
     size, count = chunking(1000, 4096)
     manifest = ShardManifest(session, it, owner, world, (), {"dict": []}, "plain", 1000, size,
-                             count, ())
+                             count, (), metadata={} if save is None else {
+                                 "save_id": save[0], "saved_unix": save[1]})
     try:
         return store.write(manifest, torch.zeros(size * count, dtype=torch.uint8))[0].path
     finally:
@@ -515,3 +518,22 @@ def test_gc_of_a_session_not_there_is_a_usage_error(capsys: pytest.CaptureFixtur
     _shard(tmp_path, 1, 0, 1)
     assert main(["gc", str(tmp_path), "--session", "jbo", "--world-size", "7"]) == 2
     assert "--session 'jbo': no such session" in capsys.readouterr().err
+
+
+def test_gc_does_not_count_an_iteration_whose_copies_are_of_two_saves(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Iteration 2 saved twice, crashes leaving rank 0's shard of one save and rank 1's of the
+    other: the job cannot load it and falls back to 1. gc took 2 for complete and deleted 1,
+    so the job had nothing left to load."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for node, owner in ((node0, 0), (node1, 1)):
+        _shard(node, 1, owner, 2, save=("a" * 32, 100.0))
+    _shard(node0, 2, 0, 2, save=("b" * 32, 200.0))
+    _shard(node1, 2, 1, 2, save=("c" * 32, 300.0))
+    assert cli_json(capsys, "gc", str(node0), str(node1))["removed"] == []
+    assert _present(node0, node1) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    # once a save of 3 covers every rank, 1 goes (2 is older than the newest complete one)
+    for node, owner in ((node0, 0), (node1, 1)):
+        _shard(node, 3, owner, 2, save=("d" * 32, 400.0))
+    done = cli_json(capsys, "gc", str(node0), str(node1))
+    assert _present(node0, node1) == [(3, 0), (3, 1)], done

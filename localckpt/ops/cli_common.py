@@ -1,0 +1,53 @@
+"""What the ``localckpt`` command's subcommands share: the usage error, reading a root's
+sessions and a shard's manifest as a load does, and telling an object-storage root."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..storage.durable import commit_path
+from ..storage.durable_object import is_object_url
+from ..storage.layout import iteration_dir, list_sessions
+from ..storage.manifest import ShardManifest
+from ..storage.shard_reader import parse_manifest_file
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+def sessions_under(root: Path) -> list[str]:
+    if not root.is_dir():
+        raise UsageError(f"{root}: not a directory")
+    return list_sessions(root)
+
+
+def read_manifest(shard: Path) -> ShardManifest:
+    """The shard's manifest, read and verified as a load reads it; raises UsageError for a
+    missing or unreadable file, CorruptShardError for anything else wrong with it."""
+    path = shard / "zarr.json"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{shard}: not a localckpt shard (no readable zarr.json: {exc})") from exc
+    return parse_manifest_file(data, str(path))
+
+
+def object_root(roots: Sequence[str]) -> str | None:
+    """The ``s3://`` URL among ``roots`` (then the only root), else None."""
+    urls = [r for r in roots if is_object_url(r)]
+    if urls and len(roots) > 1:
+        raise UsageError(f"an object-storage root is given alone: got {list(roots)}")
+    return urls[0] if urls else None
+
+
+def committed_as_job(roots: Sequence[Path], session: str, iterations: set[int],
+               world: int) -> set[int] | None:
+    """Of ``iterations``, those some root commits as a job (a durable tier's commit file);
+    None when no root has such a file for ``world`` (node roots)."""
+    found = {it for it in iterations for r in roots
+             if commit_path(r, session, it, world).is_file()}
+    return found if found or any(
+        any(iteration_dir(r, session, it).glob("COMMITTED-*")) for r in roots
+        for it in iterations) else None

@@ -1,0 +1,220 @@
+"""``localckpt gc``: remove leftovers, quarantined copies and the iterations retention would
+remove, judged across the roots given with the library's own functions."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..control.coverage import complete_from_listings
+from ..control.retention import KeepPolicy
+from ..errors import CheckpointingError, ConfigurationError, SessionInUseError
+from ..load.mixed import covering_save
+from ..storage.durable import commit_path
+from ..storage.layout import (
+    ShardRef,
+    find_leftovers,
+    find_quarantined,
+    holds_checkpoints,
+    list_sessions,
+    list_shards,
+    session_dir,
+)
+from ..storage.rollback_fence import hidden, merged, read_fence
+from ..storage.session_lock import SessionLock
+from ..storage.store import ShardStore
+from . import cli_object
+from .cli_common import (
+    UsageError,
+    committed_as_job,
+    object_root,
+    read_manifest,
+    sessions_under,
+)
+from .cli_parity import rebuildable_iterations
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove leftovers, quarantined copies, and iterations retention would remove: for each
+    session and world size, what the library's KeepPolicy keeps of the iterations complete
+    across the given roots (``--keep-last`` newest, each multiple of ``--keep-every``) is kept,
+    and so is what it would keep were an incomplete one complete with roots not given (anything
+    newer than the oldest of the last k, or a multiple of --keep-every; a save in progress);
+    the rest goes. With no complete iteration in view nothing goes.
+    Deletes in a session only while no live job holds it (its lock), each shard hidden by a
+    rename before it is freed."""
+    try:
+        policy = KeepPolicy(args.keep_last, args.keep_every, args.keep_best, args.metric,
+                            args.mode, not args.drop_without_metric,
+                            interval=args.keep_interval)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc).replace("keep_", "--keep-").replace("best_metric", "--metric")
+                         .replace("best_mode", "--mode")) from None
+    url = object_root(args.roots)
+    if url:
+        if args.world_size is not None:
+            raise UsageError("--world-size: not for an object-storage root")
+        if args.session is not None:
+            session_dir(Path("/"), args.session)  # an invalid id is a usage error
+        _report_gc(args, cli_object.collect(url, policy, args.session, args.dry_run))
+        return 0
+    if args.world_size is not None and args.session is None:
+        raise UsageError("--world-size removes every shard of other world sizes: name the "
+                         "session it applies to with --session (another job's session may "
+                         "share the root)")
+    roots: list[Path] = []
+    for root in map(Path, args.roots):
+        sessions_under(root)  # a root that is not a directory is a usage error
+        if all(not os.path.samefile(root, r) for r in roots):  # one root named twice: once
+            roots.append(root)
+    removed: list[Path] = []
+    # only directories holding what localckpt writes: a root given by mistake (a parent of
+    # the real one) must not have its subdirectories collected as sessions
+    sessions = sorted({s for root in roots for s in list_sessions(root)
+                       if holds_checkpoints(session_dir(root, s))})
+    if not sessions:
+        raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
+    if args.session is not None:
+        session_dir(roots[0], args.session)  # an invalid id is a usage error
+        if args.session not in sessions:  # a typo must not pass for "nothing to collect"
+            raise UsageError(f"--session {args.session!r}: no such session under "
+                             f"{', '.join(map(str, roots))} (sessions: "
+                             f"{', '.join(repr(s) for s in sessions)})")
+        sessions = [args.session]
+    in_use: list[str] = []
+    for session in sessions:
+        with contextlib.ExitStack() as locks:
+            try:
+                if not args.dry_run:
+                    for root in roots:
+                        if session_dir(root, session).is_dir():
+                            locks.enter_context(SessionLock(session_dir(root, session),
+                                                            exclusive=True))
+            except SessionInUseError as exc:  # the other sessions are still collected
+                in_use.append(str(exc))
+                continue
+            removed += _collect(roots, session, policy, args.world_size, args.dry_run)
+    _report_gc(args, [str(p) for p in removed])
+    for message in in_use:
+        print(f"localckpt gc: {message}", file=sys.stderr)
+    return 2 if in_use else 0
+
+
+def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": removed}))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for p in removed:
+            print(f"{verb} {p}")
+        print(f"{len(removed)} entries {verb}")
+
+
+def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
+             dry_run: bool) -> list[Path]:
+    """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``). A
+    rollback's fence on one root hides the newer shards on every root (as the job does): they
+    are neither counted nor removed (the job's next save finishes that rollback)."""
+    fence = None
+    for root in roots:
+        if (held := read_fence(session_dir(root, session))) is not None:
+            fence = merged(fence, held)
+    shards = {root: [s for s in list_shards(root, session)
+                     if not hidden(fence, s.iteration, s.world_size)] for root in roots}
+    worlds = sorted({s.world_size for refs in shards.values() for s in refs})
+    complete_of = {world: _complete(roots, session, shards, world) for world in worlds}
+    doomed: list[tuple[Path, ShardRef]] = []
+    if world_size is not None:
+        newest = max(complete_of.get(world_size, []), default=None)
+        if newest is None:  # a typo must not take the only checkpoints (loadable resharded)
+            found = ", ".join(f"{w} (complete: {complete_of[w][:3] or 'none'})" for w in worlds)
+            raise UsageError(f"--world-size {world_size}: session {session!r} has no complete "
+                             f"iteration of that world size in view (world sizes: "
+                             f"{found or 'none'}); nothing removed")
+        # another world size's shards go once that world size has a newer complete iteration
+        doomed += [(root, s) for root, refs in shards.items() for s in refs
+                   if s.world_size != world_size and s.iteration < newest]
+    for world in worlds:
+        if world_size is not None and world != world_size:
+            continue
+        complete = complete_of[world]
+        if complete:  # the same function as a save's retention, unsure of what it cannot see
+            seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
+            meta = _metadata(shards, world) if policy.needs_metadata else {}
+            keep = policy.keep(complete, unsure=seen - set(complete),
+                               metrics={it: m["metrics"] for it, m in meta.items()
+                                        if m.get("metrics") is not None},
+                               times={it: m["saved_unix"] for it, m in meta.items()
+                                      if isinstance(m.get("saved_unix"), (int, float))})
+            doomed += [(root, s) for root, refs in shards.items() for s in refs
+                       if s.world_size == world and s.iteration not in keep]
+    leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
+                                               + find_quarantined(session_dir(root, session)))]
+    if not dry_run:
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        for root in roots:
+            store = ShardStore(root, session, writer_rank=0, io_threads=1)
+            try:
+                for r, ref in doomed:
+                    if r == root:
+                        # a durable tier's iteration stops being complete before any shard goes
+                        commit_path(root, session, ref.iteration, ref.world_size).unlink(
+                            missing_ok=True)
+                        store.delete(ref)  # renamed out of sight first, then freed
+            finally:
+                store.close()
+    return leftovers + [ref.path for _, ref in doomed]
+
+
+def _complete(roots: list[Path], session: str, shards: dict[Path, list[ShardRef]],
+              world: int) -> list[int]:
+    """The iterations of ``world`` complete across ``roots`` (held or rebuildable from parity
+    blocks; with a durable tier, committed there too), newest first."""
+    listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
+                for refs in shards.values()]
+    complete = sorted(set(complete_from_listings(listings, world)) | rebuildable_iterations(
+        (s for refs in shards.values() for s in refs), world, read_manifest), reverse=True)
+    # an iteration saved twice whose copies no one save covers: the job falls back past it
+    complete = [it for it in complete if _one_save_covers(shards, it, world)]
+    seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
+    committed = committed_as_job(roots, session, seen_its, world)
+    if committed is not None:  # a durable tier: complete only once committed as a job
+        complete = [it for it in complete if it in committed]
+    return complete
+
+
+def _metadata(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
+    """Iteration -> its manifest's metadata (metrics, save time; from the first readable shard
+    of it: rank 0's, in every shard)."""
+    out: dict[int, Any] = {}
+    for refs in shards.values():
+        for ref in refs:
+            if ref.world_size == world and ref.iteration not in out:
+                try:
+                    out[ref.iteration] = read_manifest(ref.path).metadata
+                except (UsageError, CheckpointingError):
+                    continue
+    return out
+
+
+def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: int) -> bool:
+    """Whether one save has a copy of every shard of ``iteration`` in view, as a load decides
+    (:func:`covering_save`); True when its copies name at most one save (or none: written
+    before save ids). A copy that cannot be read has no say."""
+    copies = []
+    for refs in shards.values():
+        for ref in refs:
+            if ref.iteration == iteration and ref.world_size == world and ref.owner_rank >= 0:
+                with contextlib.suppress(UsageError, CheckpointingError):
+                    meta = read_manifest(ref.path).metadata
+                    copies.append([ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")])
+    if len({save for _, save, _ in copies if save is not None}) <= 1:
+        return True
+    return covering_save([copies], world)[0] is not None
