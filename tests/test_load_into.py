@@ -307,6 +307,52 @@ def test_tied_tensors_holding_nan_are_filled_in_place(root: Path) -> None:
     assert torch.equal(tied.isnan(), w.isnan()) and tied[0] == 1.0 and tied[2] == 3.0
 
 
+_READ_INTO_GIVEN = r"""
+import mmap, sys, warnings
+import torch
+from localckpt import LocalCheckpointManager
+from localckpt.storage import tensor_reads
+root, case = sys.argv[1], sys.argv[2]
+saved = {"a": torch.arange(100.0), "b": torch.arange(200.0)}
+with LocalCheckpointManager(root, "s") as mgr:
+    mgr.save(saved, 1)
+    if case == "read-only":
+        pages = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            b = torch.frombuffer(pages, dtype=torch.float32)[:200]
+    else:
+        b = torch.zeros(200)
+    if case == "maps unreadable":
+        tensor_reads.writable_memory = lambda: None
+    given = [torch.zeros(100), b]
+    (ref,) = mgr._ctx.store.committed()
+    try:
+        _, got = mgr._ctx.store.read_tensors(ref, lambda m: given)
+    except Exception as exc:
+        print("raised", type(exc).__name__)
+    else:
+        print("same", got[0] is given[0] and got[1] is given[1]
+              and all(torch.equal(g, saved[k]) for g, k in zip(got, "ab")))
+"""
+
+
+@pytest.mark.parametrize("case,says", [("writable", "same True"),
+                                       ("maps unreadable", "same True"),
+                                       ("read-only", "raised")])
+def test_small_given_tensors_are_filled_and_read_only_memory_never_kills(
+        root: Path, case: str, says: str) -> None:
+    """Small given tensors are filled by a copy out of the chunk read (not a read into each),
+    once /proc/self/maps says their memory is writable; where it cannot tell, or a tensor is
+    read-only, they are read into, which fails with EFAULT instead of killing the process."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _READ_INTO_GIVEN, str(root), case],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip().startswith(says), (proc.stdout, proc.stderr[-2000:])
+
+
 @pytest.mark.parametrize("make", [lambda: torch.zeros(5).unfold(0, 2, 1),
                                   lambda: torch.zeros(1).expand(4, 2)],
                          ids=["overlapping windows", "expanded"])
