@@ -96,11 +96,12 @@ def test_verify_passes_then_names_the_corrupt_file(capsys: pytest.CaptureFixture
 def test_gc_dry_run_then_removal(capsys: pytest.CaptureFixture[str], roots: list[Path]) -> None:
     leftover = roots[0] / "job" / "iter_0000000005" / ".tmp-rank_00000_of_00004-w00000-dead"
     leftover.mkdir()
-    plan = cli_json(capsys, "gc", str(roots[0]), "--dry-run")
+    # one node's root of two: iterations go only with --partial
+    plan = cli_json(capsys, "gc", str(roots[0]), "--dry-run", "--partial")
     old = roots[0] / "job" / "iter_0000000003"
     expected = {str(leftover)} | {str(old / f"rank_{o:05d}_of_00004") for o in range(4)}
     assert plan["dry_run"] and set(plan["removed"]) == expected and leftover.exists()
-    done = cli_json(capsys, "gc", str(roots[0]))
+    done = cli_json(capsys, "gc", str(roots[0]), "--partial")
     assert set(done["removed"]) == expected
     assert not leftover.exists() and not (roots[0] / "job" / "iter_0000000003").exists()
     assert (roots[0] / "job" / "iter_0000000005" / "rank_00000_of_00004").is_dir()
@@ -184,9 +185,9 @@ def test_console_script_runs_as_a_program(root: Path) -> None:
 
 
 def _shard(root: Path, it: int, owner: int, world: int, session: str = "job",
-           save: tuple[str, float] | None = None) -> Path:
+           save: tuple[str, float] | None = None, nodes: int | None = None) -> Path:
     """A committed shard of (it, owner, world) under ``root``, as a job would leave it;
-    ``save``: the (save id, rank 0's clock) it names."""
+    ``save``: the (save id, rank 0's clock) it names; ``nodes``: the job's node count."""
     import torch
 
     from localckpt.storage.manifest import ShardManifest
@@ -196,7 +197,8 @@ def _shard(root: Path, it: int, owner: int, world: int, session: str = "job",
     size, count = chunking(1000, 4096)
     manifest = ShardManifest(session, it, owner, world, (), {"dict": []}, "plain", 1000, size,
                              count, (), metadata={} if save is None else {
-                                 "save_id": save[0], "saved_unix": save[1]})
+                                 "save_id": save[0], "saved_unix": save[1]},
+                             identity={} if nodes is None else {"job": {"nodes": nodes}})
     try:
         return store.write(manifest, torch.zeros(size * count, dtype=torch.uint8))[0].path
     finally:
@@ -537,3 +539,29 @@ def test_gc_does_not_count_an_iteration_whose_copies_are_of_two_saves(
         _shard(node, 3, owner, 2, save=("d" * 32, 400.0))
     done = cli_json(capsys, "gc", str(node0), str(node1))
     assert _present(node0, node1) == [(3, 0), (3, 1)], done
+
+
+def test_gc_of_some_nodes_roots_keeps_every_iteration(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    """3 nodes, node_spread F=2, iterations 1 and 2; a rollback to 1 wrote its fence on node 0
+    only before a crash, so the job's checkpoint is 1. gc given node 1 and node 2 did not see
+    the fence, kept 2 and deleted 1 on both: the job had nothing left to load. With fewer
+    roots than the job has nodes, gc removes leftovers only (unless --partial)."""
+    from localckpt.storage.rollback_fence import write_fence
+
+    nodes = [tmp_path / f"node{i}" for i in range(3)]
+    for it in (1, 2):
+        for i, node in enumerate(nodes):
+            for owner in (i, (i - 1) % 3):
+                _shard(node, it, owner, 3, nodes=3)
+    write_fence(nodes[0] / "job", ((1, 3),), "w00000")
+    leftover = nodes[1] / "job" / "iter_0000000002" / ".tmp-rank_00001_of_00003-w00001-dead"
+    leftover.mkdir()
+    code, out, err = run_cli(capsys, "gc", str(nodes[1]), str(nodes[2]), "--json")
+    assert code == 0 and json.loads(out)["removed"] == [str(leftover)], (out, err)
+    assert "roots of 2 of the job's 3 nodes" in err
+    assert _present(nodes[1], nodes[2]) == [(1, 0), (1, 1), (1, 1), (1, 2), (2, 0), (2, 1),
+                                            (2, 1), (2, 2)]
+    # every node's root: the fence is seen, 2 is hidden, 1 is kept
+    assert cli_json(capsys, "gc", *map(str, nodes))["removed"] == []
+    assert {it for it, _ in _present(*nodes)} == {1, 2}

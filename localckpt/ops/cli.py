@@ -10,7 +10,7 @@
 ``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
 corruption found by ``verify`` is exit status 1. Run ``ls`` and ``gc`` with the roots of every
 node (or copies of them): completeness is judged across the roots given, with the library's own
-function. ``gc`` refuses a session that a live job holds. A durable tier in object storage is
+function; with fewer, ``gc`` removes only leftovers unless ``--partial``. ``gc`` refuses a session that a live job holds. A durable tier in object storage is
 given as its one root, ``s3://bucket/prefix`` (settings from the ``AWS_*`` environment).
 """
 
@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check every shard's checksums")
     ver.add_argument("roots", nargs="+")
     gc = sub.add_parser("gc", help="remove leftovers and old iterations")
-    gc.add_argument("roots", nargs="+", help="the roots of every node (or some of them)")
+    gc.add_argument("roots", nargs="+", help="the roots of every node (with some of them, "
+                    "only leftovers go unless --partial)")
     gc.add_argument("--keep-last", type=int, default=1)
     gc.add_argument("--keep-every", type=int, default=None,
                     help="also keep each complete iteration that is a multiple of this")
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--world-size", type=int, default=None,
                     help="also remove the session's shards of other world sizes that are older "
                          "than its newest iteration complete at this world size")
+    gc.add_argument("--partial", action="store_true",
+                    help="remove iterations even when the roots given are not every node's "
+                         "(a rollback begun on another node is then not seen)")
     gc.add_argument("--dry-run", action="store_true")
     doc = sub.add_parser("doctor", help="check the node: storage, GPUs, versions")
     doc.add_argument("--root", default="/dev/shm")

@@ -99,7 +99,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             except SessionInUseError as exc:  # the other sessions are still collected
                 in_use.append(str(exc))
                 continue
-            removed += _collect(roots, session, policy, args.world_size, args.dry_run)
+            removed += _collect(roots, session, policy, args.world_size, args.dry_run,
+                                args.partial)
     _report_gc(args, [str(p) for p in removed])
     for message in in_use:
         print(f"localckpt gc: {message}", file=sys.stderr)
@@ -117,10 +118,12 @@ def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
 
 
 def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
-             dry_run: bool) -> list[Path]:
+             dry_run: bool, partial: bool = False) -> list[Path]:
     """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``). A
     rollback's fence on one root hides the newer shards on every root (as the job does): they
-    are neither counted nor removed (the job's next save finishes that rollback)."""
+    are neither counted nor removed (the job's next save finishes that rollback). With fewer
+    node roots than the job has nodes, a fence elsewhere cannot be seen: only leftovers go,
+    unless ``partial``."""
     fence = None
     for root in roots:
         if (held := read_fence(session_dir(root, session))) is not None:
@@ -154,6 +157,13 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
                                       if isinstance(m.get("saved_unix"), (int, float))})
             doomed += [(root, s) for root, refs in shards.items() for s in refs
                        if s.world_size == world and s.iteration not in keep]
+    short = None if partial else _nodes_unseen(roots, session, shards)
+    if short is not None and doomed:
+        print(f"localckpt gc: session {session!r}: the roots of {len(roots)} of the job's "
+              f"{short} nodes are given; a rollback begun on another node (its fence) cannot be "
+              "seen from here, so no iteration is removed: give every node's root, or "
+              "--partial to remove what this view's retention would", file=sys.stderr)
+        doomed = []
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
                                                + find_quarantined(session_dir(root, session)))]
     if not dry_run:
@@ -218,3 +228,25 @@ def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: 
     if len({save for _, save, _ in copies if save is not None}) <= 1:
         return True
     return covering_save([copies], world)[0] is not None
+
+
+def _nodes_unseen(roots: list[Path], session: str,
+                  shards: dict[Path, list[ShardRef]]) -> int | None:
+    """The job's node count (as its manifests record it) when ``roots`` are fewer node roots
+    than that; None when they are not, or it cannot be told (a durable tier's root holds
+    every rank's shards and its own fence)."""
+    newest: dict[int, ShardRef] = {}
+    for refs in shards.values():
+        for ref in refs:
+            if ref.owner_rank >= 0 and ref.iteration >= getattr(
+                    newest.get(ref.world_size), "iteration", -1):
+                newest[ref.world_size] = ref
+    nodes = 0
+    for world, ref in newest.items():
+        if committed_as_job(roots, session, {ref.iteration}, world) is not None:
+            return None
+        with contextlib.suppress(UsageError, CheckpointingError):
+            job = read_manifest(ref.path).identity.get("job")
+            if isinstance(job, dict) and type(job.get("nodes")) is int:
+                nodes = max(nodes, job["nodes"])
+    return nodes if nodes > len(roots) else None
