@@ -565,3 +565,19 @@ def test_gc_of_some_nodes_roots_keeps_every_iteration(capsys: pytest.CaptureFixt
     # every node's root: the fence is seen, 2 is hidden, 1 is kept
     assert cli_json(capsys, "gc", *map(str, nodes))["removed"] == []
     assert {it for it, _ in _present(*nodes)} == {1, 2}
+
+
+def test_ls_hides_what_a_fence_on_any_root_hides(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    """A rollback to 1 wrote its fence on node 0 only before a crash: the job hides 2 on every
+    root, but ls hid it on node 0 alone and showed 2 complete on node 1's copies."""
+    from localckpt.storage.rollback_fence import write_fence
+
+    nodes = [tmp_path / f"node{i}" for i in range(2)]
+    for it in (1, 2):
+        for node in nodes:
+            for owner in (0, 1):
+                _shard(node, it, owner, 2)
+    write_fence(nodes[0] / "job", ((1, 2),), "w00000")
+    rows = cli_json(capsys, "ls", *map(str, nodes))
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(1, True)], rows

@@ -10,8 +10,9 @@
 ``--json`` gives machine-readable output. Bad input is one line on stderr and exit status 2;
 corruption found by ``verify`` is exit status 1. Run ``ls`` and ``gc`` with the roots of every
 node (or copies of them): completeness is judged across the roots given, with the library's own
-function; with fewer, ``gc`` removes only leftovers unless ``--partial``. ``gc`` refuses a session that a live job holds. A durable tier in object storage is
-given as its one root, ``s3://bucket/prefix`` (settings from the ``AWS_*`` environment).
+function; with fewer, ``gc`` removes only leftovers unless ``--partial``. ``gc`` refuses a
+session that a live job holds. A durable tier in object storage is given as its one root,
+``s3://bucket/prefix`` (settings from the ``AWS_*`` environment).
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage.durable import commit_path
-from ..storage.layout import (
-    ShardRef,
-    list_shards,
-)
+from ..storage.layout import ShardRef, list_shards, session_dir
 from ..storage.manifest import ShardManifest
+from ..storage.rollback_fence import hidden, merged, read_fence
 from ..storage.shard_writer import array_metadata, chunk_files_off
 from ..storage.store import ShardStore
 from . import cli_object
@@ -54,8 +53,19 @@ from .cli_parity import rebuildable_iterations
 
 
 def _all_shards(roots: Sequence[Path]) -> list[tuple[Path, str, ShardRef]]:
-    found = [(root, session, ref) for root in roots for session in sessions_under(root)
-             for ref in list_shards(root, session)]
+    """Every committed shard under ``roots`` but those a rollback's fence on any of them hides
+    (the job hides them on every root)."""
+    by_session = {session: [root for root in roots if session in sessions_under(root)]
+                  for root in roots for session in sessions_under(root)}
+    found = []
+    for session, held in sorted(by_session.items()):
+        fence = None
+        for root in held:
+            if (one := read_fence(session_dir(root, session))) is not None:
+                fence = merged(fence, one)
+        found += [(root, session, ref) for root in held
+                  for ref in list_shards(root, session, fenced=False)
+                  if not hidden(fence, ref.iteration, ref.world_size)]
     if not found:
         raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
     return found
