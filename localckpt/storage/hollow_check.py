@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -120,7 +121,8 @@ def check_hollow(hollow: Any, count: int, where: str,
                         stack.append((item, depth + 1))
             else:
                 raise ValueError(f"node {str(node)[:100]}")
-        except (ValueError, TypeError, AttributeError, RuntimeError, binascii.Error) as exc:
+        except (ValueError, TypeError, AttributeError, RuntimeError, OverflowError,
+                binascii.Error) as exc:
             raise bad(f"malformed structure: {exc}") from None
     return dict(sorted(layouts.items()))
 
@@ -137,6 +139,12 @@ def numpy_byte_tensors(hollow: Any, entries: Sequence[TensorEntry]) -> frozenset
 
 
 _KEY_TAGS = ("f", "c", "b", "npg", "enum", "dtype")
+_NUMPY_MAX_DIMS = 64
+
+
+@functools.cache
+def _cpu_generator_state_nbytes() -> int:
+    return int(torch.Generator().get_state().numel())
 
 
 def _hashable_key(node: Any) -> bool:
@@ -148,6 +156,11 @@ def _hashable_key(node: Any) -> bool:
     (tag, value), = node.items()
     if tag == "tuple":
         return type(value) is list and all(_hashable_key(v) for v in value)
+    if tag == "npg":  # a structured or void scalar is not hashable
+        try:
+            hash(scalar_from_json(value))
+        except (TypeError, ValueError, KeyError, binascii.Error):
+            return False
     return tag in _KEY_TAGS
 
 
@@ -165,6 +178,8 @@ def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
         if type(value) is not list or any(type(f) is not list or len(f) != 2
                                           or type(f[0]) is not str for f in value):
             raise ValueError(f"Namespace node {str(value)[:100]}")
+        if any(f[0].startswith("__") and f[0].endswith("__") for f in value):
+            raise ValueError(f"Namespace attribute {str(value)[:100]}")  # not data: __class__
         return [f[1] for f in value]
     if type(value) is not dict:
         raise ValueError(f"{tag!r} node {str(value)[:100]}")
@@ -176,9 +191,13 @@ def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
     if tag == "np":
         shape = value.get("shape")
         if set(value) != {"T", "dtype", "shape"} or type(shape) is not list or \
+                len(shape) > _NUMPY_MAX_DIMS or \
                 any(type(n) is not int or not 0 <= n < 1 << 62 for n in shape):
             raise ValueError(f"numpy array node {str(value)[:100]}")
-        nbytes = dtype_from_descr(value["dtype"]).itemsize * math.prod(shape)
+        itemsize = dtype_from_descr(value["dtype"]).itemsize
+        nbytes = itemsize * math.prod(shape)
+        if max(itemsize, 1) * math.prod(n for n in shape if n) >= 1 << 62:  # numpy refuses
+            raise ValueError(f"numpy array of shape {shape} of {value['dtype']}")
         entry = tensor(value["T"])
         if not isinstance(entry, int) and entry.nbytes != nbytes:
             raise ValueError(f"numpy array of {nbytes} bytes stored in {entry.nbytes}")
@@ -191,7 +210,9 @@ def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
                 torch.device(value["device"]).type == "meta":
             raise ValueError(f"Generator node {str(value)[:100]}")
         entry = tensor(value["T"])
-        if not isinstance(entry, int) and (entry.dtype != "uint8" or len(entry.shape) != 1):
+        if not isinstance(entry, int) and (entry.dtype != "uint8" or len(entry.shape) != 1 or (
+                torch.device(value["device"]).type == "cpu"
+                and entry.shape[0] != _cpu_generator_state_nbytes())):
             raise ValueError(f"Generator state of {entry.dtype} {list(entry.shape)}")
     else:
         fields = value.get("fields")

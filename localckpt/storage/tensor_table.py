@@ -130,7 +130,8 @@ def check_entries(tensors: tuple[TensorEntry, ...], data_nbytes: int,
     for i, (key_path, dtype, shape, offset, nbytes, device) in enumerate(tensors):
         if device not in devices:
             try:
-                torch.device(device)
+                if torch.device(device).type == "meta":  # no bytes: no save names it
+                    raise ValueError(device)
             except (RuntimeError, ValueError):
                 raise bad(f"tensor {i} ({key_path}) names device {device!r}") from None
             devices.add(device)
