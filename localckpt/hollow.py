@@ -80,10 +80,19 @@ def _exact_str(value: str, path: tuple[Any, ...], what: str = "value") -> str:
     return value
 
 
+# Python reads back no int of more than 4,300 decimal digits from JSON (a process that raised
+# sys.set_int_max_str_digits writes them): refused at save, not found corrupt at load.
+_INT_MAX_BITS = 14_000
+
+
 def _encode_leaf(value: Any, path: tuple[Any, ...]) -> JSON:
     kind = type(value)
     if kind is str:
         return _exact_str(value, path)
+    if kind is int and value.bit_length() > _INT_MAX_BITS:
+        raise TypeError(f"state dict key {path_str(path)!r}: an int of {value.bit_length()} "
+                        f"bits (at most {_INT_MAX_BITS}: JSON readers refuse more than 4,300 "
+                        "digits); store it as bytes (value.to_bytes(...)) or a tensor")
     if kind in _SCALAR_TYPES:
         return value
     if kind is float:
@@ -230,7 +239,8 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if isinstance(obj, argparse.Namespace):
         if type(obj) is not argparse.Namespace:
             _encode_leaf(obj, path)  # a subclass: refused, naming the type
-        return {"ns": [[k, encode_hollow(v, walk, (*path, k))] for k, v in vars(obj).items()]}
+        return {"ns": [[_exact_str(k, (*path, k), "attribute name"),
+                        encode_hollow(v, walk, (*path, k))] for k, v in vars(obj).items()]}
     kind = type(obj)
     name = leaves.type_name(kind)
     if walk.types.setdefault(name, kind) is not kind:

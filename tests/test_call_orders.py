@@ -3,6 +3,7 @@ each once lost a checkpoint, a preemption save or a Ctrl-C."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -165,11 +166,13 @@ def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path
     assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
 
 
-@pytest.mark.parametrize("state", [{"s": "\ud83d\ude00"}, {"d": {"\ud83d\ude00": 1}}])
+@pytest.mark.parametrize("state", [{"s": "\ud83d\ude00"}, {"d": {"\ud83d\ude00": 1}},
+                                   {"args": argparse.Namespace(**{"\ud83d\ude00": 1})}])
 def test_a_str_that_would_load_back_changed_is_refused_and_a_lone_surrogate_is_kept(
         root: Path, state: dict[str, Any]) -> None:
     """A str holding a surrogate pair as two code points came back as the one character they
-    pair into, without an error (from the attacker review of the erasure path)."""
+    pair into, without an error (from the attacker review of the erasure path; a Namespace's
+    attribute name from the review of the state dict path)."""
     with LocalCheckpointManager(root, "s", timeout=10) as mgr:
         with pytest.raises(TypeError, match="surrogate pair"):
             mgr.save({**state, "t": torch.zeros(1)}, 1)
@@ -190,3 +193,19 @@ def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(root: Path,
         LocalCheckpointManager(root, "s", timeout=timeout)
     with pytest.raises(ConfigurationError, match="AsyncCallsQueue: timeout: expected seconds"):
         AsyncCallsQueue(timeout=timeout)
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_an_int_json_cannot_carry_everywhere_is_refused_at_save_naming_its_key(
+        root: Path, where: str) -> None:
+    """An int of more than 4,300 digits failed the save late, in finalize, naming no key; a
+    process that raised sys.set_int_max_str_digits saved it, and a load under the default
+    limit then quarantined that healthy iteration as corrupt."""
+    big = 10 ** 5000
+    state = {"seed": big} if where == "value" else {"by_seed": {big: 1}}
+    with LocalCheckpointManager(root, "s", timeout=10) as mgr:
+        with pytest.raises(TypeError, match=r"seed.*an int of 16610 bits"):
+            mgr.save({**state, "t": torch.zeros(1)}, 1)
+        mgr.save({"seed": 10 ** 4000, "t": torch.zeros(1)}, 2)  # within the limit: kept
+        loaded, _ = mgr.load()
+    assert loaded["seed"] == 10 ** 4000
