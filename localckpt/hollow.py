@@ -239,7 +239,7 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
     if isinstance(obj, argparse.Namespace):
         if type(obj) is not argparse.Namespace:
             _encode_leaf(obj, path)  # a subclass: refused, naming the type
-        return {"ns": [[_exact_str(k, (*path, k), "attribute name"),
+        return {"ns": [[_exact_str(k, (*path, k), "attribute name") if type(k) is str else k,
                         encode_hollow(v, walk, (*path, k))] for k, v in vars(obj).items()]}
     kind = type(obj)
     name = leaves.type_name(kind)
