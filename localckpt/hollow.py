@@ -4,11 +4,11 @@ index, and back.
 Every JSON object node has exactly one tag key, so decoding is exact: ``{"T": i}`` a tensor,
 ``{"DT": ...}`` a DTensor's local shard (:mod:`localckpt.dtensors`), ``{"S": ...}`` what a
 Stateful object's ``state_dict()`` returned, ``{"dict"|"odict"|"tuple": ...}`` containers (a list
-is a JSON list), ``{"f"|"c"|"b": ...}`` float (bit-exact, as hex), complex and bytes; format 4
-adds ``{"np": ...}`` / ``{"npg": ...}`` numpy arrays and scalars, ``{"G": ...}`` torch
-Generators, ``{"dc"|"nt": ...}`` dataclasses and named tuples, ``{"enum": ...}`` enum members,
-``{"ns": ...}`` argparse Namespaces, ``{"dtype": ...}`` torch dtypes and ``{"slice": ...}``
-slices (:mod:`localckpt.leaves`).
+is a JSON list), ``{"f"|"c"|"b": ...}`` float (bit-exact as hex, but for a NaN's sign and
+payload), complex and bytes; format 4 adds ``{"np": ...}`` / ``{"npg": ...}`` numpy arrays
+and scalars, ``{"G": ...}`` torch Generators, ``{"dc"|"nt": ...}`` dataclasses and named tuples,
+``{"enum": ...}`` enum members, ``{"ns": ...}`` argparse Namespaces, ``{"dtype": ...}`` torch
+dtypes and ``{"slice": ...}`` slices (:mod:`localckpt.leaves`).
 """
 
 from __future__ import annotations
