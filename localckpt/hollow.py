@@ -260,6 +260,11 @@ def _encode_extended(obj: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
                         "would lose its items (only its fields are stored)")
     if id(obj) in walk.open:
         raise TypeError(f"{what}: the {kind.__qualname__} holds itself (a cycle)")
+    if not named_tuple and (extra := leaves.attributes_not_fields(obj)):
+        raise TypeError(f"{what}: the {kind.__qualname__} has attributes that are not fields "
+                        f"({', '.join(map(repr, extra[:5]))}): a load builds it from its fields "
+                        "without __init__, so they would be lost; declare them as fields "
+                        "(dataclasses.field(init=False)) or leave them out of the state dict")
     walk.open.add(id(obj))
     try:
         fields = [[f, encode_hollow(v, walk, (*path, f))] for f, v in leaves.record_fields(obj)]

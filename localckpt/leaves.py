@@ -13,7 +13,9 @@
   an instance only of a type that is *allowed*: registered with :func:`add_safe_types`, or the
   type of an object of the state dict ``load(into=...)`` was given. No module is imported and no
   name is looked up anywhere else; any other type is :class:`UnsafeTypeError`. Fields the saved
-  object lacks take the class's defaults; a saved field the class no longer has is an error.
+  object lacks take the class's defaults; a saved field the class no longer has is an error. An
+  instance attribute that is no field (set in ``__post_init__``) is refused at save: the load
+  builds the instance without ``__init__`` and would not give it back.
   An object of NVIDIA's tensor-aware state dict protocol that is a dataclass (Megatron's
   ``MCoreTensorAwareStateDict``) is stored the same way; a hollow one is refused.
 - **enum members** (allowed types, as above), **argparse.Namespace** (Megatron's ``args``),
@@ -27,6 +29,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -88,6 +91,16 @@ def record_fields(obj: Any) -> list[tuple[str, Any]]:
     if is_named_tuple(obj):
         return list(zip(type(obj)._fields, obj, strict=True))
     return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+
+
+def attributes_not_fields(obj: Any) -> list[str]:
+    """The attributes of a dataclass instance a load would not give back (it builds the
+    instance from its fields without ``__init__``): set in ``__post_init__`` or later. A
+    ``functools.cached_property``'s value is computed again on use: not one of them."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    kind = type(obj)
+    return [k for k in getattr(obj, "__dict__", {}) if k not in names
+            and not isinstance(getattr(kind, k, None), functools.cached_property)]
 
 
 def _allowed(what: str, name: str, types: Mapping[str, type]) -> type:

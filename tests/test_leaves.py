@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import json
 import random
 from collections import namedtuple
@@ -519,3 +520,34 @@ def test_a_dtype_node_is_looked_up_not_imported() -> None:
             "print('torch._dynamo' in sys.modules)\n")
     proc = run_python(code)
     assert proc.stdout.strip() == "False", (proc.stdout, proc.stderr[-1000:])
+
+
+@dataclasses.dataclass
+class _Scaled:
+    lr: float
+
+    def __post_init__(self) -> None:
+        self.scaled_lr = self.lr * 8  # an attribute that is no field
+
+
+@dataclasses.dataclass
+class _Cached:
+    lr: float
+
+    @functools.cached_property
+    def scaled_lr(self) -> float:
+        return self.lr * 8
+
+
+def test_a_dataclass_attribute_that_is_no_field_is_refused_not_dropped() -> None:
+    """A load builds a dataclass from its fields without running __init__: an attribute set
+    in __post_init__ was dropped at save and the loaded object raised AttributeError on use. A
+    cached_property's value (computed again on use) is no loss."""
+    with pytest.raises(TypeError, match=r"'cfg'.*not fields \('scaled_lr'\)"):
+        BasicTensorAwareStateDict({"cfg": _Scaled(0.1)})
+    cached = _Cached(0.1)
+    assert cached.scaled_lr == 0.8
+    tasd = BasicTensorAwareStateDict({"cfg": cached})
+    back = rebuild_state_dict(tasd.hollow_structure(), [], [], [], True,
+                              types={"test_leaves:_Cached": _Cached})
+    assert back["cfg"] == cached and back["cfg"].scaled_lr == 0.8
