@@ -158,6 +158,7 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     # (device, start, end, entry) of the memory of destinations read into
     spans: list[tuple[str, int, int, int]] = []
     seen = Counter(e.key_path for e in manifest.tensors)
+    twice = {path for path, n in seen.items() if n > 1}
     # Per entry only what differs: this runs once per tensor, 10,000 times for a small-tensor
     # state dict (the dtype and device lookups are cached, a contiguous tensor's extent is its
     # size).
@@ -167,7 +168,7 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     strided = torch.strided
     for i, (key_path, dtype_str, shape, _, nbytes, _) in enumerate(manifest.tensors):
         target = by_path.get(key_path)
-        if target is None or seen[key_path] > 1 or i in replicas or i in as_bytes:
+        if target is None or key_path in twice or i in replicas or i in as_bytes:
             continue
         if layouts or target.layout is not None:
             why = _layouts_differ(key_path, layouts.get(i), target.layout)
@@ -190,7 +191,10 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
         if target.dtensor is not None:
             dtensors[i] = target.dtensor
         readable = kind == "cpu" or (device is not None and t.device == device)
-        if nbytes:  # a read or copy into it would write memory it does not own
+        # A read or copy into it would write memory it does not own; the usual case inline
+        # (contiguous, inside its storage): 10,000 tensors pay it.
+        if nbytes and not (contiguous and t.storage_offset() * dtype.itemsize + nbytes
+                           <= t.untyped_storage().nbytes()):
             refuse_past_storage(t, f"load(into=...): the tensor at key {key_path!r}")
         if readable and nbytes and contiguous and not t.is_conj() and not t.is_neg():
             direct[i] = t
