@@ -34,3 +34,15 @@ def test_a_read_only_mapping_is_told_from_writable_memory() -> None:
     assert first_read_only([ordinary, rw, rw[::7]]) is None
     assert first_read_only([ordinary, torch.zeros(0), ro, rw]) == 2
     assert first_read_only([ro[:0], ordinary]) is None  # an empty tensor writes nothing
+
+
+def test_distinct_elements_tells_overlapping_views_from_strided_ones() -> None:
+    from localckpt.storage.views import distinct_elements
+
+    base = torch.zeros(4, 8)
+    apart = [base, base.t(), base[:, :4], base[::2], base[:, ::3], torch.zeros(8)[::2],
+             torch.zeros(2, 3, 4).permute(2, 0, 1), torch.zeros(1, 5)[:, ::2]]
+    assert all(distinct_elements(t) for t in apart)
+    shared = [torch.zeros(1).expand(4, 2), torch.zeros(5).unfold(0, 2, 1),
+              torch.zeros(10).as_strided((3, 3), (2, 1))]
+    assert not any(distinct_elements(t) for t in shared)

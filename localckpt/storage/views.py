@@ -131,8 +131,19 @@ def extent(t: torch.Tensor) -> int:
 
 def distinct_elements(t: torch.Tensor) -> bool:
     """Whether no two elements of ``t`` are one memory location (an expanded or unfolded view's
-    are; such a tensor cannot hold another's values). False where torch cannot tell."""
-    return t.is_contiguous() or torch._debug_has_internal_overlap(t) == 0
+    are; such a tensor cannot hold another's values): its dims of more than one element, by
+    stride, each step past all the elements the smaller ones reach (a slice, a step, a
+    transpose do). False for a layout that interleaves dims without overlap: never one a
+    model's tensor has."""
+    if t.is_contiguous():
+        return True
+    reach = 1  # elements spanned by the dims taken so far
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True)
+                               if n > 1):
+        if stride < reach:
+            return False
+        reach += stride * (size - 1)
+    return True
 
 
 def past_storage(t: torch.Tensor) -> tuple[int, int] | None:
