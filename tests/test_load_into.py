@@ -316,15 +316,24 @@ root, case = sys.argv[1], sys.argv[2]
 saved = {"a": torch.arange(100.0), "b": torch.arange(200.0)}
 with LocalCheckpointManager(root, "s") as mgr:
     mgr.save(saved, 1)
-    if case == "read-only":
-        pages = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+    if case in ("read-only", "a file mapping cut short"):
+        if case == "read-only":
+            pages = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+        else:  # writable, but its file shortened by another process: a memmove gets SIGBUS
+            import os, tempfile
+            fd, _ = tempfile.mkstemp(dir=root)
+            os.ftruncate(fd, mmap.PAGESIZE)
+            pages = mmap.mmap(fd, mmap.PAGESIZE)
+            os.ftruncate(fd, 0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             b = torch.frombuffer(pages, dtype=torch.float32)[:200]
+    elif case == "strided":
+        b = torch.zeros(400)[::2]
     else:
         b = torch.zeros(200)
     if case == "maps unreadable":
-        tensor_reads.writable_memory = lambda: None
+        tensor_reads.writable_memory = lambda **_: None
     given = [torch.zeros(100), b]
     (ref,) = mgr._ctx.store.committed()
     try:
@@ -339,12 +348,16 @@ with LocalCheckpointManager(root, "s") as mgr:
 
 @pytest.mark.parametrize("case,says", [("writable", "same True"),
                                        ("maps unreadable", "same True"),
-                                       ("read-only", "raised")])
+                                       ("read-only", "raised"),
+                                       ("a file mapping cut short", "raised"),
+                                       ("strided", "raised ValueError")])
 def test_small_given_tensors_are_filled_and_read_only_memory_never_kills(
         root: Path, case: str, says: str) -> None:
     """Small given tensors are filled by a copy out of the chunk read (not a read into each),
-    once /proc/self/maps says their memory is writable; where it cannot tell, or a tensor is
-    read-only, they are read into, which fails with EFAULT instead of killing the process."""
+    once /proc/self/maps says their memory is private anonymous memory this process may write;
+    where it cannot tell, or a tensor is read-only or a file's mapping (cut short, a memmove
+    gets SIGBUS), they are read into, which fails with EFAULT instead of killing the process. A
+    strided one is refused as the contract says (it was written from its first byte on)."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-c", _READ_INTO_GIVEN, str(root), case],

@@ -151,19 +151,18 @@ def _read_to_host(chunk_dir: Path, manifest: ShardManifest,
     tensors = fresh_or_given(manifest, given)
     host: list[tuple[int, memoryview]] = []
     small: list[SmallTarget] = []
-    # The caller's small tensors are filled alike once known writable: a memmove into a
-    # read-only page kills the process where a read fails with EFAULT (10,000 of 4 KiB given
-    # on 2 cores: 70-84 ms a load(into=...) before, 66-76 after).
+    # The caller's small tensors are filled alike once known private anonymous memory: a
+    # memmove into a read-only page, or a file's mapping cut short, kills the process where a
+    # read fails with EFAULT (10,000 of 4 KiB given on 2 cores: 70-84 ms a load(into=...)
+    # before, 66-76 after).
     theirs: dict[int, SmallTarget] = {}
     for k, (e, t) in enumerate(zip(manifest.tensors, tensors, strict=True)):
         if not e.nbytes:
             continue
-        if e.nbytes <= COPY_OUT_MAX_NBYTES:
-            target = (e.offset, t.data_ptr(), e.nbytes)
-            if given is None or given[k] is None:
-                small.append(target)  # fresh: ours, writable
-            else:
-                theirs[k] = target
+        if e.nbytes <= COPY_OUT_MAX_NBYTES and (given is None or given[k] is None):
+            small.append((e.offset, t.data_ptr(), e.nbytes))  # fresh: ours, writable
+        elif e.nbytes <= COPY_OUT_MAX_NBYTES and t.is_contiguous():
+            theirs[k] = (e.offset, t.data_ptr(), e.nbytes)
         else:
             host.append((e.offset, byte_view(t)))
     if theirs and _all_writable(theirs.values()):
@@ -175,9 +174,9 @@ def _read_to_host(chunk_dir: Path, manifest: ShardManifest,
 
 
 def _all_writable(targets: Iterable[SmallTarget]) -> bool:
-    """Whether this process may write all of ``targets``' memory (False when that cannot be
-    told: /proc/self/maps unreadable)."""
-    writable = writable_memory()
+    """Whether all of ``targets``' memory is private anonymous memory this process may write
+    (False when that cannot be told: /proc/self/maps unreadable)."""
+    writable = writable_memory(anonymous=True)
     spans = sorted((address, address + nbytes) for _, address, nbytes in targets)
     return writable is not None and outside(spans, writable) is None
 

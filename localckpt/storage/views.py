@@ -66,9 +66,12 @@ def copy_out(small: Sequence[SmallTarget], starts: Sequence[int], lo: int, hi: i
         k += 1
 
 
-def writable_memory() -> list[tuple[int, int]] | None:
+def writable_memory(anonymous: bool = False) -> list[tuple[int, int]] | None:
     """The address ranges this process may write, sorted, adjacent ones merged (from
-    /proc/self/maps, about half a millisecond); None where that cannot be read (not Linux)."""
+    /proc/self/maps, about half a millisecond); None where that cannot be read (not Linux).
+    ``anonymous``: only private memory backed by no file (the heap, what torch allocates): a
+    file's mapping may be cut short by another process, and a store into it then kills this
+    one (SIGBUS) where a read into it fails (EFAULT)."""
     try:
         with open("/proc/self/maps", "rb") as f:
             lines = f.read().splitlines()
@@ -76,8 +79,10 @@ def writable_memory() -> list[tuple[int, int]] | None:
         return None
     ranges: list[tuple[int, int]] = []
     for line in lines:
-        span, perms = line.split(b" ", 2)[:2]
-        if perms[1:2] == b"w":
+        fields = line.split(maxsplit=5)
+        span, perms = fields[0], fields[1]
+        if perms[1:2] == b"w" and (not anonymous or (
+                perms[3:4] == b"p" and len(fields) > 4 and fields[4] == b"0")):
             lo, hi = (int(x, 16) for x in span.split(b"-"))
             if ranges and ranges[-1][1] == lo:
                 ranges[-1] = (ranges[-1][0], hi)
