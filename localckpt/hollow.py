@@ -82,17 +82,19 @@ def _exact_str(value: str, path: tuple[Any, ...], what: str = "value") -> str:
 
 # Python reads back no int of more than 4,300 decimal digits from JSON (a process that raised
 # sys.set_int_max_str_digits writes them): refused at save, not found corrupt at load.
-_INT_MAX_BITS = 14_000
+_INT_TOO_BIG = 10 ** 4300
+_INT_SURELY_SMALLER_BITS = _INT_TOO_BIG.bit_length() - 1
 
 
 def _encode_leaf(value: Any, path: tuple[Any, ...]) -> JSON:
     kind = type(value)
     if kind is str:
         return _exact_str(value, path)
-    if kind is int and value.bit_length() > _INT_MAX_BITS:
+    if kind is int and value.bit_length() > _INT_SURELY_SMALLER_BITS and \
+            abs(value) >= _INT_TOO_BIG:
         raise TypeError(f"state dict key {path_str(path)!r}: an int of {value.bit_length()} "
-                        f"bits (at most {_INT_MAX_BITS}: JSON readers refuse more than 4,300 "
-                        "digits); store it as bytes (value.to_bytes(...)) or a tensor")
+                        "bits, more than the 4,300 decimal digits JSON readers take; store it "
+                        "as bytes (value.to_bytes(...)) or a tensor")
     if kind in _SCALAR_TYPES:
         return value
     if kind is float:
@@ -397,8 +399,12 @@ class Decoder:
             if type(value) is not list or any(type(f) is not list or len(f) != 2
                                               or type(f[0]) is not str for f in value):
                 raise ValueError(f"malformed Namespace node: {str(value)[:200]}")
-            return argparse.Namespace(**{k: self._node(v, None if path is None else (*path, k))
-                                         for k, v in value})
+            # its attributes set as a dict's items, as vars() gave them: any name is data
+            # (a setattr of __class__ would change the object)
+            ns = argparse.Namespace()
+            vars(ns).update({k: self._node(v, None if path is None else (*path, k))
+                             for k, v in value})
+            return ns
         if tag == "enum":
             return leaves.enum_member(value, self.types)
         fields = value.get("fields")
