@@ -562,9 +562,49 @@ def test_gc_of_some_nodes_roots_keeps_every_iteration(capsys: pytest.CaptureFixt
     assert "roots of 2 of the job's 3 nodes" in err
     assert _present(nodes[1], nodes[2]) == [(1, 0), (1, 1), (1, 1), (1, 2), (2, 0), (2, 1),
                                             (2, 1), (2, 2)]
+    # the newest copy on one of the roots given unreadable: the count comes from another
+    (nodes[2] / "job" / "iter_0000000002" / "rank_00002_of_00003" / "zarr.json").write_text("{")
+    code, out, err = run_cli(capsys, "gc", str(nodes[1]), str(nodes[2]), "--json")
+    assert code == 0 and "roots of 2 of the job's 3 nodes" in err, (out, err)
+    assert (1, 1) in _present(nodes[1], nodes[2])
     # every node's root: the fence is seen, 2 is hidden, 1 is kept
     assert cli_json(capsys, "gc", *map(str, nodes))["removed"] == []
     assert {it for it, _ in _present(*nodes)} == {1, 2}
+
+
+def test_gc_after_a_job_shrank_counts_the_nodes_it_runs_on_now(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A job of 4 nodes resumed on 2 (world size 4 -> 2): gc of both roots kept everything
+    forever, the old world size's manifests saying 4 nodes."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for it in (1, 2):
+        for owner in range(4):
+            _shard(node0 if owner < 2 else node1, it, owner, 4, nodes=4)
+    for it in (3, 4):
+        for node, owner in ((node0, 0), (node1, 1)):
+            _shard(node, it, owner, 2, nodes=2)
+    done = cli_json(capsys, "gc", str(node0), str(node1), "--session", "job",
+                    "--world-size", "2")
+    assert {Path(p).parent.name for p in done["removed"]} == {
+        "iter_0000000001", "iter_0000000002", "iter_0000000003"}, done
+
+
+def test_gc_removes_a_pool_and_a_fence_temporary_a_crash_left(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A session holding only a pool of recycled files (reserve() filled it, then the job died
+    before its first commit) was skipped as no session; a fence's temporary file (a plain
+    file) was reported removed and stayed."""
+    pool = tmp_path / "job" / ".recycle"
+    pool.mkdir(parents=True)
+    for k in range(3):
+        (pool / f"{k:020d}-{k:012x}").write_bytes(bytes(4096))
+    assert cli_json(capsys, "gc", str(tmp_path))["removed"] == [str(pool)]
+    assert not pool.exists()
+    _shard(tmp_path, 1, 0, 1)
+    fence_tmp = tmp_path / "job" / f".trash-fence-w00000-{'0' * 32}"
+    fence_tmp.write_text("{")
+    assert cli_json(capsys, "gc", str(tmp_path))["removed"] == [str(fence_tmp)]
+    assert not fence_tmp.exists()
 
 
 def test_ls_hides_what_a_fence_on_any_root_hides(capsys: pytest.CaptureFixture[str],

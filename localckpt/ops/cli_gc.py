@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..storage.layout import (
     holds_checkpoints,
     list_sessions,
     list_shards,
+    remove_paths,
     session_dir,
 )
 from ..storage.rollback_fence import hidden, merged, read_fence
@@ -157,18 +157,19 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
                                       if isinstance(m.get("saved_unix"), (int, float))})
             doomed += [(root, s) for root, refs in shards.items() for s in refs
                        if s.world_size == world and s.iteration not in keep]
-    short = None if partial else _nodes_unseen(roots, session, shards)
-    if short is not None and doomed:
-        print(f"localckpt gc: session {session!r}: the roots of {len(roots)} of the job's "
-              f"{short} nodes are given; a rollback begun on another node (its fence) cannot be "
-              "seen from here, so no iteration is removed: give every node's root, or "
+    short = None if partial or not doomed else _nodes_unseen(roots, session, shards)
+    if short is not None:
+        print(f"localckpt gc: session {session!r}: the roots of {short[0]} of the job's "
+              f"{short[1]} nodes are given; a rollback begun on another node (its fence) cannot "
+              "be seen from here, so no iteration is removed: give every node's root, or "
               "--partial to remove what this view's retention would", file=sys.stderr)
         doomed = []
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
                                                + find_quarantined(session_dir(root, session)))]
     if not dry_run:
-        for path in leftovers:
-            shutil.rmtree(path, ignore_errors=True)
+        for root in roots:  # directories and files (a fence's temporary) alike
+            remove_paths(session_dir(root, session),
+                         [p for p in leftovers if p.is_relative_to(session_dir(root, session))])
         for root in roots:
             store = ShardStore(root, session, writer_rank=0, io_threads=1)
             try:
@@ -231,22 +232,21 @@ def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: 
 
 
 def _nodes_unseen(roots: list[Path], session: str,
-                  shards: dict[Path, list[ShardRef]]) -> int | None:
-    """The job's node count (as its manifests record it) when ``roots`` are fewer node roots
-    than that; None when they are not, or it cannot be told (a durable tier's root holds
-    every rank's shards and its own fence)."""
-    newest: dict[int, ShardRef] = {}
-    for refs in shards.values():
-        for ref in refs:
-            if ref.owner_rank >= 0 and ref.iteration >= getattr(
-                    newest.get(ref.world_size), "iteration", -1):
-                newest[ref.world_size] = ref
-    nodes = 0
-    for world, ref in newest.items():
-        if committed_as_job(roots, session, {ref.iteration}, world) is not None:
-            return None
+                  shards: dict[Path, list[ShardRef]]) -> tuple[int, int] | None:
+    """(node roots given, the job's node count) when those are fewer; None
+    when they are not, or it cannot be told. The count is the newest iteration's, as any
+    readable copy's manifest records it (the job as it runs now, after a resize). A durable
+    tier's root holds every rank's shards and its own fence: one view of the whole job."""
+    refs = sorted((ref for held in shards.values() for ref in held if ref.owner_rank >= 0),
+                  key=lambda ref: ref.iteration, reverse=True)
+    worlds = {ref.world_size for ref in refs}
+    if any(committed_as_job(roots, session, {r.iteration for r in refs if r.world_size == w},
+                            w) is not None for w in worlds):
+        return None
+    given = len(roots)  # an empty one counts: a wiped node's root holds no fence either
+    for ref in refs:  # newest first, until a copy says
         with contextlib.suppress(UsageError, CheckpointingError):
             job = read_manifest(ref.path).identity.get("job")
             if isinstance(job, dict) and type(job.get("nodes")) is int:
-                nodes = max(nodes, job["nodes"])
-    return nodes if nodes > len(roots) else None
+                return (given, job["nodes"]) if job["nodes"] > given else None
+    return None

@@ -146,10 +146,11 @@ def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
 
 def holds_checkpoints(session_path: Path) -> bool:
     """Whether ``session_path`` holds anything localckpt writes: an iteration directory, a
-    rollback fence, or a leftover of its own naming."""
+    rollback fence, a leftover of its own naming, or a pool of recycled files."""
     return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME
                or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
-               for e in _scandir(session_path))
+               for e in _scandir(session_path)) or (
+                   _pool_of_ours(session_path) and any(_scandir(session_path / RECYCLE_DIR)))
 
 
 def list_sessions(root: Path) -> list[str]:
