@@ -298,3 +298,21 @@ def test_a_start_never_deletes_through_a_pool_that_is_a_link(root: Path, tmp_pat
     with LocalCheckpointManager(root, "job", recycle_files=True) as mgr:
         assert mgr.find_latest() == 1
     assert sorted(p.name for p in elsewhere.iterdir()) == [".bashrc", ".part-0123", ".ssh"]
+
+
+def test_a_pool_holding_a_stray_entry_still_gives_its_files_back(tmp_path: Path) -> None:
+    """A pool is removed whole only when it holds pool files alone; with a stray entry (an
+    .nfs* file, something an operator put there) its files still go, the stray stays."""
+    from localckpt.storage.layout import remove_leftovers
+
+    pool = tmp_path / "s" / RECYCLE_DIR
+    pool.mkdir(parents=True)
+    files = [pool / f"{k:020d}-{k:012x}" for k in range(2)]
+    for f in files:
+        f.write_bytes(bytes(4096))
+    (pool / ".nfs0000000001").write_text("held open elsewhere")
+    removed = remove_leftovers(tmp_path / "s", None)
+    assert sorted(removed) == sorted(files) and sorted(p.name for p in pool.iterdir()) == [
+        ".nfs0000000001"]
+    (pool / ".nfs0000000001").unlink()
+    assert remove_leftovers(tmp_path / "s", None) == [pool] and not pool.exists()

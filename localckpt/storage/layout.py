@@ -190,11 +190,13 @@ def find_leftovers(session_path: Path, writer_rank: int | None = None,
     writer, and the pool of recycled chunk files unless ``keep_recycled``) under
     ``session_path``."""
     tag = "" if writer_rank is None else f"-w{writer_rank:05d}-"
-    pool = writer_rank is None and not keep_recycled and _pool_of_ours(session_path)
-    in_session = [Path(e.path) for e in _scandir(session_path)
-                  if (tag in e.name and _SESSION_TRASH_RE.fullmatch(e.name))
-                  or (pool and e.name == RECYCLE_DIR)]
     pool_dir = session_path / RECYCLE_DIR
+    in_session = [Path(e.path) for e in _scandir(session_path)
+                  if tag in e.name and _SESSION_TRASH_RE.fullmatch(e.name)]
+    if writer_rank is None and not keep_recycled and _real_dir(pool_dir):  # never via a link
+        # the pool whole, or its files where it holds something else too (not ours to take)
+        in_session += [pool_dir] if _pool_of_ours(session_path) else [
+            Path(e.path) for e in _scandir(pool_dir) if _POOL_FILE_RE.fullmatch(e.name)]
     if writer_rank is None and keep_recycled and _real_dir(pool_dir):
         # files a crash left half-made in the pool (never through a link: not ours)
         in_session += [Path(e.path) for e in _scandir(pool_dir) if e.name.startswith(".part-")]
