@@ -26,7 +26,9 @@ def test_save_policy_rules() -> None:
     policy = SavePolicy(every_steps=5, at_steps={3}, predicate=lambda s: s == 11)
     assert [s for s in range(13) if policy.due_by_step(s)] == [3, 5, 10, 11]
     assert SavePolicy(every_seconds=2).due_by_time(2.5) and not SavePolicy().due_by_time(1e9)
-    for bad in ({"every_steps": 0}, {"at_steps": [-1]}, {"every_seconds": 0},
+    # an iterator is taken once, not checked and then stored empty
+    assert SavePolicy(at_steps=iter([3, 7])).at_steps == {3, 7}
+    for bad in ({"every_steps": 0}, {"at_steps": [-1]}, {"at_steps": 100}, {"every_seconds": 0},
                 {"every_seconds": float("inf")}, {"predicate": 5}):
         with pytest.raises(ConfigurationError, match="SavePolicy"):
             SavePolicy(**bad)  # type: ignore[arg-type]

@@ -39,10 +39,15 @@ class SavePolicy:
                                              or self.every_steps < 1):
             raise ConfigurationError(f"SavePolicy.every_steps: expected None or an int >= 1, "
                                      f"got {self.every_steps!r}")
-        if any(type(s) is not int or s < 0 for s in self.at_steps):
+        try:  # taken once: an iterator checked, then stored, would be stored empty
+            steps = frozenset(self.at_steps)
+        except TypeError:
+            raise ConfigurationError(f"SavePolicy.at_steps: expected a collection of "
+                                     f"non-negative ints, got {self.at_steps!r}") from None
+        if any(type(s) is not int or s < 0 for s in steps):
             raise ConfigurationError(f"SavePolicy.at_steps: expected non-negative ints, got "
-                                     f"{sorted(map(repr, self.at_steps))[:10]}")
-        object.__setattr__(self, "at_steps", frozenset(self.at_steps))
+                                     f"{sorted(map(repr, steps))[:10]}")
+        object.__setattr__(self, "at_steps", steps)
         if self.every_seconds is not None and (
                 not isinstance(self.every_seconds, (int, float)) or
                 isinstance(self.every_seconds, bool) or not math.isfinite(self.every_seconds)
