@@ -18,7 +18,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.parsing import AttributeDict
 from torch.utils.data import DataLoader, TensorDataset
 
-from localckpt import ConfigurationError, LocalCheckpointManager, NoCheckpointError
+from localckpt import (
+    CollectiveError,
+    ConfigurationError,
+    LocalCheckpointManager,
+    NoCheckpointError,
+)
 from localckpt.integrations import lightning as pl_io
 from localckpt.integrations.lightning import LATEST, LocalCkptIO
 
@@ -301,4 +306,103 @@ def test_a_marker_that_cannot_be_replaced_does_not_name_the_older_iteration(
     assert not (tmp_path / "last.ckpt").exists()  # no marker: a resume loads the newest
     io = LocalCkptIO(root, "job")
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 6
+    io.teardown()
+
+
+@pytest.mark.parametrize("busy", ["wait", "skip"])
+def test_an_async_marker_never_names_an_iteration_retention_deleted(
+        root: Path, tmp_path: Path, busy: str) -> None:
+    """A save finalizes the one before (retention then deletes the older one) while that
+    one's marker waited in the queue for the save after next: with keep_last=1 last.ckpt named
+    a deleted iteration, and a job killed then could not resume from it."""
+    import time
+
+    io = LocalCkptIO(root, "job", async_save=True, busy=busy)
+    store = io.manager._ctx.store
+    real = store.write
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(0.3)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+    store.write = slow  # type: ignore[method-assign]
+    last = tmp_path / "last.ckpt"
+    for step in (4, 8, 12):
+        io.save_checkpoint({"global_step": step, "w": torch.full((4,), float(step))}, last)
+        if busy == "skip":
+            time.sleep(0.6)  # the write ends before the next save: none is skipped
+        if last.exists():  # on disk (iterations() would finalize the save in flight)
+            assert (root / "job" / f"iter_{_marker(last):010d}").is_dir(), (step, _marker(last))
+    assert _marker(last) == 8
+    io.teardown()
+    assert _marker(last) == 12
+
+
+def test_a_type_one_rank_cannot_save_is_every_rank_s_error_at_once(root: Path,
+                                                                   tmp_path: Path) -> None:
+    """The check ran on each rank alone before the collective save: rank 1 raised, rank 0
+    waited in the save's agreement for the whole timeout, and localckpt's group broke."""
+    import lightning_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(lightning_scenarios.save_with_a_type_on_one_rank, 2, tmp_path,
+                        str(root), str(tmp_path / "last.ckpt"))
+    for r in results:
+        assert r.ok, r.message
+        assert " in 0s: " in r.value and "Mode" in r.value, r.value
+    assert _marker(tmp_path / "last.ckpt") == 2
+
+
+def test_a_skipped_save_of_the_same_step_marks_the_one_in_flight(root: Path,
+                                                                 tmp_path: Path) -> None:
+    """busy="skip": Lightning saves the top-k file and last.ckpt back to back at one step; the
+    second always found the first in flight and wrote no marker, so last.ckpt stayed behind."""
+    io = LocalCkptIO(root, "job", async_save=True, busy="skip")
+    big = {"w": torch.ones(16 * 2**20)}
+    io.save_checkpoint({"global_step": 16, **big}, tmp_path / "step=16.ckpt")
+    io.save_checkpoint({"global_step": 16, **big}, tmp_path / "last.ckpt")
+    io.teardown()
+    assert _marker(tmp_path / "step=16.ckpt") == 16
+    assert _marker(tmp_path / "last.ckpt") in (16, 17)  # 17: the second was not skipped
+
+
+def test_a_marker_removed_while_its_save_is_in_flight_stays_removed(root: Path,
+                                                                     tmp_path: Path) -> None:
+    io = LocalCkptIO(root, "job", async_save=True, keep_last=3)
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(8 * 2**20)}, tmp_path / "s4.ckpt")
+    io.remove_checkpoint(tmp_path / "s4.ckpt")  # top-k dropped it before it was finalized
+    io.teardown()
+    assert not (tmp_path / "s4.ckpt").exists()
+    # after teardown (Lightning's callbacks run theirs after the strategy's): still removed
+    io.save_checkpoint({"global_step": 5, "w": torch.ones(2)}, tmp_path / "s5.ckpt")
+    io.teardown()
+    io.remove_checkpoint(tmp_path / "s5.ckpt")
+    assert not (tmp_path / "s5.ckpt").exists()
+
+
+@pytest.mark.parametrize("kwargs", [{"save_policy": object()}, {"preemption_signals": ()},
+                                    {"keep_best": 1, "best_metric": "loss"}])
+def test_manager_settings_lightning_cannot_honour_are_refused(root: Path,
+                                                              kwargs: dict[str, object]) -> None:
+    """keep_best got no metrics (every iteration kept for ever, the disk filling up), and a
+    save_policy's skipped step still got a marker naming an iteration never saved."""
+    with pytest.raises(ConfigurationError, match="cannot work through Lightning"):
+        LocalCkptIO(root, "job", **kwargs)
+
+
+def test_a_teardown_whose_finalize_fails_still_closes_the_manager(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    io = LocalCkptIO(root, "job", async_save=True)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, root / "m.ckpt")
+    manager = io._manager
+    assert manager is not None and io._queue is not None
+
+    def fails(blocking: bool = False) -> None:
+        raise RuntimeError("injected: the save ran past its bound")
+    monkeypatch.setattr(io._queue, "maybe_finalize_async_calls", fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        io.teardown()
+    assert io._manager is None and io._queue is None
+    with pytest.raises(CollectiveError, match="closed"):  # closed: its group is gone
+        manager._ctx.group.check_usable("after teardown")
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, root / "m.ckpt")  # a new one
     io.teardown()

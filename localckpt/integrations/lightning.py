@@ -105,6 +105,12 @@ class LocalCkptIO(CheckpointIO):
             raise ConfigurationError("LocalCkptIO: expected a root or a manager_factory "
                                      f"(exactly one), got root={root!r}, "
                                      f"manager_factory={manager_factory!r}")
+        useless = sorted(k for k in _NOT_FOR_LIGHTNING if k in manager_kwargs)
+        if useless:
+            raise ConfigurationError(
+                f"LocalCkptIO: {useless} cannot work through Lightning: it decides when to save "
+                "(ModelCheckpoint's every_n_train_steps, SIGTERM handling), and gives no "
+                "metrics to keep the best by (use ModelCheckpoint's save_top_k and monitor)")
         if manager_factory is None:
             def manager_factory() -> LocalCheckpointManager:
                 return LocalCheckpointManager(root, session_id,  # type: ignore[arg-type]
@@ -116,6 +122,12 @@ class LocalCkptIO(CheckpointIO):
         self._manager: LocalCheckpointManager | None = None
         self._queue: AsyncCallsQueue | None = None
         self._last: int | None = None  # newest iteration saved or loaded (kept over teardown)
+        # Markers waiting for their async save's finalize: path -> iteration (a path removed
+        # meanwhile is dropped: its marker must not come back), and the step of the save in
+        # flight (a save busy="skip" drops at that step holds the same state: its marker
+        # names that save's iteration).
+        self._pending: dict[Path, int] = {}
+        self._inflight: tuple[int, int] | None = None
 
     @property
     def manager(self) -> LocalCheckpointManager:
@@ -143,9 +155,10 @@ class LocalCkptIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
         """Save ``checkpoint`` as the next iteration (see the module docstring) and point the
-        marker at ``path`` to it once it is complete. Collective. With ``async_save`` and
-        ``busy="skip"``, a save skipped because the previous one is in flight writes no
-        marker (logged)."""
+        marker at ``path`` to it once it is complete. Collective. With ``async_save``, the
+        save before is finalized (its markers written) before this returns. With
+        ``busy="skip"``, a save skipped because the previous one is in flight writes no marker
+        (logged), unless that one is of the same step: its iteration is marked."""
         if storage_options is not None:
             raise TypeError("LocalCkptIO.save_checkpoint: storage_options are not supported, "
                             f"got {storage_options!r}")
@@ -154,26 +167,48 @@ class LocalCkptIO(CheckpointIO):
             raise ConfigurationError(f"LocalCkptIO: expected a non-negative int 'global_step' "
                                      f"in the checkpoint, got {step!r}")
         state = _plain(checkpoint)
-        _check_types(state)
         mgr = self.manager
+        # every rank's verdict alike: one rank raising alone would leave the others in the
+        # save's agreement until its timeout, and localckpt's group broken
+        mgr._ctx.group.exchange("lightning: types", partial(_check_types, state))
         if self._last is None:
             self._last = mgr.find_latest()
         iteration = max(step, self._last + 1)
-        mark = partial(_write_marker, Path(path), mgr.session_id, iteration) \
-            if mgr.rank == 0 else _nothing
         if self._queue is None:
             mgr.save(state, iteration)
             self._last = iteration
-            mark()
+            self._mark(Path(path), iteration)
             return
         self._finalize(blocking=False)
         request = mgr.save(state, iteration, is_async=True)
+        # That save finalized the one before it (and retention deleted what that one's marker
+        # replaces): its markers are written now, not at the save after next.
+        self._finalize(blocking=False)
         if request is None:
+            if self._inflight is not None and self._inflight[0] == step:
+                self._pending[Path(path)] = self._inflight[1]  # the same state, in flight
+                return
             logger.warning("LocalCkptIO: the save of step %d was skipped (busy='skip': the "
                            "previous one is still in flight); no marker at %s", step, path)
             return
         self._last = iteration
-        self._queue.schedule_async_request(request.add_finalize_fn(mark))
+        self._inflight = (step, iteration)
+        self._pending[Path(path)] = iteration
+        self._queue.schedule_async_request(request.add_finalize_fn(
+            partial(self._write_pending, iteration)))
+
+    def _mark(self, path: Path, iteration: int) -> None:
+        if self.manager.rank == 0:
+            _write_marker(path, self.manager.session_id, iteration)
+
+    def _write_pending(self, iteration: int) -> None:
+        """The finalize step of the async save of ``iteration``: its markers."""
+        if self._inflight is not None and self._inflight[1] == iteration:
+            self._inflight = None
+        for path, it in list(self._pending.items()):
+            if it == iteration:
+                del self._pending[path]
+                self._mark(path, iteration)
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -203,24 +238,35 @@ class LocalCkptIO(CheckpointIO):
         return state  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the marker at ``path`` (shards go by the manager's retention)."""
-        if self._manager is not None and self._manager.rank == 0:
+        """Remove the marker at ``path``, and the one a save in flight would write there
+        (shards go by the manager's retention). Needs no manager: Lightning's callbacks remove
+        markers after the strategy's teardown closed it."""
+        self._pending.pop(Path(path), None)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
             Path(path).unlink(missing_ok=True)
 
     def teardown(self) -> None:
-        """Finalize every async save and close the manager. Collective."""
+        """Finalize every async save and close the manager. Collective. The manager is closed
+        and forgotten however the finalize ended (a save past its bound raises here once)."""
+        queue, manager = self._queue, self._manager
+        self._manager, self._queue, self._inflight = None, None, None
         try:
-            self._finalize(blocking=True)
+            if queue is not None:
+                queue.maybe_finalize_async_calls(blocking=True)
         finally:
-            if self._queue is not None:
-                self._queue.close()
-            if self._manager is not None:
-                self._manager.close()
-            self._manager, self._queue = None, None
+            try:
+                if queue is not None:
+                    queue.close(abort=True)  # finalized above, or that failed: not again
+            finally:
+                self._pending.clear()
+                if manager is not None:
+                    manager.close()
 
 
-def _nothing() -> None:
-    pass
+# Settings of the manager LocalCkptIO cannot honour: Lightning decides when to save, and gives
+# no metrics to keep by.
+_NOT_FOR_LIGHTNING = ("save_policy", "preemption_signals", "keep_best", "best_metric",
+                      "best_mode", "keep_without_metric")
 
 
 def _check_types(state: Any) -> None:
