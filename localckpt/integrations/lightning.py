@@ -180,13 +180,17 @@ class LocalCkptIO(CheckpointIO):
             self._mark(Path(path), iteration)
             return
         self._finalize(blocking=False)
+        inflight = self._inflight
         request = mgr.save(state, iteration, is_async=True)
         # That save finalized the one before it (and retention deleted what that one's marker
         # replaces): its markers are written now, not at the save after next.
         self._finalize(blocking=False)
         if request is None:
-            if self._inflight is not None and self._inflight[0] == step:
-                self._pending[Path(path)] = self._inflight[1]  # the same state, in flight
+            if inflight is not None and inflight[0] == step:  # the same state: its iteration
+                if self._inflight == inflight:
+                    self._pending[Path(path)] = inflight[1]
+                else:  # finalized meanwhile: complete
+                    self._mark(Path(path), inflight[1])
                 return
             logger.warning("LocalCkptIO: the save of step %d was skipped (busy='skip': the "
                            "previous one is still in flight); no marker at %s", step, path)
