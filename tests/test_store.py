@@ -614,3 +614,24 @@ def test_a_fence_half_written_by_a_killed_writer_is_a_leftover(store: ShardStore
     assert [p.name[:19] for p in store.session_path.iterdir()] == [".trash-fence-w00000"]
     store.remove_leftovers()
     assert list(store.session_path.iterdir()) == []
+
+
+def test_two_stores_of_one_rank_in_one_process_leave_each_others_writes(root: Path) -> None:
+    """A job that loads with a second manager while the saving one is open (scripts/bench.py
+    does): both wrote temporary directories under one writer tag, and either one's retention
+    took the other's write in progress for a crash leftover and removed it."""
+    a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    b = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
+        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
+                                 chunk_nbytes, count, ())
+        writer = a.begin_write(manifest)
+        assert b.remove_leftovers() == [] and writer.tmp.is_dir()
+        writer.abort()
+        dead = writer.tmp.parent / f".tmp-rank_00000_of_00001-w00000-{'0' * 12}"
+        dead.mkdir()  # a crashed process's: still a leftover for either
+        assert b.remove_leftovers() == [dead] and not dead.exists()
+    finally:
+        a.close()
+        b.close()

@@ -117,7 +117,8 @@ class ShardWriter:
 
     def __init__(self, manifest: ShardManifest, final: Path, writer_rank: int,
                  pool: ThreadPoolExecutor, files: FilePool | None = None,
-                 fault_points: bool = True, stopped: threading.Event | None = None) -> None:
+                 fault_points: bool = True, stopped: threading.Event | None = None,
+                 instance: str = "") -> None:
         self.manifest = manifest
         self._stopped = stopped  # set: the owner closed, nothing may be committed any more
         self._fault_points = fault_points  # the node root's writes (not the durable tier's)
@@ -126,7 +127,9 @@ class ShardWriter:
         self._pool = pool
         self._files = files  # retired chunk files to write over (see recycle.py)
         self._futures: dict[int, Future[int]] = {}
-        self.tmp = final.parent / f".tmp-{final.name}-w{writer_rank:05d}-{uuid.uuid4().hex[:12]}"
+        # <writer rank>-<the store's instance><random>: see store._LIVE_WRITERS
+        self.tmp = final.parent / (f".tmp-{final.name}-w{writer_rank:05d}-"
+                                   f"{(instance + uuid.uuid4().hex)[:12]}")
         try:
             self._make_dirs()
         except OSError as exc:

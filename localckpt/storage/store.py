@@ -106,6 +106,13 @@ def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) ->
     return chunk_count * -(-(chunk_nbytes + 4) // block) * block + manifest_estimate + 64 * 1024
 
 
+# The open stores of this process by (session directory, writer rank): each one's id, which
+# its temporary directories carry, so that one's retention never takes another's write in
+# progress for a crash leftover (a job may load with a second manager while saving).
+_LIVE_WRITERS: dict[tuple[str, int], set[str]] = {}
+_LIVE_LOCK = threading.Lock()
+
+
 class ShardStore:
     """Writes, reads, lists and deletes shards of one session under one node-local root.
 
@@ -120,6 +127,10 @@ class ShardStore:
         self.session_path = session_dir(self.root, session_id)
         self.writer_rank = writer_rank
         self._tag = f"w{writer_rank:05d}"  # this writer's temporary files
+        self._instance = uuid.uuid4().hex[:6]  # this store's, within them (see _LIVE_WRITERS)
+        self._live_key = (str(self.session_path), writer_rank)
+        with _LIVE_LOCK:
+            _LIVE_WRITERS.setdefault(self._live_key, set()).add(self._instance)
         self.chunk_nbytes = chunk_nbytes
         self.fault_points = fault_points  # False: the chaos fault points of a save never fire
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="localckpt-io")
@@ -150,11 +161,15 @@ class ShardStore:
         process pooled and nobody took: their pages are of no use once it saves no more), then
         releases the threads."""
         self.stop_commits()
-        self.wait_for_deletions()
-        if self.files is not None:
-            self.files.drain_own()
-        self._reaper.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
+        try:
+            self.wait_for_deletions()
+            if self.files is not None:
+                self.files.drain_own()
+            self._reaper.shutdown(wait=True)
+            self._pool.shutdown(wait=True)
+        finally:
+            with _LIVE_LOCK:
+                _LIVE_WRITERS.get(self._live_key, set()).discard(self._instance)
 
     def wait_for_deletions(self, timeout: float | None = None) -> None:
         """Block until every ``background=True`` deletion so far is done (free space is then
@@ -274,7 +289,7 @@ class ShardStore:
         """Start writing the shard ``manifest`` describes; see :class:`ShardWriter`."""
         final = self.path_of(manifest.iteration, manifest.owner_rank, manifest.world_size)
         return ShardWriter(manifest, final, self.writer_rank, self._pool, self.files,
-                           self.fault_points, self._commits_stopped)
+                           self.fault_points, self._commits_stopped, self._instance)
 
     def commit(self, writer: ShardWriter) -> Path:
         """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
@@ -464,7 +479,11 @@ class ShardStore:
         iteration directories; returns the leftovers. They are listed now, whatever
         ``background`` says: a write this process starts later (a load's write-back) is never
         taken for a leftover by the reaper thread."""
-        found = find_leftovers(self.session_path, self.writer_rank)
+        with _LIVE_LOCK:
+            others = [f"-{self._tag}-{i}" for i in _LIVE_WRITERS.get(self._live_key, ())
+                      if i != self._instance]
+        found = [p for p in find_leftovers(self.session_path, self.writer_rank)
+                 if not any(o in p.name for o in others)]  # another open store's write
         if not background:
             remove_paths(self.session_path, found)
         else:
