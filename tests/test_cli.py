@@ -600,6 +600,12 @@ def test_gc_removes_a_pool_and_a_fence_temporary_a_crash_left(
         (pool / f"{k:020d}-{k:012x}").write_bytes(bytes(4096))
     assert cli_json(capsys, "gc", str(tmp_path))["removed"] == [str(pool)]
     assert not pool.exists()
+    pool.mkdir()
+    (pool / f"{7:020d}-{7:012x}").write_bytes(bytes(4096))
+    (pool / ".nfs0000000001").write_text("a stray")  # the files go, the stray stays
+    assert cli_json(capsys, "gc", str(tmp_path))["removed"] == [
+        str(pool / f"{7:020d}-{7:012x}")]
+    assert [p.name for p in pool.iterdir()] == [".nfs0000000001"]
     _shard(tmp_path, 1, 0, 1)
     fence_tmp = tmp_path / "job" / f".trash-fence-w00000-{'0' * 32}"
     fence_tmp.write_text("{")

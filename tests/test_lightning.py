@@ -352,17 +352,22 @@ def test_a_type_one_rank_cannot_save_is_every_rank_s_error_at_once(root: Path,
     assert _marker(tmp_path / "last.ckpt") == 2
 
 
-def test_a_skipped_save_of_the_same_step_marks_the_one_in_flight(root: Path,
-                                                                 tmp_path: Path) -> None:
+def test_a_second_save_at_the_step_in_flight_waits_for_it_not_skipped(root: Path,
+                                                                       tmp_path: Path) -> None:
     """busy="skip": Lightning saves the top-k file and last.ckpt back to back at one step; the
-    second always found the first in flight and wrote no marker, so last.ckpt stayed behind."""
-    io = LocalCkptIO(root, "job", async_save=True, busy="skip")
+    second always found the first in flight and wrote no marker, so last.ckpt stayed behind.
+    It holds other state (a weights-only top-k file, then the full last.ckpt): it is saved."""
+    io = LocalCkptIO(root, "job", async_save=True, busy="skip", keep_last=2)
     big = {"w": torch.ones(16 * 2**20)}
     io.save_checkpoint({"global_step": 16, **big}, tmp_path / "step=16.ckpt")
-    io.save_checkpoint({"global_step": 16, **big}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 16, "optimizer_states": [1], **big},
+                       tmp_path / "last.ckpt")
     io.teardown()
-    assert _marker(tmp_path / "step=16.ckpt") == 16
-    assert _marker(tmp_path / "last.ckpt") in (16, 17)  # 17: the second was not skipped
+    assert io._manager is None  # the finalize in teardown made no manager again
+    assert _marker(tmp_path / "step=16.ckpt") == 16 and _marker(tmp_path / "last.ckpt") == 17
+    io = LocalCkptIO(root, "job")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["optimizer_states"] == [1]
+    io.teardown()
 
 
 def test_a_marker_removed_while_its_save_is_in_flight_stays_removed(root: Path,
@@ -384,9 +389,19 @@ def test_a_marker_removed_while_its_save_is_in_flight_stays_removed(root: Path,
 def test_manager_settings_lightning_cannot_honour_are_refused(root: Path,
                                                               kwargs: dict[str, object]) -> None:
     """keep_best got no metrics (every iteration kept for ever, the disk filling up), and a
-    save_policy's skipped step still got a marker naming an iteration never saved."""
+    save_policy's skipped step still got a marker naming an iteration never saved; a
+    manager_factory's manager is checked alike."""
     with pytest.raises(ConfigurationError, match="cannot work through Lightning"):
         LocalCkptIO(root, "job", **kwargs)
+    if "save_policy" in kwargs:
+        from localckpt import SavePolicy
+        kwargs = {"save_policy": SavePolicy(every_steps=100)}
+    elif "preemption_signals" in kwargs:
+        kwargs = {"preemption_signals": True}
+    io = LocalCkptIO(manager_factory=lambda: LocalCheckpointManager(root, "job", **kwargs))
+    with pytest.raises(ConfigurationError, match="cannot work through Lightning"):
+        io.save_checkpoint(_checkpoint(7), root / "last.ckpt")
+    assert not (root / "last.ckpt").exists()
 
 
 def test_a_teardown_whose_finalize_fails_still_closes_the_manager(

@@ -107,10 +107,7 @@ class LocalCkptIO(CheckpointIO):
                                      f"manager_factory={manager_factory!r}")
         useless = sorted(k for k in _NOT_FOR_LIGHTNING if k in manager_kwargs)
         if useless:
-            raise ConfigurationError(
-                f"LocalCkptIO: {useless} cannot work through Lightning: it decides when to save "
-                "(ModelCheckpoint's every_n_train_steps, SIGTERM handling), and gives no "
-                "metrics to keep the best by (use ModelCheckpoint's save_top_k and monitor)")
+            raise ConfigurationError(f"LocalCkptIO: {useless} {_WHY_NOT}")
         if manager_factory is None:
             def manager_factory() -> LocalCheckpointManager:
                 return LocalCheckpointManager(root, session_id,  # type: ignore[arg-type]
@@ -134,7 +131,13 @@ class LocalCkptIO(CheckpointIO):
         """The manager (created on first use: collective)."""
         if self._manager is None:
             self._check_every_rank("the first save or load")
-            self._manager = self._factory()
+            manager = self._factory()
+            try:
+                _refuse_settings(manager)
+            except ConfigurationError:
+                manager.close()
+                raise
+            self._manager = manager
             if self.async_save:
                 self._queue = AsyncCallsQueue(timeout=self._manager.timeout,
                                               node_id=self._manager.node_id)
@@ -158,7 +161,8 @@ class LocalCkptIO(CheckpointIO):
         marker at ``path`` to it once it is complete. Collective. With ``async_save``, the
         save before is finalized (its markers written) before this returns. With
         ``busy="skip"``, a save skipped because the previous one is in flight writes no marker
-        (logged), unless that one is of the same step: its iteration is marked."""
+        (logged); one at the step of the save in flight waits for it instead (it holds other
+        state)."""
         if storage_options is not None:
             raise TypeError("LocalCkptIO.save_checkpoint: storage_options are not supported, "
                             f"got {storage_options!r}")
@@ -174,45 +178,41 @@ class LocalCkptIO(CheckpointIO):
         if self._last is None:
             self._last = mgr.find_latest()
         iteration = max(step, self._last + 1)
+        mark = partial(_write_marker, session=mgr.session_id) if mgr.rank == 0 else None
         if self._queue is None:
-            mgr.save(state, iteration)
+            mgr.save(state, iteration, force=True)  # Lightning decides when
             self._last = iteration
-            self._mark(Path(path), iteration)
+            if mark is not None:
+                mark(Path(path), iteration=iteration)
             return
-        self._finalize(blocking=False)
-        inflight = self._inflight
-        request = mgr.save(state, iteration, is_async=True)
-        # That save finalized the one before it (and retention deleted what that one's marker
-        # replaces): its markers are written now, not at the save after next.
-        self._finalize(blocking=False)
+        # A second save at the step of the one in flight holds other state (a weights-only
+        # top-k file, then last.ckpt): it waits for that one rather than being skipped.
+        self._finalize(blocking=self._inflight is not None and self._inflight[0] == step)
+        request = mgr.save(state, iteration, is_async=True, force=True)
         if request is None:
-            if inflight is not None and inflight[0] == step:  # the same state: its iteration
-                if self._inflight == inflight:
-                    self._pending[Path(path)] = inflight[1]
-                else:  # finalized meanwhile: complete
-                    self._mark(Path(path), inflight[1])
-                return
             logger.warning("LocalCkptIO: the save of step %d was skipped (busy='skip': the "
                            "previous one is still in flight); no marker at %s", step, path)
             return
+        # That save finalized the one before it on every rank (retention deleted what that
+        # one's markers replace): the queue finalizes it too, now, so its markers are written
+        # before this returns.
+        self._finalize(blocking=True)
         self._last = iteration
         self._inflight = (step, iteration)
         self._pending[Path(path)] = iteration
         self._queue.schedule_async_request(request.add_finalize_fn(
-            partial(self._write_pending, iteration)))
+            partial(self._write_pending, iteration, mark)))
 
-    def _mark(self, path: Path, iteration: int) -> None:
-        if self.manager.rank == 0:
-            _write_marker(path, self.manager.session_id, iteration)
-
-    def _write_pending(self, iteration: int) -> None:
-        """The finalize step of the async save of ``iteration``: its markers."""
+    def _write_pending(self, iteration: int, mark: Callable[..., None] | None) -> None:
+        """The finalize step of the async save of ``iteration``: its markers (rank 0's, with
+        what it knew when the save was made: no manager is needed, or made, here)."""
         if self._inflight is not None and self._inflight[1] == iteration:
             self._inflight = None
         for path, it in list(self._pending.items()):
             if it == iteration:
                 del self._pending[path]
-                self._mark(path, iteration)
+                if mark is not None:
+                    mark(path, iteration=iteration)
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -271,6 +271,9 @@ class LocalCkptIO(CheckpointIO):
 # no metrics to keep by.
 _NOT_FOR_LIGHTNING = ("save_policy", "preemption_signals", "keep_best", "best_metric",
                       "best_mode", "keep_without_metric")
+_WHY_NOT = ("cannot work through Lightning: it decides when to save (ModelCheckpoint's "
+            "every_n_train_steps, its own SIGTERM handling), and gives no metrics to keep the "
+            "best by (use ModelCheckpoint's save_top_k and monitor)")
 
 
 def _check_types(state: Any) -> None:
@@ -282,6 +285,16 @@ def _check_types(state: Any) -> None:
             f"LocalCkptIO: the checkpoint holds objects of {refused}, which a resume could not "
             "rebuild: allow them with LocalCkptIO(..., safe_types=[...]) or "
             "localckpt.add_safe_types(...)")
+
+
+def _refuse_settings(manager: LocalCheckpointManager) -> None:
+    """ConfigurationError for a manager (a factory's too) set up as Lightning cannot use."""
+    useless = [name for name, on in (
+        ("save_policy", manager._schedule.policy is not None),
+        ("preemption_signals", manager._schedule.watch is not None),
+        ("keep_best", manager._save.retainer.policy.best is not None)) if on]
+    if useless:
+        raise ConfigurationError(f"LocalCkptIO: the manager's {useless} {_WHY_NOT}")
 
 
 def _write_marker(path: Path, session: str, iteration: int) -> None:

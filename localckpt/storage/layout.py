@@ -150,7 +150,9 @@ def holds_checkpoints(session_path: Path) -> bool:
     return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME
                or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
                for e in _scandir(session_path)) or (
-                   _pool_of_ours(session_path) and any(_scandir(session_path / RECYCLE_DIR)))
+                   _real_dir(session_path / RECYCLE_DIR) and any(
+                       _POOL_FILE_RE.fullmatch(e.name)
+                       for e in _scandir(session_path / RECYCLE_DIR)))
 
 
 def list_sessions(root: Path) -> list[str]:
