@@ -204,9 +204,26 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         _check_tensor(obj, path)
         return {"T": walk.add(obj, path)}
     if kind is dict or kind is OrderedDict:
-        items = [[(k if k.isascii() else _exact_str(k, path, "key")) if type(k) is str
-                  else _encode_key(k, walk, path),
-                  encode_hollow(v, walk, (*path, k))] for k, v in obj.items()]
+        items = []
+        prefix = None  # this dict's key path and "/", made once (10,000 tensors: 10,000 joins)
+        for k, v in obj.items():
+            str_key = type(k) is str
+            key = (k if k.isascii() else _exact_str(k, path, "key")) if str_key \
+                else _encode_key(k, walk, path)
+            vkind = type(v)
+            # the common leaf inline: a plain tensor under a str key
+            if str_key and (vkind is torch.Tensor or vkind is torch.nn.Parameter) and \
+                    v.layout is torch.strided and not v.is_meta and not v.is_nested:
+                if prefix is None:
+                    prefix = path_str(path) + "/" if path else ""
+                walk.tensors.append(v)
+                walk.paths.append(prefix + k)
+                i = len(walk.tensors) - 1
+                if walk.on_tensor is not None and v.nbytes > walk.on_tensor_above:
+                    walk.on_tensor(i, v)
+                items.append([key, {"T": i}])
+            else:
+                items.append([key, encode_hollow(v, walk, (*path, k))])
         return {"odict" if kind is OrderedDict else "dict": items}
     if kind is list:
         return [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]

@@ -9,7 +9,7 @@ load on the calling thread (medians; cProfile's overhead per call distorts a pat
 calls). Used on a lent GPU by scripts/device_check.sh; runs on the CPU too (``--device cpu``).
 
 Usage: python scripts/profile_save_load.py [--device cuda] [--size-mib 1024] [--share 0.15]
-                                           [--phases]
+                                           [--case adam|small] [--phases] [--into]
 """
 
 from __future__ import annotations
@@ -142,6 +142,15 @@ def op_costs(device: torch.device, n: int = 2000) -> str:
     return "\n".join(lines)
 
 
+def _like(state: object) -> object:
+    """``state`` with each tensor replaced by an empty one like it (load(into=...)'s)."""
+    if isinstance(state, dict):
+        return {k: _like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_like(v) for v in state]
+    return torch.empty_like(state) if isinstance(state, torch.Tensor) else state
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +163,9 @@ def main() -> int:
     p.add_argument("--lines", type=int, default=25)
     p.add_argument("--phases", action="store_true",
                    help="wall-clock time per phase instead of cProfile")
+    p.add_argument("--into", action="store_true",
+                   help="load into preallocated tensors (load(into=...)), as a restart that "
+                        "built its model first")
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing profiled (use --device cpu)")
@@ -163,6 +175,7 @@ def main() -> int:
     case = (bench_cases.adam(a.size_mib << 20, a.share, seed=0) if a.case == "adam"
             else bench_cases.small(10_000, 4096, seed=0))
     state = to_device(case.state, device)
+    template = _like(state) if a.into else None
     root = benchlib.scratch("localckpt-profile-")
     stalls, loads = [], []
     stall_profile, load_profile = cProfile.Profile(), cProfile.Profile()
@@ -191,7 +204,7 @@ def main() -> int:
                         t = time.perf_counter()
                         if last and not a.phases:
                             load_profile.enable()
-                        loaded, _ = fresh.load()
+                        loaded, _ = fresh.load(into=template)
                         sync()
                         load_profile.disable()
                         loads.append(time.perf_counter() - t)

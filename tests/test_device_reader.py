@@ -263,7 +263,7 @@ def test_staging_that_fails_after_device_copies_were_queued_waits_for_them(
     monkeypatch.setattr(staging, "_stage_cpu", broken)
     tensors = [_on_device(torch.zeros(4)), torch.zeros(4)]
     if not in_a_run:  # the host tensor staged alone, not concatenated in a run
-        monkeypatch.setattr(staging, "_gatherable", lambda t, size: False)
+        monkeypatch.setattr(staging, "GATHER_MAX_NBYTES", 0)
     layout = plan_layout(tensors)
     assert bool(layout.runs) == in_a_run
     with pytest.raises(RuntimeError, match="injected"):

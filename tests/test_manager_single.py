@@ -186,7 +186,7 @@ def test_round_trip_when_the_layout_is_not_in_state_dict_order(
     from localckpt.save import staging
     from localckpt.state_dict import as_tensor_aware
 
-    monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 4096)
+    monkeypatch.setattr(staging, "GATHER_MAX_NBYTES", 4096)
     state = make_state(0, 1)
     offsets = staging.plan_layout(as_tensor_aware(state).tensors).offsets
     assert list(offsets) != sorted(offsets)

@@ -45,7 +45,7 @@ def test_layout_packs_gathered_tensors_back_to_back_in_capped_runs(
     """The runs' packing (CUDA tensors on a GPU machine) checked here with CPU tensors."""
     from localckpt.save import staging
 
-    monkeypatch.setattr(staging, "_gatherable", lambda t, size: 0 < size <= 1024)
+    monkeypatch.setattr(staging, "GATHER_MAX_NBYTES", 1024)
     monkeypatch.setattr(staging, "GATHER_RUN_MAX_NBYTES", 2048)
     tensors = [torch.arange(3, dtype=torch.float32), torch.zeros(5000),  # 20,000 B: not gathered
                torch.arange(7, dtype=torch.int16), torch.arange(250, dtype=torch.float32),

@@ -124,15 +124,21 @@ def plan_layout(tensors: Sequence[torch.Tensor], placed: Mapping[int, int] | Non
             storable.add(dtype)
         size = t.nbytes
         sizes.append(size)
+        cpu = t.is_cpu
         # The usual case inline (contiguous, inside its storage): 10,000 tensors pay it.
-        if size and (t.is_cpu or t.is_cuda) and not (
+        if size and (cpu or t.is_cuda) and not (
                 t.is_contiguous() and t.storage_offset() * dtype.itemsize + size
                 <= t.untyped_storage().nbytes()):
             refuse_past_storage(t, f"unsupported tensor at {where(i)}")
         if placed and i in placed:
             continue
-        if _gatherable(t, size):  # host runs keyed by dtype alone: no torch.device made
-            groups.setdefault(dtype if t.is_cpu else (t.device, dtype), []).append(i)
+        if cpu:  # host runs keyed by dtype alone: no torch.device made
+            if 0 < size <= GATHER_MAX_NBYTES and type(t) in _PLAIN_TYPES:  # _gatherable's
+                groups.setdefault(dtype, []).append(i)
+            else:
+                rest.append(i)
+        elif _gatherable(t, size):
+            groups.setdefault((t.device, dtype), []).append(i)
         else:
             rest.append(i)
     offsets = [0] * len(tensors)
