@@ -120,9 +120,8 @@ class LocalCkptIO(CheckpointIO):
         self._queue: AsyncCallsQueue | None = None
         self._last: int | None = None  # newest iteration saved or loaded (kept over teardown)
         # Markers waiting for their async save's finalize: path -> iteration (a path removed
-        # meanwhile is dropped: its marker must not come back), and the step of the save in
-        # flight (a save busy="skip" drops at that step holds the same state: its marker
-        # names that save's iteration).
+        # meanwhile is dropped: its marker must not come back), and (step, iteration) of the
+        # save in flight (another save at that step waits for it: see save_checkpoint).
         self._pending: dict[Path, int] = {}
         self._inflight: tuple[int, int] | None = None
 

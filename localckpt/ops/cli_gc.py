@@ -233,10 +233,10 @@ def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: 
 
 def _nodes_unseen(roots: list[Path], session: str,
                   shards: dict[Path, list[ShardRef]]) -> tuple[int, int] | None:
-    """(node roots given, the job's node count) when those are fewer; None
-    when they are not, or it cannot be told. The count is the newest iteration's, as any
-    readable copy's manifest records it (the job as it runs now, after a resize). A durable
-    tier's root holds every rank's shards and its own fence: one view of the whole job."""
+    """(node roots given, the job's node count) when those are fewer; None when they are not,
+    or it cannot be told. The count is the newest iteration's, as any readable copy's manifest
+    records it (the job as it runs now, after a resize). A durable tier's root holds every
+    rank's shards and its own fence: one view of the whole job."""
     refs = sorted((ref for held in shards.values() for ref in held if ref.owner_rank >= 0),
                   key=lambda ref: ref.iteration, reverse=True)
     worlds = {ref.world_size for ref in refs}
