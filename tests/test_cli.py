@@ -272,6 +272,11 @@ def test_gc_refuses_a_session_a_live_job_holds(capsys: pytest.CaptureFixture[str
         assert cli_json(capsys, "gc", str(root), "--dry-run")["dry_run"]  # looking is fine
     assert cli_json(capsys, "gc", str(root))["removed"] == []
     assert _present(root) == [(2, 0)]
+    # before its first save, a live job's session holds nothing yet: still in use, not "no
+    # checkpoints" (the chaos scenario of gc during training met it at 860a6e8)
+    with LocalCheckpointManager(root, "fresh"):
+        code, _, err = run_cli(capsys, "gc", str(root), "--session", "fresh")
+        assert code == 2 and "in use" in err, err
 
 
 def test_gc_world_size_is_scoped_to_one_session(capsys: pytest.CaptureFixture[str],

@@ -74,10 +74,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if all(not os.path.samefile(root, r) for r in roots):  # one root named twice: once
             roots.append(root)
     removed: list[Path] = []
-    # only directories holding what localckpt writes: a root given by mistake (a parent of
-    # the real one) must not have its subdirectories collected as sessions
+    # only directories holding what localckpt writes, or a live job's (refused below): a root
+    # given by mistake (a parent of the real one) must not have its subdirectories collected
     sessions = sorted({s for root in roots for s in list_sessions(root)
-                       if holds_checkpoints(session_dir(root, s))})
+                       if holds_checkpoints(session_dir(root, s))
+                       or _held_by_a_job(session_dir(root, s))})
     if not sessions:
         raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
     if args.session is not None:
@@ -250,3 +251,14 @@ def _nodes_unseen(roots: list[Path], session: str,
             if isinstance(job, dict) and type(job.get("nodes")) is int:
                 return (given, job["nodes"]) if job["nodes"] > given else None
     return None
+
+
+def _held_by_a_job(path: Path) -> bool:
+    """Whether a live manager holds the session directory ``path`` (it may hold nothing yet)."""
+    try:
+        SessionLock(path, exclusive=True).release()
+    except SessionInUseError:
+        return True
+    except OSError:  # not a directory we may open: no job's
+        return False
+    return False
