@@ -54,8 +54,9 @@ def test_saves_loads_and_keeps_markers(root: Path, tmp_path: Path) -> None:
     assert _marker(tmp_path / "last.ckpt") == 5
     assert _marker(tmp_path / "epoch=1-step=6.ckpt") == 6
     io.teardown()
-    assert sorted(p.name for p in (root / "job").iterdir()) == ["iter_0000000005",
-                                                               "iter_0000000006"]
+    # 4 was named by a marker when 6's retention ran: it goes at the next save's
+    assert sorted(p.name for p in (root / "job").iterdir()) == [
+        "iter_0000000004", "iter_0000000005", "iter_0000000006"]
     io = LocalCkptIO(root, "job")
     loaded = io.load_checkpoint(LATEST)
     assert loaded["global_step"] == 6 and torch.equal(loaded["state_dict"]["w"],
@@ -420,4 +421,22 @@ def test_a_teardown_whose_finalize_fails_still_closes_the_manager(
     with pytest.raises(CollectiveError, match="closed"):  # closed: its group is gone
         manager._ctx.group.check_usable("after teardown")
     io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, root / "m.ckpt")  # a new one
+    io.teardown()
+
+
+def test_an_iteration_a_marker_names_is_kept_until_the_marker_goes(root: Path,
+                                                                   tmp_path: Path) -> None:
+    """Retention ran before the new marker was written (a crash between left last.ckpt naming
+    a deleted iteration), and deleted what a "best" marker names (keep_last=1: the resume from
+    best was NoCheckpointError). An iteration a marker names is kept until its marker is
+    removed or names another."""
+    io = LocalCkptIO(root, "job", keep_last=1)
+    io.save_checkpoint(_checkpoint(4), tmp_path / "best.ckpt")
+    io.save_checkpoint(_checkpoint(8), tmp_path / "last.ckpt")
+    io.save_checkpoint(_checkpoint(12), tmp_path / "last.ckpt")
+    assert io.manager.iterations() == [4, 8, 12]  # 8: named by last.ckpt when 12's retention ran
+    assert io.load_checkpoint(tmp_path / "best.ckpt")["global_step"] == 4
+    io.remove_checkpoint(tmp_path / "best.ckpt")
+    io.save_checkpoint(_checkpoint(16), tmp_path / "last.ckpt")
+    assert io.manager.iterations() == [12, 16]
     io.teardown()

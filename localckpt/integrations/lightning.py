@@ -21,8 +21,9 @@ NoCheckpointError if there is none.
 ``load_checkpoint`` loads the iteration the marker names (fetching a lost node's shards from its
 peers), an older "best" too, through ``load(iteration=N)``: never another; one that cannot be
 loaded (retention deleted it, a job of another world size saved it) is NoCheckpointError on
-every rank. Retention is the manager's (``keep_last``,
-``keep_every``); ``remove_checkpoint`` removes only the marker.
+every rank. Retention is the manager's (``keep_last``, ``keep_every``), but an iteration a
+marker this process wrote names is kept until ``remove_checkpoint`` removes that marker or it
+names another (through the manager's ``keep_predicate``; not with a ``manager_factory``).
 
 Lightning's own ``DDPStrategy`` calls the checkpoint plugin on global rank 0 only; a localckpt
 save is collective (every rank saves its shard), so use :class:`LocalCkptDDPStrategy`, which
@@ -109,9 +110,18 @@ class LocalCkptIO(CheckpointIO):
         if useless:
             raise ConfigurationError(f"LocalCkptIO: {useless} {_WHY_NOT}")
         if manager_factory is None:
+            also_keep = manager_kwargs.pop("keep_predicate", None)
+
+            def keep(iteration: int, metrics: Any) -> bool:
+                # what a marker names (or is about to) stays until the marker goes: retention
+                # runs before a new marker replaces the old one, and "best" must stay loadable
+                return iteration in self._marked.values() or \
+                    iteration in self._pending.values() or \
+                    (also_keep is not None and bool(also_keep(iteration, metrics)))
+
             def manager_factory() -> LocalCheckpointManager:
                 return LocalCheckpointManager(root, session_id,  # type: ignore[arg-type]
-                                              **manager_kwargs)
+                                              keep_predicate=keep, **manager_kwargs)
         add_safe_types(*safe_types)
         self._factory = manager_factory
         self.async_save = async_save
@@ -124,6 +134,7 @@ class LocalCkptIO(CheckpointIO):
         # save in flight (another save at that step waits for it: see save_checkpoint).
         self._pending: dict[Path, int] = {}
         self._inflight: tuple[int, int] | None = None
+        self._marked: dict[Path, int] = {}  # markers this process wrote: path -> iteration
 
     @property
     def manager(self) -> LocalCheckpointManager:
@@ -179,8 +190,11 @@ class LocalCkptIO(CheckpointIO):
         iteration = max(step, self._last + 1)
         mark = partial(_write_marker, session=mgr.session_id) if mgr.rank == 0 else None
         if self._queue is None:
+            self._pending[Path(path)] = iteration  # kept by retention from now on
             mgr.save(state, iteration, force=True)  # Lightning decides when
             self._last = iteration
+            del self._pending[Path(path)]
+            self._marked[Path(path)] = iteration
             if mark is not None:
                 mark(Path(path), iteration=iteration)
             return
@@ -210,6 +224,7 @@ class LocalCkptIO(CheckpointIO):
         for path, it in list(self._pending.items()):
             if it == iteration:
                 del self._pending[path]
+                self._marked[path] = iteration
                 if mark is not None:
                     mark(path, iteration=iteration)
 
@@ -245,6 +260,7 @@ class LocalCkptIO(CheckpointIO):
         (shards go by the manager's retention). Needs no manager: Lightning's callbacks remove
         markers after the strategy's teardown closed it."""
         self._pending.pop(Path(path), None)
+        self._marked.pop(Path(path), None)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
             Path(path).unlink(missing_ok=True)
 
