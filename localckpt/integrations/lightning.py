@@ -191,9 +191,11 @@ class LocalCkptIO(CheckpointIO):
         mark = partial(_write_marker, session=mgr.session_id) if mgr.rank == 0 else None
         if self._queue is None:
             self._pending[Path(path)] = iteration  # kept by retention from now on
-            mgr.save(state, iteration, force=True)  # Lightning decides when
+            try:
+                mgr.save(state, iteration, force=True)  # Lightning decides when
+            finally:
+                del self._pending[Path(path)]
             self._last = iteration
-            del self._pending[Path(path)]
             self._marked[Path(path)] = iteration
             if mark is not None:
                 mark(Path(path), iteration=iteration)
