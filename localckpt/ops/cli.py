@@ -34,9 +34,8 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage.durable import commit_path
-from ..storage.layout import ShardRef, list_shards, session_dir
+from ..storage.layout import ShardRef
 from ..storage.manifest import ShardManifest
-from ..storage.rollback_fence import hidden, merged, read_fence
 from ..storage.shard_writer import array_metadata, chunk_files_off
 from ..storage.store import ShardStore
 from . import cli_object
@@ -46,6 +45,7 @@ from .cli_common import (
     object_root,
     read_manifest,
     sessions_under,
+    unfenced_shards,
 )
 from .cli_doctor import cmd_doctor
 from .cli_gc import cmd_gc
@@ -55,17 +55,9 @@ from .cli_parity import rebuildable_iterations
 def _all_shards(roots: Sequence[Path]) -> list[tuple[Path, str, ShardRef]]:
     """Every committed shard under ``roots`` but those a rollback's fence on any of them hides
     (the job hides them on every root)."""
-    by_session = {session: [root for root in roots if session in sessions_under(root)]
-                  for root in roots for session in sessions_under(root)}
-    found = []
-    for session, held in sorted(by_session.items()):
-        fence = None
-        for root in held:
-            if (one := read_fence(session_dir(root, session))) is not None:
-                fence = merged(fence, one)
-        found += [(root, session, ref) for root in held
-                  for ref in list_shards(root, session, fenced=False)
-                  if not hidden(fence, ref.iteration, ref.world_size)]
+    sessions = sorted({s for root in roots for s in sessions_under(root)})
+    found = [(root, session, ref) for session in sessions
+             for root, refs in unfenced_shards(roots, session).items() for ref in refs]
     if not found:
         raise UsageError(f"no localckpt checkpoints under {', '.join(map(str, roots))}")
     return found

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from ..storage.durable import commit_path
 from ..storage.durable_object import is_object_url
-from ..storage.layout import iteration_dir, list_sessions
+from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
 from ..storage.manifest import ShardManifest
+from ..storage.rollback_fence import hidden, merged, read_fence
 from ..storage.shard_reader import parse_manifest_file
 
 
@@ -51,3 +52,14 @@ def committed_as_job(roots: Sequence[Path], session: str, iterations: set[int],
     return found if found or any(
         any(iteration_dir(r, session, it).glob("COMMITTED-*")) for r in roots
         for it in iterations) else None
+
+
+def unfenced_shards(roots: Sequence[Path], session: str) -> dict[Path, list[ShardRef]]:
+    """Each root's committed shards of ``session`` but those a rollback's fence on any of the
+    roots hides (the job hides them on every root)."""
+    fence = None
+    for root in roots:
+        if (held := read_fence(session_dir(root, session))) is not None:
+            fence = merged(fence, held)
+    return {root: [s for s in list_shards(root, session, fenced=False)
+                   if not hidden(fence, s.iteration, s.world_size)] for root in roots}

@@ -22,11 +22,9 @@ from ..storage.layout import (
     find_quarantined,
     holds_checkpoints,
     list_sessions,
-    list_shards,
     remove_paths,
     session_dir,
 )
-from ..storage.rollback_fence import hidden, merged, read_fence
 from ..storage.session_lock import SessionLock
 from ..storage.store import ShardStore
 from . import cli_object
@@ -36,6 +34,7 @@ from .cli_common import (
     object_root,
     read_manifest,
     sessions_under,
+    unfenced_shards,
 )
 from .cli_parity import rebuildable_iterations
 
@@ -125,12 +124,7 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
     are neither counted nor removed (the job's next save finishes that rollback). With fewer
     node roots than the job has nodes, a fence elsewhere cannot be seen: only leftovers go,
     unless ``partial``."""
-    fence = None
-    for root in roots:
-        if (held := read_fence(session_dir(root, session))) is not None:
-            fence = merged(fence, held)
-    shards = {root: [s for s in list_shards(root, session)
-                     if not hidden(fence, s.iteration, s.world_size)] for root in roots}
+    shards = unfenced_shards(roots, session)
     worlds = sorted({s.world_size for refs in shards.values() for s in refs})
     complete_of = {world: _complete(roots, session, shards, world) for world in worlds}
     doomed: list[tuple[Path, ShardRef]] = []
