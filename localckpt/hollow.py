@@ -161,9 +161,20 @@ class Walk:
     on_stateful: Callable[[Any], None] | None = None
 
     def add(self, t: torch.Tensor, path: tuple[Any, ...]) -> int:
+        return self.add_at(t, path_str(path))
+
+    def add_at(self, t: torch.Tensor, where: str) -> int:
         self.tensors.append(t)
-        self.paths.append(path_str(path))
+        self.paths.append(where)
         return len(self.tensors) - 1
+
+    def plain_tensor(self, t: torch.Tensor, where: str) -> JSON:
+        """``{"T": i}`` for a plain strided tensor at key path ``where`` (handed to on_tensor
+        when large)."""
+        i = self.add_at(t, where)
+        if self.on_tensor is not None and t.nbytes > self.on_tensor_above:
+            self.on_tensor(i, t)
+        return {"T": i}
 
     def restorable(self, obj: Any, path: tuple[Any, ...]) -> None:
         """Record a Stateful object or Generator that ``load(into=...)`` restores in place
@@ -183,10 +194,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
     if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case: no subclass
         if obj.layout is not torch.strided or obj.is_meta or obj.is_nested:
             _check_tensor(obj, path)  # raises, naming the key
-        i = walk.add(obj, path)
-        if walk.on_tensor is not None and obj.nbytes > walk.on_tensor_above:
-            walk.on_tensor(i, obj)
-        return {"T": i}
+        return walk.plain_tensor(obj, path_str(path))
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):
             where = path_str(path)
@@ -216,12 +224,7 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
                     v.layout is torch.strided and not v.is_meta and not v.is_nested:
                 if prefix is None:
                     prefix = path_str(path) + "/" if path else ""
-                walk.tensors.append(v)
-                walk.paths.append(prefix + k)
-                i = len(walk.tensors) - 1
-                if walk.on_tensor is not None and v.nbytes > walk.on_tensor_above:
-                    walk.on_tensor(i, v)
-                items.append([key, {"T": i}])
+                items.append([key, walk.plain_tensor(v, prefix + k)])
             else:
                 items.append([key, encode_hollow(v, walk, (*path, k))])
         return {"odict" if kind is OrderedDict else "dict": items}
