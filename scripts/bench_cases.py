@@ -141,3 +141,13 @@ def build(name: str, nbytes: int, seed: int, small_count: int = 10_000, small_ki
     if name == "transformer":
         return transformer(d_model, layers, vocab, seed)
     raise ValueError(f"case: expected uniform, small or transformer, got {name!r}")
+
+
+def zeros_like(state: Any) -> Any:
+    """``state`` with every tensor replaced by zeros of its kind (memory touched): what
+    ``load(into=...)`` is given by a restart that built its model first."""
+    if isinstance(state, dict):
+        return {k: zeros_like(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(zeros_like(v) for v in state)
+    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else state

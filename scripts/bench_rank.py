@@ -147,7 +147,7 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
     # A fresh job: memory reserved (the arena and receive buffers touched), then its first save
     timer.run("reserve", lambda: mgr.reserve(case.state))
     timer.run("first_save", lambda: mgr.save(case.state, 0))
-    template = _zeros_like(case.state)
+    template = bench_cases.zeros_like(case.state)
     for it in range(1, repeats + 1):
         records.clear()
         dist.barrier()
@@ -180,15 +180,6 @@ def measure_localckpt(timer: Timer, case: bench_cases.Case, rank: int, world: in
     dist.barrier()
     if rank % per_node == 0:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _zeros_like(state: Any) -> Any:
-    """``state`` with every tensor replaced by zeros of its kind (memory touched)."""
-    if isinstance(state, dict):
-        return {k: _zeros_like(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_zeros_like(v) for v in state)
-    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else state
 
 
 def _node_loss(timer: Timer, case: bench_cases.Case, rank: int, world: int, root: Path,

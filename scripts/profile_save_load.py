@@ -142,15 +142,6 @@ def op_costs(device: torch.device, n: int = 2000) -> str:
     return "\n".join(lines)
 
 
-def _like(state: object) -> object:
-    """``state`` with each tensor replaced by an empty one like it (load(into=...)'s)."""
-    if isinstance(state, dict):
-        return {k: _like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_like(v) for v in state]
-    return torch.empty_like(state) if isinstance(state, torch.Tensor) else state
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +166,7 @@ def main() -> int:
     case = (bench_cases.adam(a.size_mib << 20, a.share, seed=0) if a.case == "adam"
             else bench_cases.small(10_000, 4096, seed=0))
     state = to_device(case.state, device)
-    template = _like(state) if a.into else None
+    template = bench_cases.zeros_like(state) if a.into else None
     root = benchlib.scratch("localckpt-profile-")
     stalls, loads = [], []
     stall_profile, load_profile = cProfile.Profile(), cProfile.Profile()
