@@ -14,7 +14,9 @@ pays for it.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import re
 import sys
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ import torch
 _SHARD = re.compile(r"S\(([0-9]{1,4})\)")
 _STRIDED = re.compile(r"SS\(([0-9]{1,4}),([0-9]{1,9})\)")
 _LIMIT = 1 << 62  # bound on every recorded size, stride and offset
+_MAX_SPLIT = 1 << 16  # bound on a layout's _StridedShard split factors, added (FSDP2: TP degree)
 _LAYOUTS: dict[Any, DTensorLayout] = {}  # see DTensorLayout.of
 
 
@@ -181,6 +184,11 @@ class DTensorLayout:
                                     and (len(m.groups()) == 1 or int(m.group(2)) >= 1))):
                 raise ValueError(f"DTensor layout: placement {text!r} for a tensor of {rank} "
                                  "dims")
+        factors = sum(int(m.group(2)) for p in self.placements if (m := _STRIDED.fullmatch(p)))
+        if factors > _MAX_SPLIT:  # torch's cut goes piece by piece: bound the pieces
+            raise ValueError(f"DTensor layout: split factors {list(self.placements)} add up "
+                             f"to {factors}, over {_MAX_SPLIT} (an interleave that no mesh "
+                             "makes)")
 
     @functools.cached_property
     def is_block(self) -> bool:
@@ -188,19 +196,19 @@ class DTensorLayout:
         local shape), as resharding assumes: always with Shard and Replicate; with
         _StridedShard only where the interleaving it stands for gives contiguous indices
         (FSDP2 over tensor parallelism does; a flattened view of a tensor sharded on two mesh
-        dims does not). Each strided dim's indices are cut as torch cuts a tensor."""
+        dims does not). Each strided dim's indices are cut as torch cuts a tensor (torch.chunk:
+        pieces of ceil(n / k), the last ones short or empty), held as runs of indices rather
+        than the indices themselves: a dim's size costs nothing, whatever a manifest says."""
         strided = {int(m.group(1)) for p in self.placements if (m := _STRIDED.fullmatch(p))}
         for dim in strided:
-            held = torch.arange(self.global_shape[dim])
+            held: list[tuple[int, int]] = [(0, self.global_shape[dim])]
             for i, text in enumerate(self.placements):
-                placement = placement_from_str(text)
-                if text != "R" and placement.dim == dim:
-                    chunks, _ = placement._split_tensor(held, self.mesh_shape[i],
-                                                        with_padding=False)
-                    c = self.coordinate[i]
-                    held = chunks[c] if c < len(chunks) else held[:0]
+                m = _SHARD.fullmatch(text) or _STRIDED.fullmatch(text)
+                if m and int(m.group(1)) == dim:
+                    factor = int(m.group(2)) if len(m.groups()) == 2 else None
+                    held = _cut(held, self.mesh_shape[i], self.coordinate[i], factor)
             start = self.offset[dim]
-            if not torch.equal(held, torch.arange(start, start + len(held))):
+            if held and held != [(start, held[0][1])]:
                 return False
         return True
 
@@ -215,6 +223,44 @@ class DTensorLayout:
         names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
         return (f"global shape {list(self.global_shape)}, mesh {list(self.mesh_shape)}{names}, "
                 f"placements [{', '.join(self.placements)}], coordinate {list(self.coordinate)}")
+
+
+Runs = list[tuple[int, int]]  # index ranges [start, stop), in order, none empty
+
+
+def _cut(held: Runs, parts: int, index: int, split_factor: int | None) -> Runs:
+    """The ``index``-th of ``parts`` pieces of the indices ``held``, cut as torch's Shard
+    (``split_factor`` None) or _StridedShard cuts a tensor: first into ``split_factor`` pieces,
+    each of those into ``parts``, then the ``index``-th of each, joined."""
+    at = list(itertools.accumulate((stop - start for start, stop in held), initial=0))
+    n = at[-1]
+    if split_factor is None:
+        return _chunk(held, at, 0, n, parts, index)
+    joined: Runs = []
+    size = -(-n // split_factor)
+    for j in range(min(split_factor, -(-n // size) if n else 0)):  # the non-empty pieces
+        for start, stop in _chunk(held, at, j * size, min((j + 1) * size, n), parts, index):
+            if joined and joined[-1][1] == start:
+                joined[-1] = (joined[-1][0], stop)
+            else:
+                joined.append((start, stop))
+    return joined
+
+
+def _chunk(held: Runs, at: Sequence[int], lo: int, hi: int, parts: int, index: int) -> Runs:
+    """torch.chunk(indices[lo:hi], parts)[index] (nothing where torch makes fewer pieces) of
+    the indices ``held``, whose runs begin at positions ``at``."""
+    size = -(-(hi - lo) // parts)
+    lo, hi = min(lo + index * size, hi), min(lo + (index + 1) * size, hi)
+    out: Runs = []
+    k = bisect.bisect_right(at, lo) - 1
+    while lo < hi:
+        start, stop = held[k]
+        a, b = lo - at[k], min(hi - at[k], stop - start)
+        out.append((start + a, start + b))
+        lo = at[k] + b
+        k += 1
+    return out
 
 
 def mesh_key(layout: DTensorLayout) -> tuple[tuple[int, ...], tuple[str, ...] | None]:

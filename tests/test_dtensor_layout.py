@@ -68,6 +68,81 @@ def test_a_strided_shard_is_a_block_only_where_its_indices_are_contiguous() -> N
     assert _layout(16, ("S(0)", "S(0)"), (1, 1), 12).is_block
 
 
+def _held_by_torch(layout: DTensorLayout, dim: int) -> torch.Tensor:
+    """The global indices of ``dim`` a rank holds, cut by torch's own placements (the oracle)."""
+    held = torch.arange(layout.global_shape[dim])
+    for i, text in enumerate(layout.placements):
+        placement = placement_from_str(text)
+        if text != "R" and placement.dim == dim:
+            chunks, _ = placement._split_tensor(held, layout.mesh_shape[i], with_padding=False)
+            c = layout.coordinate[i]
+            held = chunks[c] if c < len(chunks) else held[:0]
+    return held
+
+
+def test_is_block_agrees_with_torchs_own_cuts() -> None:
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    kinds = ["R", "S(0)", "SS(0,1)", "SS(0,2)", "SS(0,3)", "SS(0,5)"]
+    checked = 0
+    for _ in range(400):
+        mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        placements = tuple(rng.choice(kinds) for _ in mesh)
+        if not any(p.startswith("SS") for p in placements):
+            continue
+        n = rng.randint(0, 24)
+        for coordinate in itertools.product(*(range(m) for m in mesh)):
+            layout = DTensorLayout((n,), (1,), mesh, None, placements, coordinate, (0,))
+            held = _held_by_torch(layout, 0)
+            start = int(held[0]) if len(held) else 0
+            for offset in {start, start + 1}:
+                shifted = DTensorLayout((n,), (1,), mesh, None, placements, coordinate,
+                                        (offset,))
+                expected = torch.equal(held, torch.arange(offset, offset + len(held)))
+                assert shifted.is_block == expected, (n, mesh, placements, coordinate, offset)
+                checked += 1
+    assert checked > 500
+
+
+def _within(seconds: float) -> Any:
+    """A context that raises TimeoutError in this (main) thread after ``seconds``."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def deadline() -> Any:
+        def expire(*_: Any) -> None:
+            raise TimeoutError(f"took over {seconds} s")
+        old = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    return deadline()
+
+
+def test_is_block_of_a_huge_strided_dim_needs_no_memory_of_its_size() -> None:
+    # A forged (or enormous) global shape: its indices are never materialized (8 TiB here).
+    with _within(5):
+        for i in (0, 1):
+            for j in (0, 1):
+                assert _layout(1 << 40, ("SS(0,2)", "S(0)"), (i, j), (4 * j + 2 * i) << 37) \
+                    .is_block
+        assert not _layout(1 << 40, ("S(0)", "SS(0,2)"), (0, 0), 0).is_block
+
+
+def test_a_huge_split_factor_is_refused_at_parse() -> None:
+    # A forged split factor would cut a dim into a billion pieces, one at a time.
+    doc = json.loads(json.dumps(_manifest(
+        {**LAYOUT.to_json(), "placements": ["SS(0,999999999)", "S(0)"]}).to_json_dict()))
+    with _within(5), pytest.raises(CorruptShardError, match="split factor"):
+        ShardManifest.from_json_dict(doc, "shard-x")
+
+
 def test_same_place_ignores_dim_names_only() -> None:
     renamed = DTensorLayout(**{**LAYOUT.__dict__, "mesh_dim_names": ("a", "b")})
     moved = DTensorLayout(**{**LAYOUT.__dict__, "coordinate": (0, 0)})
