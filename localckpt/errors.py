@@ -95,6 +95,11 @@ class RankFailureError(CheckpointingError):
     """A step failed on one or more ranks with an error that is not a localckpt error."""
 
 
+class RankInterruptedError(RankFailureError):
+    """A rank stopped in the middle of a step: Ctrl-C (KeyboardInterrupt) or an exit
+    (SystemExit) reached it there. That rank raises what reached it; every other rank this."""
+
+
 class RankTypeError(RankFailureError, TypeError):
     """A TypeError on some rank (e.g. an unsupported state dict leaf), raised on every rank."""
 
@@ -127,11 +132,14 @@ _AGREED_CLASSES: dict[str, type[CheckpointingError]] = {
         CollectiveError,
         CollectiveTimeoutError,
         RankFailureError,
+        RankInterruptedError,
         RankTypeError,
         RankValueError,
         RankOSError,
     )
 }
+# What stops a rank rather than fails its work (BaseException, not Exception).
+_INTERRUPTS = frozenset({"KeyboardInterrupt", "SystemExit", "RankInterruptedError"})
 # Builtin failures keep their category on every rank (``except TypeError`` still works).
 _BUILTIN_FALLBACKS: dict[str, type[CheckpointingError]] = {
     "TypeError": RankTypeError,
@@ -153,11 +161,14 @@ def error_from_failures(step: str, failures: Mapping[int, tuple[str, str]]) -> C
 
     ``failures`` maps rank -> (exception class name, message). If all failing ranks raised the same
     localckpt error class, that class is raised again; the same TypeError / ValueError / OSError
-    becomes RankTypeError / RankValueError / RankOSError; anything else RankFailureError.
+    becomes RankTypeError / RankValueError / RankOSError; a rank stopped by Ctrl-C or an exit
+    makes it RankInterruptedError; anything else RankFailureError.
     """
     names = {name for name, _ in failures.values()}
     cls: type[CheckpointingError] = RankFailureError
-    if len(names) == 1:
+    if names & _INTERRUPTS:
+        cls = RankInterruptedError
+    elif len(names) == 1:
         name = next(iter(names))
         cls = _AGREED_CLASSES.get(name) or _BUILTIN_FALLBACKS.get(name, RankFailureError)
     ranks = sorted(failures)

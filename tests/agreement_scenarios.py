@@ -445,6 +445,41 @@ def sync_save_interrupted(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+class _Interrupting:
+    """A Stateful whose state_dict() is where Ctrl-C lands (a long user hook, say)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def staging_interrupted(rank: int, world: int, root: str, is_async: bool) -> dict[str, Any]:
+    """Ctrl-C reaches rank 1 while the save of 2 walks its state dict (before any agreement):
+    rank 1 gets the KeyboardInterrupt, rank 0 the save's failure at once, and a handler on
+    rank 1 that goes on (a graceful shutdown) finds the same checkpoint as rank 0."""
+    out: dict[str, Any] = {}
+    with LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
+                                node_id=f"node{rank}") as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        state = make_state(rank, 2)
+        if rank == 1:
+            state["hook"] = _Interrupting()
+        started = time.monotonic()
+        try:
+            request = mgr.save(state, 2, is_async=is_async)
+            if request is not None:
+                request.execute_sync()  # waits for the save, then finalizes it
+        except BaseException as exc:
+            out["error"] = type(exc).__name__
+        out["seconds"] = time.monotonic() - started
+        out["latest"] = mgr.find_latest()
+        mgr.save(make_state(rank, 3), 3)  # the ranks are still in step
+        out["after"] = mgr.find_latest()
+    return out
+
+
 def _plain(rank: int, root: str, **kwargs: Any) -> LocalCheckpointManager:
     return LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
                                   node_id=f"node{rank}", **kwargs)

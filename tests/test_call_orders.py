@@ -129,6 +129,22 @@ def test_ctrl_c_in_one_ranks_synchronous_save_fails_the_save_on_every_rank_at_on
     assert zero["latest"] == one["latest"] == 1
 
 
+@pytest.mark.parametrize("is_async", [False, True])
+def test_ctrl_c_in_one_ranks_state_dict_walk_fails_the_save_on_every_rank_at_once(
+        tmp_path: Path, is_async: bool) -> None:
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.staging_interrupted, 2, tmp_path, str(tmp_path),
+                        is_async)
+    assert all(r.ok for r in results), [r.message for r in results]
+    zero, one = (r.value for r in results)
+    assert one["error"] == "KeyboardInterrupt" and zero["error"] == "RankInterruptedError"
+    assert zero["seconds"] < 4, zero  # told, not timed out
+    assert zero["latest"] == one["latest"] == 1
+    assert zero["after"] == one["after"] == 3
+
+
 @pytest.mark.parametrize("scenario", ["schedule_verbs_differ", "metadata_of_different_iterations",
                                       "async_save_after_the_group_broke"])
 def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from localckpt.errors import (
     CorruptShardError,
     RankFailureError,
+    RankInterruptedError,
     RankOSError,
     RankTypeError,
     error_from_failures,
@@ -27,3 +28,13 @@ def test_mixed_failures_list_every_rank() -> None:
     assert type(err) is RankFailureError
     assert "2 ranks [1, 3]" in str(err) and "rank 1: CorruptShardError: c" in str(err)
     assert "rank 3: KeyError: k" in str(err)
+
+
+def test_a_rank_stopped_by_ctrl_c_or_an_exit_is_an_interruption_on_every_rank() -> None:
+    for failures in ({1: ("KeyboardInterrupt", "KeyboardInterrupt()")},
+                     {0: ("ValueError", "v"), 2: ("SystemExit", "3")}):
+        err = error_from_failures("save", failures)
+        assert type(err) is RankInterruptedError and isinstance(err, RankFailureError)
+    # told on: a step's RankInterruptedError stays one through the next step that reports it
+    again = error_from_failures("finalize", {0: ("RankInterruptedError", "save failed")})
+    assert type(again) is RankInterruptedError

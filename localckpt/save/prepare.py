@@ -198,14 +198,16 @@ class SaveAgreement:
         # rank 0, with a durable tier: remove its iterations a rollback's fence hides
         self.discard_durable: Callable[[Fence], None] | None = None
 
-    def agree(self, group: CheckpointGroup, staged: StagedShard | Exception) -> AgreedSave:
-        """Collective on ``group``. Raises on every rank alike the staging error of any rank,
-        InvalidIterationError, InsufficientSpaceError or ConfigurationError (the agreed
-        verdicts), or CollectiveError when no agreement was reached."""
+    def agree(self, group: CheckpointGroup, staged: StagedShard | BaseException) -> AgreedSave:
+        """Collective on ``group``. Raises on every rank alike the staging error of any rank
+        (on a rank whose staging was interrupted, that KeyboardInterrupt or SystemExit; on
+        the others RankInterruptedError), InvalidIterationError, InsufficientSpaceError or
+        ConfigurationError (the agreed verdicts), or CollectiveError when no agreement was
+        reached."""
         ctx = self.ctx
 
         def request() -> dict[str, Any]:
-            if isinstance(staged, Exception):
+            if isinstance(staged, BaseException):
                 raise staged
             _check_loadable(staged.manifest)
             # The previous save's retention may still be deleting on the reaper thread: not
@@ -220,7 +222,7 @@ class SaveAgreement:
                     "free": st.f_bavail * st.f_frsize, "reaping": reaping}
 
         gathered = group.exchange("save: stage and validate", request)
-        assert not isinstance(staged, Exception)  # the exchange raised it
+        assert not isinstance(staged, BaseException)  # the exchange raised it
         inventories = decode_inventories([g["inventory"] for g in gathered])
         fence = job_fence(inventories)
         if fence is not None:  # a rollback a failure interrupted: finished before any write

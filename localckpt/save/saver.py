@@ -33,6 +33,7 @@ from ..errors import (
     CheckpointingError,
     CollectiveTimeoutError,
     IncompleteCheckpointError,
+    RankInterruptedError,
     describe_failure,
     error_from_failures,
 )
@@ -82,15 +83,21 @@ class SavePath:
                 logger.info("rank %d: skipping save of iteration %s: the previous one is still "
                             "in flight", ctx.rank, iteration)
                 return None
-            staged: StagedShard | Exception
+            staged: StagedShard | BaseException
             try:
                 staged = stage_shard(ctx, self._arena, state_dict, iteration, custom_metadata,
                                      metrics, self.dedupe_replicated)
-            except Exception as exc:  # the agreement makes it every rank's
+            except BaseException as exc:  # the agreement makes it every rank's
                 staged = exc
+            if is_async and not isinstance(staged, (StagedShard, Exception)):
+                # Ctrl-C or an exit in the walk: the others' agreement (on their save threads)
+                # is told now and raises RankInterruptedError, which their finalize raises
+                # with no exchange; it is raised here, and no save is left in flight.
+                self.agreement.agree(ctx.data_group, staged)
+                raise staged  # (agree raised it)
             if not is_async:
                 agreed = self.agreement.agree(ctx.group, staged)
-                assert not isinstance(staged, Exception)
+                assert isinstance(staged, StagedShard)
                 box["nbytes"] = agreed.manifest.data_nbytes
                 job = SaveJob(iteration, agreed.manifest, staged.payload, agreed.plan,
                               metrics=ctx.metrics, wait_steps=agreed.wait_steps,
@@ -104,7 +111,7 @@ class SavePath:
                 with contextlib.suppress(CheckpointingError):
                     self._finalize_job(job)
                 raise job.error
-            if isinstance(staged, Exception):
+            if not isinstance(staged, StagedShard):
                 logger.error("rank %d: staging iteration %s failed (raised by the finalize "
                              "step, on every rank): %s", ctx.rank, iteration, staged)
                 job = SaveJob(iteration, None, None,  # type: ignore[arg-type]
@@ -213,6 +220,8 @@ class SavePath:
     def _finalize(self, job: SaveJob, done_everywhere: bool) -> None:
         """Agree whether the iteration is complete; then retention, or its removal."""
         ctx, iteration = self.ctx, job.iteration
+        if isinstance(job.agreed_error, RankInterruptedError):
+            raise job.agreed_error  # that rank has no save to finalize: see save()
 
         def report() -> dict[str, Any]:
             if job.agreed_error is not None:  # refused by the agreement: nothing was written
