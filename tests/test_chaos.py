@@ -27,7 +27,7 @@ KINDS = {"kill_rank", "kill_node", "wipe_node", "raise", "reorder", "flip_byte",
 def test_ci_chaos_set_has_no_violations(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--jobs", "3",
-                           "--json", str(report)], capture_output=True, text=True, timeout=900)
+                           "--json", str(report)], capture_output=True, text=True, timeout=1800)
     result = json.loads(report.read_text())
     rows = result["scenarios"]
     assert proc.returncode == 0 and result["violations"] == 0, proc.stdout + proc.stderr

@@ -134,7 +134,7 @@ def test_an_interrupted_or_unencodable_local_step_fails_the_step_on_every_rank(
     assert all(r.ok for r in results), [r.message for r in results]
     for r in results:
         expected = "RankValueError" if what == "nan" else \
-            "KeyboardInterrupt" if r.rank == victim else "RankFailureError"
+            "KeyboardInterrupt" if r.rank == victim else "RankInterruptedError"
         assert r.value["one"] == expected, (r.rank, r.value)
         assert r.value["seconds"] < 4, (r.rank, r.value)
         assert r.value["two"] == [{"rank": k} for k in range(4)], (r.rank, r.value)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -349,7 +350,8 @@ def test_a_type_one_rank_cannot_save_is_every_rank_s_error_at_once(root: Path,
                         str(root), str(tmp_path / "last.ckpt"))
     for r in results:
         assert r.ok, r.message
-        assert " in 0s: " in r.value and "Mode" in r.value, r.value
+        took = re.search(r" in (\d+)s: ", r.value)
+        assert took and int(took.group(1)) < 5 and "Mode" in r.value, r.value  # timeout: 20 s
     assert _marker(tmp_path / "last.ckpt") == 2
 
 
