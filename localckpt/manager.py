@@ -297,7 +297,7 @@ class LocalCheckpointManager:
             self._save.persister.close(self.timeout)
         self._schedule.close()
         self._ctx.ring.release()
-        self._ctx.store.close()
+        self._ctx.store.close(wait=ended)  # a write stuck in its pool is not waited for
         self._ctx.data_group.close()
         self._ctx.group.close()
         if ended:

@@ -116,6 +116,31 @@ def test_a_save_thread_that_outlives_close_commits_nothing_and_keeps_the_lock(
         "rank_00000_of_00001"]
 
 
+def test_close_gives_up_on_a_chunk_write_stuck_in_the_io_pool(root: Path) -> None:
+    """A hung write or fsync in the I/O pool (here a sleep): close() gives up after the save's
+    bound as it does for a stall on the save's thread, instead of waiting for the pool (with a
+    write that never returns, close() never returned)."""
+    import time
+
+    faults.arm(faults.Fault("local_write", "sleep", iteration=2, seconds=8))
+    try:
+        mgr = LocalCheckpointManager(root, "s", timeout=0.5, keep_last=2)
+        mgr.save({"w": torch.ones(4)}, 1)
+        assert mgr.save({"w": torch.zeros(4)}, 2, is_async=True) is not None
+        job = mgr._save._inflight
+        assert job is not None
+        started = time.monotonic()
+        mgr.close()
+        took = time.monotonic() - started
+        assert took < job.bound(0.5) + 2, took  # not the 8 s of the stuck write
+        assert job.thread is not None and job.thread.is_alive()
+        job.thread.join(15)
+    finally:
+        faults.disarm()
+    with LocalCheckpointManager(root, "s") as mgr:  # the late thread committed nothing
+        assert mgr.iterations() == [1]
+
+
 def test_ctrl_c_in_one_ranks_synchronous_save_fails_the_save_on_every_rank_at_once(
         tmp_path: Path) -> None:
     import agreement_scenarios

@@ -156,17 +156,20 @@ class ShardStore:
         what a later manager committed."""
         self._commits_stopped.set()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stops commits, waits for background deletions (and removes the recycled files this
         process pooled and nobody took: their pages are of no use once it saves no more), then
-        releases the threads."""
+        releases the threads. ``wait=False`` (a save or write-back thread outlived its bound:
+        a write in the pool may be stuck on the disk) waits for none of that: the threads end
+        when their work does, and the next start removes what they leave."""
         self.stop_commits()
         try:
-            self.wait_for_deletions()
-            if self.files is not None:
-                self.files.drain_own()
-            self._reaper.shutdown(wait=True)
-            self._pool.shutdown(wait=True)
+            if wait:
+                self.wait_for_deletions()
+                if self.files is not None:
+                    self.files.drain_own()
+            self._reaper.shutdown(wait=wait)
+            self._pool.shutdown(wait=wait)
         finally:
             with _LIVE_LOCK:
                 _LIVE_WRITERS.get(self._live_key, set()).discard(self._instance)
