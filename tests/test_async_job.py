@@ -46,6 +46,38 @@ def test_finalize_called_early_waits_for_the_save_thread(root: Path) -> None:
             assert torch.equal(mgr.load(iteration=it)[0]["w"], torch.full((1000,), float(it)))
 
 
+def test_a_save_finalized_from_two_threads_at_once_is_finalized_once(root: Path) -> None:
+    """The queue finalized from a helper thread while the training thread's find_latest
+    settles the same save: both ran the finalize (in a job, two collectives from two threads
+    that can pair across ranks; here retention and the persist cadence counted twice). The
+    second caller now waits for the first and gets its outcome."""
+    from localckpt.save import saver
+
+    ran: list[str] = []
+    real = saver.SavePath._finalize
+
+    def counting(self: saver.SavePath, job: object, done: bool) -> None:
+        if job.iteration == 2:  # type: ignore[attr-defined]
+            ran.append(threading.current_thread().name)
+        real(self, job, done)  # type: ignore[arg-type]
+
+    saver.SavePath._finalize = counting  # type: ignore[method-assign]
+    try:
+        with LocalCheckpointManager(root, keep_last=1, timeout=30) as mgr:
+            mgr.save({"w": torch.ones(4)}, 1)
+            _slow_writes(mgr, 1.0)
+            request = mgr.save({"w": torch.zeros(4)}, 2, is_async=True)
+            assert request is not None
+            helper = threading.Thread(target=request.finalize_fns[0], name="helper")
+            helper.start()
+            time.sleep(0.2)
+            assert mgr.find_latest() == 2
+            helper.join(30)
+            assert len(ran) == 1, ran
+    finally:
+        saver.SavePath._finalize = real  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("delay", [0.0, 1.5], ids=["at-once", "late-waiter"])
 def test_a_forked_waiter_never_hangs_the_exit(tmp_path: Path, delay: float) -> None:
     code = textwrap.dedent(f"""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from functools import partial
 from typing import Any
 
@@ -67,6 +68,7 @@ class SavePath:
         self.latest_iteration = -1
         self._arena = StagingArena()
         self._inflight: SaveJob | None = None
+        self._finalizing = threading.RLock()  # see _finalize_job
         self.agreement = SaveAgreement(ctx)  # .any_world: reshard=True
         self.dedupe_replicated = True
         self.persister: Persister | None = None  # the durable tier's, when there is one
@@ -199,23 +201,26 @@ class SavePath:
         success for a save that failed. Unless the AsyncCallsQueue calls it after agreeing the
         call is done everywhere, other ranks may still be writing: the agreement then waits for
         them as long as their work may take."""
-        if job.finalized:
-            if job.finalize_error is not None:
-                raise job.finalize_error
-            return
-        # Its own thread must be over, whoever calls (a queue whose waiter died early: its
-        # staging memory would be restaged under the thread, and a late commit hold the next
-        # save's bytes). The agreement's exchanges first, then the work it agreed on.
-        self._wait(job)
-        job.finalized = True
-        if self._inflight is job:
-            self._inflight = None
-        try:
-            with self.ctx.timed("finalize", job.iteration):
-                self._finalize(job, finalizing_agreed_calls())
-        except BaseException as exc:
-            job.finalize_error = exc
-            raise
+        # One finalize per save, whichever thread asks (the queue's on a helper thread and
+        # back-pressure on the training thread): a second caller waits and gets its outcome.
+        with self._finalizing:
+            if job.finalized:
+                if job.finalize_error is not None:
+                    raise job.finalize_error
+                return
+            # Its own thread must be over, whoever calls (a queue whose waiter died early: its
+            # staging memory would be restaged under the thread, and a late commit hold the
+            # next save's bytes). The agreement's exchanges first, then the work it agreed on.
+            self._wait(job)
+            job.finalized = True
+            if self._inflight is job:
+                self._inflight = None
+            try:
+                with self.ctx.timed("finalize", job.iteration):
+                    self._finalize(job, finalizing_agreed_calls())
+            except BaseException as exc:
+                job.finalize_error = exc
+                raise
 
     def _finalize(self, job: SaveJob, done_everywhere: bool) -> None:
         """Agree whether the iteration is complete; then retention, or its removal."""
