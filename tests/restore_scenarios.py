@@ -34,26 +34,30 @@ def load(rank: int, world: int, base: str) -> dict[str, Any]:
                 "intact": torch.equal(loaded["w"], state(ckpt[0])["w"])}
 
 
-def slow_reads(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+def slow_reads(rank: int, world: int, base: str, phase: str,
+               sizes: tuple[int, int] = (3 << 20, 3 << 20)) -> dict[str, Any]:
     """Rank 1 reads its chunks slowly but steadily (0.2 s each, one at a time: 12 chunks take
-    2.4 s, each well inside the 1 s timeout... of a chunk, not of the whole read)."""
+    2.4 s, each well inside the 1 s timeout... of a chunk, not of the whole read). ``sizes``:
+    each rank's float32 elements (12 MiB: 12 chunks of 1 MiB); the shards are replicated on
+    the other node (``phase`` "lose": node 0 was wiped before this load)."""
     import threading
     import time
 
     from localckpt.storage import shard_reader
 
-    if rank == 1 and phase == "load":
+    if rank == 1 and phase in ("load", "lose"):
         real, lock = shard_reader.ChunkReads._read, threading.Lock()
 
         def slow(self: Any, *args: Any) -> None:
-            with lock:
-                time.sleep(0.2)
+            if self.pool is not None:  # its own shard's reads, not those it serves to a peer
+                with lock:
+                    time.sleep(0.2)
             real(self, *args)
 
         shard_reader.ChunkReads._read = slow  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(rank)
-    mine = {"w": torch.randn(3 << 20, generator=g)}  # 12 MiB: 12 chunks of 1 MiB
-    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", timeout=1,
+    mine = {"w": torch.randn(sizes[rank], generator=g)}
+    with LocalCheckpointManager(Path(base) / f"node{rank}", "job", "node_spread", timeout=1,
                                 chunk_nbytes=1 << 20, node_id=f"node{rank}") as mgr:
         if phase == "save":
             mgr.save(mine, 1)

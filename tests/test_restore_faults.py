@@ -123,6 +123,29 @@ def test_a_slow_but_steady_read_of_the_own_shard_is_waited_for_per_chunk(
     assert [r.value for r in results] == [{"iteration": 1, "intact": True}] * 2
 
 
+@pytest.mark.parametrize("lose", [False, True], ids=["local", "node-lost"])
+def test_a_slow_read_of_a_large_own_shard_is_waited_for_by_a_rank_with_a_small_one(
+        tmp_path: Path, lose: bool) -> None:
+    """Shards of unequal size (a pipeline stage holding the embeddings): rank 1 reads 12
+    chunks slowly, rank 0 one. Rank 0 waited as long as its own read may take, or only for the
+    wire when node 0 was lost (the own read runs beside the fetch): both ranks failed the load,
+    and every restart again."""
+    import shutil
+
+    import restore_scenarios
+    from dist_harness import run_ranks
+
+    sizes = (256, 6 << 20)  # 24 chunks: 4.8 s
+    results = run_ranks(restore_scenarios.slow_reads, 2, tmp_path, str(tmp_path), "save", sizes)
+    assert all(r.ok for r in results), [r.message for r in results]
+    if lose:
+        shutil.rmtree(tmp_path / "node0")
+    results = run_ranks(restore_scenarios.slow_reads, 2, tmp_path, str(tmp_path),
+                        "lose" if lose else "load", sizes)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert [r.value for r in results] == [{"iteration": 1, "intact": True}] * 2
+
+
 def test_a_resharding_load_falls_back_past_an_iteration_whose_lost_shards_cannot_be_rebuilt(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Erasure coding, reshard=True: the newest iteration's lost shards turn out not

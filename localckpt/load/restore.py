@@ -126,13 +126,16 @@ def _blame_destination(ctx: Context, rnd: Round, shard: tuple[int, int],
 
 def _read_seconds(ctx: Context, rnd: Round) -> float:
     """How long a rank may wait for the others to read their own shards and build their
-    state dicts: each chunk bounded by the timeout, as a save waits for the chunks written.
-    The others' shards are taken to be as large as the ones this rank reads (the ranks of a job
-    hold shards of one size, as a rule); their manifests are parsed already (find_latest)."""
+    state dicts (a round with no transfers): each chunk of the save's largest shard bounded by
+    the timeout, as a save waits for the chunks written. Shards differ in size (a pipeline
+    stage holding the embeddings): the save records its largest in every shard's manifest;
+    one saved before it did is taken to be as large as this rank's (its manifest is parsed
+    already: find_latest)."""
     chunks = 0
     for shard in rnd.plan.sources_of(ctx.rank):
         with contextlib.suppress(Exception):  # a bad manifest is found by the step itself
-            chunks += ctx.store.read_manifest(shard_ref(ctx, shard)).chunk_count
+            m = ctx.store.read_manifest(shard_ref(ctx, shard))
+            chunks = max(chunks, m.chunk_count, m.metadata.get("most_chunks", 0))
     return ctx.timeout * (1 + chunks)
 
 
@@ -140,14 +143,16 @@ def _verify_sources(ctx: Context, rnd: Round,
                     built: list[tuple[ShardManifest, Any]] | None) -> dict[str, Any]:
     """Check every copy this rank serves: its manifest, and its chunk files all there and whole
     (the data's checksums are checked as it is read, in the fetch step). A copy that fails is
-    quarantined. Returns ``bad``: [file, error, where it went] for each, and ``pieces``: how many
-    messages each shard served to a peer takes on the wire. With ``built`` (the round has no
-    transfers: every rank reads its own shard) the shard is read, verified and the state dict
-    built in this step."""
+    quarantined. Returns ``bad``: [file, error, where it went] for each; ``pieces``: how many
+    messages each shard served to a peer takes on the wire; ``reads``: the chunks of its own
+    shard this rank reads from its node (the fetch waits for the largest, beside the wire).
+    With ``built`` (the round has no transfers: every rank reads its own shard) the shard is
+    read, verified and the state dict built in this step."""
     fault_point("load_retrieval", ctx.rank, rnd.iteration)
     rnd.into.paths()  # a bad ``into`` fails here, agreed
     bad = []
     pieces: dict[str, int] = {}
+    reads = 0
     for shard in rnd.plan.sources_of(ctx.rank):
         try:
             if built is not None:  # the common case: only its own shard, for itself
@@ -159,13 +164,15 @@ def _verify_sources(ctx: Context, rnd: Round,
                     raise
             else:
                 m = rnd.manifests[shard] = ctx.store.read_manifest(shard_ref(ctx, shard))
+                if shard == (rnd.iteration, ctx.rank):
+                    reads = m.chunk_count
                 # the fetch cuts at tensor edges; the write-back sends fewer: bounded alike
                 pieces[f"{shard[0]}:{shard[1]}"] = wire_messages(m, tensor_splits(m))
         except CorruptShardError as exc:
             bad.append(quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
-    return {"bad": bad, "pieces": pieces, "save": save_of(rnd)}
+    return {"bad": bad, "pieces": pieces, "reads": reads, "save": save_of(rnd)}
 
 
 def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
@@ -344,7 +351,7 @@ def restore(ctx: Context, iteration: int,
                 if damaged > 2:
                     raise CorruptShardError(
                         f"load of iteration {iteration}: blocks arrived damaged from copies "
-                        f"that read well, {damaged} times in a row; the last: "
+                        f"that read well, {damaged} times in this load; the last: "
                         f"{rebuilt.retry[-1]}")
             continue  # list again: the rebuilt shards are on their owners' nodes now
         step = f"load of iteration {iteration}"
@@ -366,8 +373,11 @@ def restore(ctx: Context, iteration: int,
             return built[0][0], built[0][1], None if repair is None else WriteBack(
                 ctx, ExchangePlan(()), {}, iteration, 0.0, repair)
         pieces = {k: n for v in verify for k, n in v["pieces"].items()}
+        # Beside the wire, each rank reads its own shard: each chunk of the largest bounded
+        # by the timeout too (a rank with little to do waits as long as the others' work).
+        reading = ctx.timeout * max(int(v["reads"]) for v in verify)
         fetch = ctx.group.exchange(f"{step}: fetch", partial(_fetch, ctx, rnd, built, fetched),
-                                   wait=transfer_seconds(ctx, rnd.fetches, pieces))
+                                   wait=transfer_seconds(ctx, rnd.fetches, pieces) + reading)
         logger.debug("rank %d: restore plan %.3fs, verify %.3fs, fetch %.3fs", rank,
                      planned - started, verified - planned, time.monotonic() - verified)
         if any(v["bad"] for v in fetch):
@@ -378,7 +388,7 @@ def restore(ctx: Context, iteration: int,
             if damaged > 2:
                 raise CorruptShardError(
                     f"load of iteration {iteration}: shards arrived damaged from copies that "
-                    f"read well, {damaged} times in a row; the last: "
+                    f"read well, {damaged} times in this load; the last: "
                     f"{next(r for v in fetch for r in v['retry'])}")
             continue
         if not unmixed(fetch):

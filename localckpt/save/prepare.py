@@ -241,12 +241,15 @@ class SaveAgreement:
         # long as the longest transfer in it: the bound of what a fast rank may wait for in
         # finalize.
         pieces = [int(g["pieces"]) for g in gathered]
-        steps = 2 + max(int(g["chunks"]) for g in gathered) + sum(
+        most_chunks = max(int(g["chunks"]) for g in gathered)
+        steps = 2 + most_chunks + sum(
             max(pieces[t.src] for t in round_)
             for round_ in (*plan.rounds, *(parity.rounds if parity else ())))
-        manifest = staged.manifest
-        if gathered[0]["meta"]:  # rank 0's, in every shard: one answer for metadata(iteration)
-            manifest = replace(manifest, metadata=gathered[0]["meta"])
+        # Rank 0's, in every shard (one answer for metadata(iteration)), with the chunks of the
+        # save's largest shard: how long a load waits for the slowest rank's read of its own.
+        metadata = {**(gathered[0]["meta"] or staged.manifest.metadata),
+                    "most_chunks": most_chunks}
+        manifest = replace(staged.manifest, metadata=metadata)
         return AgreedSave(manifest, plan if plan.transfers else None, steps,
                           parity if parity is not None and parity.transfers else None, sizes)
 

@@ -77,9 +77,10 @@ class ShardManifest:
     created_unix: float = field(default_factory=time.time)
     identity: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    # {"custom": ..., "metrics": ..., "saved_unix": ...}: what save(..., custom_metadata=,
-    # metrics=) was given and rank 0's clock, in every shard of the iteration (a key older
-    # readers skip: it changes nothing they read)
+    # {"custom": ..., "metrics": ..., "saved_unix": ..., "save_id": ..., "most_chunks": ...}:
+    # what save(..., custom_metadata=, metrics=) was given, rank 0's clock, the save's id and
+    # the chunks of its largest shard, in every shard of the iteration (a key older readers
+    # skip: it changes nothing they read)
     metadata: dict[str, Any] = field(default_factory=dict)
     # A parity block's (format version 5): what it is the parity of. Its owner_rank is then
     # its slot (replication.parity_slot), below zero.
@@ -279,6 +280,9 @@ def _metadata_of(value: Any) -> dict[str, Any]:
     save_id = value.get("save_id")
     if type(save_id) is str and len(save_id) <= 64:
         out["save_id"] = save_id
+    most = value.get("most_chunks")
+    if type(most) is int and 0 <= most < 1 << 40:
+        out["most_chunks"] = most
     return out
 
 
