@@ -231,3 +231,23 @@ def test_a_write_back_stopped_by_close_commits_nothing_after_it(
     gate.set()
     assert w.stop(10)
     assert events == ["made", "dropped"], events
+
+
+def test_a_write_back_no_load_step_counted_waits_for_every_piece_sent(tmp_path: Path,
+                                                                     root: Path) -> None:
+    """The write-back after a resharding load at the same world size took every shard for
+    one piece on the wire: a rank with nothing to send in the last round could time out while
+    its peers still sent a large shard, breaking both groups. The ranks now count the pieces
+    first."""
+    from localckpt.storage.shard_stream import STREAM_PIECE_NBYTES
+
+    results = run_ranks(wb.counted_write_back, 2, tmp_path, str(root), "save")
+    assert all(r.ok for r in results), [r.message for r in results]
+    shutil.rmtree(root / "node1")
+    results = run_ranks(wb.counted_write_back, 2, tmp_path, str(root), "write back")
+    assert all(r.ok for r in results), [r.message for r in results]
+    pieces = -(-(40 << 20) // STREAM_PIECE_NBYTES)
+    assert pieces >= 3
+    for r in results:
+        assert r.value["seconds"] >= 2 * (1 + 2 * pieces), r.value  # timeout 2 per piece
+    assert sorted(w for r in results for w in map(tuple, r.value["written"])) == [(1, 0), (1, 1)]

@@ -152,3 +152,20 @@ def rollback_with_a_write_back_failed_on_rank_1(rank: int, world: int,
             mgr.close()
     time.sleep(1)  # a background deletion would be done by now
     return {"error": error, "held": held(base, rank)}
+
+
+def counted_write_back(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+    """Save 40 MiB shards (several pieces on the wire each); after node 1 was wiped, start the
+    write-back a resharding load starts (write_back_after: no load step counted the pieces)
+    and report how long one attempt may take."""
+    from localckpt.load.restore import write_back_after
+
+    with manager(rank, base, timeout=2) as mgr:
+        if phase == "save":
+            mgr.save({"w": torch.full((10 << 20,), float(rank))}, 1)
+            return {}
+        ctx = mgr._ctx
+        write_back = write_back_after(ctx, 1, ctx.gather_inventories("listing"))
+        assert write_back is not None
+        write_back.wait()
+        return {"seconds": write_back.seconds, "written": write_back.written}

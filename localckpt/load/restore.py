@@ -407,8 +407,7 @@ def write_back_after(ctx: Context, iteration: int, inventories: list[Inventory]
     repair = parity_repair(ctx, iteration, inventories)
     if not rnd.plan.exchange.rounds and repair is None:
         return None
-    return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
-                     transfer_seconds(ctx, rnd.plan.exchange, {}), repair)
+    return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration, None, repair)
 
 
 def _build(ctx: Context, rnd: Round, out: list[tuple[ShardManifest, Any]]) -> None:

@@ -33,7 +33,7 @@ from ..control.context import Context
 from ..errors import CollectiveError, CollectiveTimeoutError, CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.peer_io import StoreReceiver, run_transfers
-from ..storage.shard_stream import outgoing_from_disk
+from ..storage.shard_stream import outgoing_from_disk, wire_messages
 from .parity_repair import fold_parity
 from .rounds import transfer_seconds
 
@@ -44,14 +44,18 @@ ATTEMPTS = 3
 
 class WriteBack:
     """One rank's part of a restore's write-back, started at construction. ``seconds``: how
-    long the slowest rank may take for one attempt (every piece is bounded by the timeout)."""
+    long the slowest rank may take for one attempt (every piece is bounded by the timeout);
+    None: not known yet (no load step counted the pieces of the shards sent): the ranks
+    exchange them first, on the thread."""
 
     def __init__(self, ctx: Context, plan: ExchangePlan, holders: dict[ShardId, list[int]],
-                 iteration: int, seconds: float, repair: Repair | None = None) -> None:
+                 iteration: int, seconds: float | None, repair: Repair | None = None) -> None:
         self.ctx = ctx
         self.holders = {s: list(h) for s, h in holders.items()}  # minus quarantined copies
         self.iteration = iteration
-        self.seconds = seconds
+        self._count = seconds is None
+        # until counted, each shard taken as one piece: that covers the count's own exchange
+        self.seconds = transfer_seconds(ctx, plan, {}) if seconds is None else seconds
         # erasure coding: the parity blocks to fold again (see fold_parity)
         self.repair = repair
         self.repair_seconds = 0.0 if repair is None else 2 * ctx.timeout + transfer_seconds(
@@ -98,7 +102,9 @@ class WriteBack:
 
     def _run(self, plan: ExchangePlan) -> None:
         try:
-            if plan.transfers:
+            if plan.transfers:  # the same plan on every rank
+                if self._count:
+                    self.seconds = transfer_seconds(self.ctx, plan, self._pieces(plan))
                 self._write_replicas(plan)
             if self.repair is not None:
                 self.repaired = fold_parity(self.ctx, self.iteration, self.repair,
@@ -160,6 +166,26 @@ class WriteBack:
         logger.error("rank %d: write-back of iteration %d gave up after %d attempts: %s are "
                      "not restored; the next save brings redundancy back for the new "
                      "iteration", ctx.rank, it, ATTEMPTS, shown)
+
+    def _pieces(self, plan: ExchangePlan) -> dict[str, int]:
+        """How many messages each shard sent takes on the wire, as every rank's sender counts
+        them (collective on the data group)."""
+        ctx = self.ctx
+
+        def mine() -> dict[str, int]:
+            counted: dict[str, int] = {}
+            for t in plan.transfers:
+                if t.src == ctx.rank:
+                    try:
+                        m = ctx.store.read_manifest(ctx.store.ref(*t.shard, ctx.world_size))
+                    except CorruptShardError:  # found by the attempt, which quarantines it
+                        continue
+                    counted[f"{t.iteration}:{t.owner}"] = wire_messages(m)
+            return counted
+
+        gathered = ctx.data_group.exchange(
+            f"write-back of iteration {self.iteration}: sizes", mine)
+        return {k: n for counted in gathered for k, n in counted.items()}
 
     def _repair_takes(self, seconds: float) -> None:
         self.repair_seconds = seconds
