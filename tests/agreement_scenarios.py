@@ -455,10 +455,12 @@ class _Interrupting:
         pass
 
 
-def staging_interrupted(rank: int, world: int, root: str, is_async: bool) -> dict[str, Any]:
+def staging_interrupted(rank: int, world: int, root: str, is_async: bool,
+                        finalize: bool = True) -> dict[str, Any]:
     """Ctrl-C reaches rank 1 while the save of 2 walks its state dict (before any agreement):
     rank 1 gets the KeyboardInterrupt, rank 0 the save's failure at once, and a handler on
-    rank 1 that goes on (a graceful shutdown) finds the same checkpoint as rank 0."""
+    rank 1 that goes on (a graceful shutdown) finds the same checkpoint as rank 0. Without
+    ``finalize`` rank 0 leaves its request to the next find_latest (back-pressure)."""
     out: dict[str, Any] = {}
     with LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
                                 node_id=f"node{rank}") as mgr:
@@ -469,7 +471,7 @@ def staging_interrupted(rank: int, world: int, root: str, is_async: bool) -> dic
         started = time.monotonic()
         try:
             request = mgr.save(state, 2, is_async=is_async)
-            if request is not None:
+            if request is not None and finalize:
                 request.execute_sync()  # waits for the save, then finalizes it
         except BaseException as exc:
             out["error"] = type(exc).__name__

@@ -170,6 +170,24 @@ def test_ctrl_c_in_one_ranks_state_dict_walk_fails_the_save_on_every_rank_at_onc
     assert zero["after"] == one["after"] == 3
 
 
+def test_an_async_save_interrupted_on_one_rank_and_left_to_back_pressure_keeps_ranks_in_step(
+        tmp_path: Path) -> None:
+    """Rank 0 leaves the failed save's request unfinalized: its next find_latest finalized it
+    and raised, with no exchange, while rank 1 (nothing in flight) exchanged: the two ranks'
+    calls paired off by one, silently. Back-pressure now logs that failure; only the request
+    raises it."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.staging_interrupted, 2, tmp_path, str(tmp_path),
+                        True, False)
+    assert all(r.ok for r in results), [r.message for r in results]
+    zero, one = (r.value for r in results)
+    assert one["error"] == "KeyboardInterrupt" and "error" not in zero
+    assert zero["latest"] == one["latest"] == 1
+    assert zero["after"] == one["after"] == 3
+
+
 @pytest.mark.parametrize("scenario", ["schedule_verbs_differ", "metadata_of_different_iterations",
                                       "async_save_after_the_group_broke"])
 def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) -> None:

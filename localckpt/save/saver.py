@@ -180,7 +180,12 @@ class SavePath:
         if skip and not all(group.exchange("save: previous done?", job.done.is_set)):
             return False
         self._wait(job)
-        self._finalize_job(job)
+        try:
+            self._finalize_job(job)
+        except RankInterruptedError as exc:  # that rank has nothing in flight to settle: the
+            # failure is its request's to raise; here every rank goes on to the same exchange
+            logger.error("rank %d: the async save of iteration %d failed: %s", self.ctx.rank,
+                         job.iteration, exc)
         return True
 
     def _wait(self, job: SaveJob) -> None:
