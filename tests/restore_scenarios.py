@@ -64,3 +64,30 @@ def slow_reads(rank: int, world: int, base: str, phase: str,
             return {}
         loaded, ckpt = mgr.load()
         return {"iteration": ckpt[0], "intact": torch.equal(loaded["w"], mine["w"])}
+
+
+def forged_most_chunks(rank: int, world: int, base: str) -> str:
+    """Every shard of iteration 1 records an absurd largest-shard chunk count (a forged or
+    damaged manifest, its checksum intact); a load of it must still work (the wait it implies
+    is capped), and quickly when every rank is there."""
+    import dataclasses
+
+    from localckpt.save import prepare
+
+    real = prepare.SaveAgreement.agree
+
+    def forged(self: Any, group: Any, staged: Any) -> Any:
+        agreed = real(self, group, staged)
+        metadata = {**agreed.manifest.metadata, "most_chunks": (1 << 40) - 1}
+        return dataclasses.replace(agreed, manifest=dataclasses.replace(agreed.manifest,
+                                                                        metadata=metadata))
+
+    prepare.SaveAgreement.agree = forged  # type: ignore[method-assign]
+    root = Path(base) / f"node{rank}"
+    mine = {"w": torch.full((1000,), float(rank))}
+    with LocalCheckpointManager(root, "job", node_id=f"node{rank}") as mgr:
+        mgr.save(mine, 1)
+    prepare.SaveAgreement.agree = real  # type: ignore[method-assign]
+    with LocalCheckpointManager(root, "job", node_id=f"node{rank}") as mgr:
+        loaded, _ = mgr.load()
+    return "intact" if torch.equal(loaded["w"], mine["w"]) else "wrong"

@@ -146,6 +146,19 @@ def test_a_slow_read_of_a_large_own_shard_is_waited_for_by_a_rank_with_a_small_o
     assert [r.value for r in results] == [{"iteration": 1, "intact": True}] * 2
 
 
+def test_an_absurd_recorded_chunk_count_caps_the_wait_instead_of_failing_the_load(
+        tmp_path: Path) -> None:
+    """A manifest recording a largest shard of 2**40 chunks (forged, its checksum intact):
+    the wait it implied overflowed gloo's timeout, the load raised OverflowError on every rank
+    and broke the group, at every restart. Every wait is now capped like the group's own
+    timeout."""
+    import restore_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(restore_scenarios.forged_most_chunks, 2, tmp_path, str(tmp_path))
+    assert [r.value for r in results] == ["intact"] * 2, [r.message for r in results]
+
+
 def test_a_resharding_load_falls_back_past_an_iteration_whose_lost_shards_cannot_be_rebuilt(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Erasure coding, reshard=True: the newest iteration's lost shards turn out not

@@ -174,7 +174,9 @@ class CheckpointGroup:
         if self.group is None:
             return [payload]
         started = time.monotonic()
-        bound = self.timeout if seconds is None else seconds
+        # a wait that grows with the work is capped like the group's timeout: gloo's is a
+        # count of milliseconds, and a manifest's recorded sizes may be forged
+        bound = self.timeout if seconds is None else min(seconds, MAX_TIMEOUT)
         if self._leaders is not None:
             try:
                 return self._leaders.all_gather(payload, bound)
@@ -186,8 +188,8 @@ class CheckpointGroup:
                 # the peers were told and this group cannot realign: later calls raise
                 self.mark_broken(collective_error(what, exc, time.monotonic() - started, bound))
                 raise
-        if seconds is not None and seconds > self.timeout:
-            self._wait_for_all(what, seconds)
+        if bound > self.timeout:
+            self._wait_for_all(what, bound)
             started = time.monotonic()
         try:
             # Round 1: a fixed slot carrying the length and, when it fits, the payload itself,
