@@ -251,3 +251,19 @@ def test_a_write_back_no_load_step_counted_waits_for_every_piece_sent(tmp_path: 
     for r in results:
         assert r.value["seconds"] >= 2 * (1 + 2 * pieces), r.value  # timeout 2 per piece
     assert sorted(w for r in results for w in map(tuple, r.value["written"])) == [(1, 0), (1, 1)]
+
+
+def test_a_manifest_read_failing_for_the_process_s_reasons_is_one_failed_transfer_not_a_lost_group(
+        tmp_path: Path, root: Path) -> None:
+    """EMFILE reading a shard's manifest to count its pieces: the count's exchange raised on
+    every rank and the write-back broke both groups (the next verb failed on every rank).
+    Such a shard is counted as the largest one counted, and the transfers go on."""
+    results = run_ranks(wb.counted_write_back, 2, tmp_path, str(root), "save")
+    assert all(r.ok for r in results), [r.message for r in results]
+    shutil.rmtree(root / "node1")
+    results = run_ranks(wb.counted_write_back, 2, tmp_path, str(root), "busy")
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert sorted(w for r in results for w in map(tuple, r.value["written"])) == [(1, 0), (1, 1)]
+    pieces = -(-(40 << 20) // (16 << 20))
+    for r in results:  # the unreadable manifest's shard counted as large as the other
+        assert r.value["seconds"] >= 2 * (1 + 2 * pieces), r.value

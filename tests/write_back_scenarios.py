@@ -157,7 +157,10 @@ def rollback_with_a_write_back_failed_on_rank_1(rank: int, world: int,
 def counted_write_back(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
     """Save 40 MiB shards (several pieces on the wire each); after node 1 was wiped, start the
     write-back a resharding load starts (write_back_after: no load step counted the pieces)
-    and report how long one attempt may take."""
+    and report how long one attempt may take. ``phase`` "busy": the sender's first manifest
+    read fails for want of file descriptors (EMFILE: the process's trouble, not the copy's)."""
+    import errno
+
     from localckpt.load.restore import write_back_after
 
     with manager(rank, base, timeout=2) as mgr:
@@ -165,6 +168,16 @@ def counted_write_back(rank: int, world: int, base: str, phase: str) -> dict[str
             mgr.save({"w": torch.full((10 << 20,), float(rank))}, 1)
             return {}
         ctx = mgr._ctx
+        if phase == "busy":
+            real, failed = ctx.store.read_manifest, []
+
+            def busy(ref: Any) -> Any:
+                if not failed:
+                    failed.append(ref)
+                    raise OSError(errno.EMFILE, "Too many open files")
+                return real(ref)
+
+            ctx.store.read_manifest = busy  # type: ignore[method-assign]
         write_back = write_back_after(ctx, 1, ctx.gather_inventories("listing"))
         assert write_back is not None
         write_back.wait()

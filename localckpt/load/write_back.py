@@ -169,7 +169,9 @@ class WriteBack:
 
     def _pieces(self, plan: ExchangePlan) -> dict[str, int]:
         """How many messages each shard sent takes on the wire, as every rank's sender counts
-        them (collective on the data group)."""
+        them (collective on the data group). A shard whose manifest a sender cannot read now
+        (a bad copy, which the attempt quarantines and sends from another holder; no file
+        descriptors left) is taken to be as large as the largest counted."""
         ctx = self.ctx
 
         def mine() -> dict[str, int]:
@@ -178,14 +180,18 @@ class WriteBack:
                 if t.src == ctx.rank:
                     try:
                         m = ctx.store.read_manifest(ctx.store.ref(*t.shard, ctx.world_size))
-                    except CorruptShardError:  # found by the attempt, which quarantines it
+                    except OSError as exc:  # the attempt meets it, fails that transfer alone
+                        logger.warning("rank %d: write-back: %s", ctx.rank, exc)
                         continue
                     counted[f"{t.iteration}:{t.owner}"] = wire_messages(m)
             return counted
 
         gathered = ctx.data_group.exchange(
             f"write-back of iteration {self.iteration}: sizes", mine)
-        return {k: n for counted in gathered for k, n in counted.items()}
+        pieces = {k: n for counted in gathered for k, n in counted.items()}
+        largest = max(pieces.values(), default=1)
+        return {f"{t.iteration}:{t.owner}": pieces.get(f"{t.iteration}:{t.owner}", largest)
+                for t in plan.transfers}
 
     def _repair_takes(self, seconds: float) -> None:
         self.repair_seconds = seconds
