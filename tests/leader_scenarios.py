@@ -132,3 +132,25 @@ def local_step_interrupted_or_unencodable(rank: int, world: int, node_of: list[i
         out["two"] = type(exc).__name__
     group.close()
     return out
+
+
+def wait_known_after_the_local_step(rank: int, world: int) -> str:
+    """The wait of an exchange is what its local step learns (a write-back's bound once it
+    counted its pieces): every rank learns 6 s in its step; rank 0 returns at once, rank 1
+    works 2.5 s against a group timeout of 1 s."""
+    import time
+
+    group = CheckpointGroup(1.0)
+    learned = {"wait": 1.0}
+
+    def local() -> int:
+        learned["wait"] = 6.0
+        if rank == 1:
+            time.sleep(2.5)
+        return rank
+
+    try:
+        got = group.exchange("learns its wait", local, wait=lambda: learned["wait"])
+    finally:
+        group.close()
+    return "ok" if got == [0, 1] else f"got {got}"

@@ -138,3 +138,12 @@ def test_an_interrupted_or_unencodable_local_step_fails_the_step_on_every_rank(
         assert r.value["one"] == expected, (r.rank, r.value)
         assert r.value["seconds"] < 4, (r.rank, r.value)
         assert r.value["two"] == [{"rank": k} for k in range(4)], (r.rank, r.value)
+
+
+def test_an_exchange_s_wait_may_be_learned_by_its_local_step(tmp_path: Path) -> None:
+    """A rollback waits for the write-back in an exchange whose wait is the write-back's bound,
+    which grows once its thread counted the pieces: read before the local step, it was the
+    bound of one piece a shard, and a rank with nothing to send timed out while a peer still
+    sent a large shard. A callable wait is read after the local step."""
+    results = run_ranks(sc.wait_known_after_the_local_step, 2, tmp_path)
+    assert [r.value for r in results] == ["ok", "ok"], [r.message for r in results]

@@ -257,7 +257,8 @@ class CheckpointGroup:
                 f"{call}: every rank must pass the same arguments; got " + "; ".join(
                     f"{v} on {_ranks(ranks)}" for v, ranks in by_value.items())) from local_exc
 
-    def exchange(self, step: str, local: Callable[[], T], wait: float | None = None) -> list[T]:
+    def exchange(self, step: str, local: Callable[[], T],
+                 wait: float | Callable[[], float] | None = None) -> list[T]:
         """Run ``local()`` on this rank, then gather every rank's JSON-able result.
 
         Returns all results in rank order, or raises on every rank the same exception built from
@@ -271,7 +272,7 @@ class CheckpointGroup:
         return outcome.values  # type: ignore[return-value]
 
     def gather_outcomes(self, step: str, local: Callable[[], T],
-                        wait: float | None = None) -> Outcome[T]:
+                        wait: float | Callable[[], float] | None = None) -> Outcome[T]:
         """Like :meth:`exchange`, but a failing ``local()`` is returned, not raised: every rank
         gets the same :class:`Outcome`. Raises only when no agreement was reached: the collective
         failed or timed out, or the ranks are in different steps (CollectiveError, and the group
@@ -281,7 +282,8 @@ class CheckpointGroup:
         ``wait``: seconds a rank may wait here for the slowest rank's ``local()`` (default: the
         group's timeout). A step whose local part moves data (transfers in rounds, a write)
         passes a bound that grows with the work, so that a rank with little to do does not time
-        out while its peers legitimately still work; a dead peer is still noticed at once.
+        out while its peers legitimately still work; a dead peer is still noticed at once. A
+        callable is asked once ``local()`` returned (a bound the local step learns).
         """
         local_exc: BaseException | None = None
         carried, self._arguments = self._arguments, None
@@ -295,6 +297,8 @@ class CheckpointGroup:
             # timeout, or pair their next step with this rank's), then it is raised here.
             local_exc = exc
             payload = _encoded({"step": step, "error": describe_failure(exc)}, carried)
+        if callable(wait):
+            wait = wait()
         try:
             payloads = self.all_gather_bytes(payload, step, wait if wait is not None
                                              and wait > self.timeout else None)

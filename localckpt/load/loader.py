@@ -347,7 +347,8 @@ class LoadPath:
         ctx = self.ctx
         # It may still be writing the rolled-back iteration's copies; and a write-back that
         # failed on one rank must stop every rank's deletions, not that rank's alone.
-        bound = self._write_back.bound() if self._write_back is not None else None
+        # (its bound read once it is over: it grows once its thread counted the pieces)
+        bound = self._write_back.bound if self._write_back is not None else None
         ctx.group.exchange(f"rollback to {iteration}: write-back over",
                            self.wait_for_write_back, wait=bound)
         discard_newer(ctx, iteration, None if self.reshard else ctx.world_size, self.durable,
