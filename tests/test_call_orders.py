@@ -116,6 +116,29 @@ def test_a_save_thread_that_outlives_close_commits_nothing_and_keeps_the_lock(
         "rank_00000_of_00001"]
 
 
+def test_ctrl_c_in_the_walk_is_raised_as_it_came_when_the_peers_cannot_be_told(
+        root: Path) -> None:
+    """The agreement that tells the peers about an async save's interrupted walk failed itself
+    (the data group already broken): the caller got CollectiveError, the KeyboardInterrupt
+    only its cause, and an ``except KeyboardInterrupt`` handler never ran."""
+    from localckpt.errors import CollectiveError
+
+    class Interrupting:
+        def state_dict(self) -> dict[str, Any]:
+            raise KeyboardInterrupt
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"w": torch.ones(4)}, 1)
+        broken = CollectiveError("the group broke earlier")
+        mgr._ctx.data_group.mark_broken(broken)
+        with pytest.raises(KeyboardInterrupt) as info:
+            mgr.save({"w": torch.ones(4), "hook": Interrupting()}, 2, is_async=True)
+        assert isinstance(info.value.__context__ or info.value.__cause__, CollectiveError)
+
+
 def test_close_gives_up_on_a_chunk_write_stuck_in_the_io_pool(root: Path) -> None:
     """A hung write or fsync in the I/O pool (here a sleep): close() gives up after the save's
     bound as it does for a stall on the save's thread, instead of waiting for the pool (with a

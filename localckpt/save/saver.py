@@ -95,7 +95,10 @@ class SavePath:
                 # Ctrl-C or an exit in the walk: the others' agreement (on their save threads)
                 # is told now and raises RankInterruptedError, which their finalize raises
                 # with no exchange; it is raised here, and no save is left in flight.
-                self.agreement.agree(ctx.data_group, staged)
+                try:
+                    self.agreement.agree(ctx.data_group, staged)
+                except CheckpointingError as exc:  # the peers could not be told: the group
+                    raise staged from exc  # is broken, and they will find that out
                 raise staged  # (agree raised it)
             if not is_async:
                 agreed = self.agreement.agree(ctx.group, staged)
