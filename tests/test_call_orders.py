@@ -116,11 +116,13 @@ def test_a_save_thread_that_outlives_close_commits_nothing_and_keeps_the_lock(
         "rank_00000_of_00001"]
 
 
+@pytest.mark.parametrize("is_async", [False, True])
 def test_ctrl_c_in_the_walk_is_raised_as_it_came_when_the_peers_cannot_be_told(
-        root: Path) -> None:
-    """The agreement that tells the peers about an async save's interrupted walk failed itself
-    (the data group already broken): the caller got CollectiveError, the KeyboardInterrupt
-    only its cause, and an ``except KeyboardInterrupt`` handler never ran."""
+        root: Path, is_async: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agreement that tells the peers about an interrupted walk failed itself (its
+    collective failed; async: the data group already broken): the caller got CollectiveError,
+    the KeyboardInterrupt only its cause, and an ``except KeyboardInterrupt`` handler never
+    ran."""
     from localckpt.errors import CollectiveError
 
     class Interrupting:
@@ -132,11 +134,18 @@ def test_ctrl_c_in_the_walk_is_raised_as_it_came_when_the_peers_cannot_be_told(
 
     with LocalCheckpointManager(root, "s") as mgr:
         mgr.save({"w": torch.ones(4)}, 1)
-        broken = CollectiveError("the group broke earlier")
-        mgr._ctx.data_group.mark_broken(broken)
+        broken = CollectiveError("the group broke")
+        if is_async:
+            mgr._ctx.data_group.mark_broken(broken)
+        else:  # the peer is lost during the agreement's collective
+            def lost(*args: Any, **kwargs: Any) -> Any:
+                raise broken
+
+            monkeypatch.setattr(mgr._ctx.group, "all_gather_bytes", lost)
         with pytest.raises(KeyboardInterrupt) as info:
-            mgr.save({"w": torch.ones(4), "hook": Interrupting()}, 2, is_async=True)
+            mgr.save({"w": torch.ones(4), "hook": Interrupting()}, 2, is_async=is_async)
         assert isinstance(info.value.__context__ or info.value.__cause__, CollectiveError)
+        monkeypatch.undo()
 
 
 def test_close_gives_up_on_a_chunk_write_stuck_in_the_io_pool(root: Path) -> None:

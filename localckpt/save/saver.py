@@ -91,12 +91,12 @@ class SavePath:
                                      metrics, self.dedupe_replicated)
             except BaseException as exc:  # the agreement makes it every rank's
                 staged = exc
-            if is_async and not isinstance(staged, (StagedShard, Exception)):
-                # Ctrl-C or an exit in the walk: the others' agreement (on their save threads)
-                # is told now and raises RankInterruptedError, which their finalize raises
-                # with no exchange; it is raised here, and no save is left in flight.
+            if not isinstance(staged, (StagedShard, Exception)):
+                # Ctrl-C or an exit in the walk: the others' agreement is told now (async: on
+                # their save threads, and their finalize raises it with no exchange) and raises
+                # RankInterruptedError; here it is raised as it came, no save left in flight.
                 try:
-                    self.agreement.agree(ctx.data_group, staged)
+                    self.agreement.agree(ctx.data_group if is_async else ctx.group, staged)
                 except CheckpointingError as exc:  # the peers could not be told: the group
                     raise staged from exc  # is broken, and they will find that out
                 raise staged  # (agree raised it)
