@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
+from replication.strategies import strategy_setting
 
 from .control.bootstrap import open_node_root, place_replicas, stripes
 from .control.collectives import CheckpointGroup, checked_timeout
@@ -196,7 +197,12 @@ class LocalCheckpointManager:
                 save_policy.every_steps, sorted(save_policy.at_steps),
                 save_policy.every_seconds, save_policy.predicate is not None],
             "preemption_signals": preemption_signals is not None
-            and preemption_signals is not False}
+            and preemption_signals is not False,
+            # Where replicas and parity go, and what counts as complete: decided per rank.
+            "repl_strategy": strategy_setting(strategy),
+            "durable": None if durable is None else [
+                durable.persist_every, durable.keep, durable.keep_every,
+                durable.persist_interval, durable.commit_timeout]}
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:

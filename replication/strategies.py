@@ -7,6 +7,7 @@ the registered ones.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,16 @@ class NoReplication(ReplicationStrategy):
 
     def place(self, topology: Topology) -> Placement:
         return Placement(tuple(() for _ in range(topology.world_size)))
+
+
+def strategy_setting(strategy: ReplicationStrategy | None) -> list[Any] | None:
+    """``strategy`` as JSON, equal for two strategies that place alike (None and
+    :class:`NoReplication` both None): what every rank of a job must be given."""
+    if strategy is None or type(strategy) is NoReplication:
+        return None
+    kind = type(strategy)
+    return [f"{kind.__module__}.{kind.__qualname__}",
+            json.loads(json.dumps(strategy.describe(), sort_keys=True, default=repr))]
 
 
 @register_strategy

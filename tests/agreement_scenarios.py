@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from scenarios import digest, make_state
 
-from localckpt import AsyncCallsQueue, LocalCheckpointManager
+from localckpt import AsyncCallsQueue, DurableTier, LocalCheckpointManager
 from localckpt.ops import faults
+from replication import ErasureCodingStrategy, make_strategy
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -527,9 +528,15 @@ def async_save_after_the_group_broke(rank: int, world: int, root: str) -> dict[s
 def settings_differ(rank: int, world: int, root: str, setting: str) -> dict[str, Any]:
     """Rank 1 is given another ``setting`` than rank 0."""
     values = {"keep_last": (1, 2), "reshard": (False, True), "strict": (False, True),
-              "busy": ("wait", "skip")}[setting]
+              "busy": ("wait", "skip"),
+              "repl_strategy": (None, make_strategy("node_spread", replication_factor=2)),
+              "erasure": (ErasureCodingStrategy(1, 1), None),
+              "durable": (DurableTier(Path(root) / "durable"), None),
+              "durable_keep": (DurableTier(Path(root) / "durable", keep=2),
+                               DurableTier(Path(root) / "durable", keep=3))}[setting]
+    name = {"erasure": "repl_strategy", "durable_keep": "durable"}.get(setting, setting)
     try:
-        with _plain(rank, root, **{setting: values[rank]}):
+        with _plain(rank, root, **{name: values[rank]}):
             return {"made": True}
     except Exception as exc:
-        return {"error": type(exc).__name__, "names": setting in str(exc)}
+        return {"error": type(exc).__name__, "names": name in str(exc)}

@@ -242,12 +242,16 @@ def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) ->
                            "on_disk": ["iter_0000000001"]}] * 2
 
 
-@pytest.mark.parametrize("setting", ["keep_last", "reshard", "strict", "busy"])
+@pytest.mark.parametrize("setting", ["keep_last", "reshard", "strict", "busy", "repl_strategy",
+                                     "erasure", "durable", "durable_keep"])
 def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path,
                                                                   setting: str) -> None:
     """Retention, resharding and the schedule are decided per rank from the settings: ranks
     given different ones kept different shards and answered find_latest differently, each
-    without an error (or one rank refused while the other went on)."""
+    without an error (or one rank refused while the other went on). A replication strategy on
+    one rank only (or another erasure code) made find_latest answer differently and every save
+    time out; a durable tier on one rank only, or kept differently, the same (from the attacker
+    review of the control plane)."""
     import agreement_scenarios
     from dist_harness import run_ranks
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 
@@ -168,3 +169,19 @@ def test_owners_without_a_copy_on_another_node_are_counted() -> None:
     assert owners_without_remote_copy(jumped.place(topo), topo) == []
     one_node = Topology(("h", "h"))
     assert owners_without_remote_copy(clique.place(one_node), one_node) == [0, 1]
+
+
+def test_strategy_setting_is_equal_only_for_strategies_that_place_alike() -> None:
+    """What the manager compares across ranks at start: None and NoReplication alike, the
+    parameters and the kind of strategy told apart."""
+    from replication import ErasureCodingStrategy, NoReplication, make_strategy
+    from replication.strategies import strategy_setting
+
+    assert strategy_setting(None) is None and strategy_setting(NoReplication()) is None
+    settings = [strategy_setting(s) for s in (
+        make_strategy("clique", replication_factor=2),
+        make_strategy("clique", replication_factor=3),
+        make_strategy("node_spread", replication_factor=2), ErasureCodingStrategy(2, 1),
+        ErasureCodingStrategy(2, 2))]
+    assert len({json.dumps(s) for s in settings}) == len(settings)
+    assert strategy_setting(ErasureCodingStrategy(2, 1)) == settings[3]
