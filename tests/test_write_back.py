@@ -267,3 +267,41 @@ def test_a_manifest_read_failing_for_the_process_s_reasons_is_one_failed_transfe
     pieces = -(-(40 << 20) // (16 << 20))
     for r in results:  # the unreadable manifest's shard counted as large as the other
         assert r.value["seconds"] >= 2 * (1 + 2 * pieces), r.value
+
+
+def _save_ids(root: Path, iteration: int, owner: int) -> dict[str, str]:
+    """The save id of each node's committed copy of the shard of ``owner`` at ``iteration``."""
+    from localckpt.storage.store import ShardStore
+
+    out = {}
+    for node in sorted(p.name for p in root.iterdir()):
+        store = ShardStore(root / node, "job", writer_rank=0)
+        try:
+            for ref in store.committed():
+                if (ref.iteration, ref.owner_rank) == (iteration, owner):
+                    out[node] = store.read_manifest(ref).metadata["save_id"]
+        finally:
+            store.close()
+    return out
+
+
+def test_the_write_back_never_sends_a_copy_of_another_save_of_the_iteration(
+        tmp_path: Path, root: Path) -> None:
+    """A copy of an older save of the same iteration number (restored by hand onto a node the
+    placement gives no copy of that shard) was the write-back's source: the replaced node got
+    the old save's replica and the loaded save was left on one node (from the attacker review
+    of the byte-moving paths). The write-back sets such a copy aside, as a load does, and sends
+    the loaded save's."""
+    shard = "iter_0000000003/rank_00001_of_00003"
+    older = tmp_path / "older"
+    for base in (older, root):  # iteration 3 saved twice: the older save, then the one loaded
+        results = run_ranks(wb.save, 3, tmp_path, str(base), [3])
+        assert all(r.ok for r in results), [r.message for r in results]
+    # node_spread over 3 nodes: owner 1's replica is on node 2, none on node 0
+    shutil.copytree(older / "node1" / "job" / shard, root / "node0" / "job" / shard)
+    loaded = _save_ids(root, 3, 1)["node1"]
+    assert _save_ids(root, 3, 1)["node0"] != loaded
+    shutil.rmtree(root / "node2")
+    results = run_ranks(wb.load_and_wait, 3, tmp_path, str(root), 2)
+    assert all(r.ok for r in results), [r.message for r in results]
+    assert _save_ids(root, 3, 1) == {"node1": loaded, "node2": loaded}

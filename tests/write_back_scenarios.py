@@ -178,7 +178,7 @@ def counted_write_back(rank: int, world: int, base: str, phase: str) -> dict[str
                 return real(ref)
 
             ctx.store.read_manifest = busy  # type: ignore[method-assign]
-        write_back = write_back_after(ctx, 1, ctx.gather_inventories("listing"))
+        write_back = write_back_after(ctx, 1, ctx.gather_inventories("listing"), None)
         assert write_back is not None
         write_back.wait()
         return {"seconds": write_back.seconds, "written": write_back.written}

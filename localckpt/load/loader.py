@@ -333,7 +333,8 @@ class LoadPath:
                 attempt += 1
                 failures.append(str(exc))
                 continue
-            self._write_back = write_back_after(ctx, iteration, inventories)
+            self._write_back = write_back_after(ctx, iteration, inventories,
+                                                manifest.metadata.get("save_id"))
             return manifest, state
         raise CorruptShardError(f"load: iteration {iteration} can no longer be loaded: "
                                 + "; ".join(failures[-2:]))
@@ -448,7 +449,8 @@ class LoadPath:
                 failed_at = max(failed_at, self.latest_iteration)
                 continue
             if old_world == ctx.world_size:  # a replaced node gets its copies back
-                self._write_back = write_back_after(ctx, manifest.iteration, listed)
+                self._write_back = write_back_after(ctx, manifest.iteration, listed,
+                                                    manifest.metadata.get("save_id"))
             elif ctx.rank == 0:
                 logger.info("load: iteration %d was saved by %d ranks; resharded onto %d",
                             manifest.iteration, old_world, ctx.world_size)

@@ -394,20 +394,22 @@ def restore(ctx: Context, iteration: int,
         if not unmixed(fetch):
             continue
         write_back = WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration,
-                               transfer_seconds(ctx, rnd.plan.exchange, pieces), repair)
+                               transfer_seconds(ctx, rnd.plan.exchange, pieces), repair,
+                               next((v["save"] for v in fetch if v["save"] is not None), None))
         return built[0][0], built[0][1], write_back
 
 
-def write_back_after(ctx: Context, iteration: int, inventories: list[Inventory]
-                     ) -> WriteBack | None:
+def write_back_after(ctx: Context, iteration: int, inventories: list[Inventory],
+                     save_id: str | None) -> WriteBack | None:
     """The write-back of ``iteration`` (every rank's and every node's copies, as the placement
-    wants them) started in the background after a load that did not plan one itself (a
-    resharding load at this world size); None when nothing is missing."""
+    wants them; of save ``save_id``, the one loaded) started in the background after a load
+    that did not plan one itself (a resharding load at this world size); None when nothing is
+    missing."""
     rnd = plan_round(ctx, iteration, inventories)
     repair = parity_repair(ctx, iteration, inventories)
     if not rnd.plan.exchange.rounds and repair is None:
         return None
-    return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration, None, repair)
+    return WriteBack(ctx, rnd.plan.exchange, rnd.holders, iteration, None, repair, save_id)
 
 
 def _build(ctx: Context, rnd: Round, out: list[tuple[ShardManifest, Any]]) -> None:

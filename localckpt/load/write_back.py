@@ -9,7 +9,8 @@ owner's tensors back keeps them the caller's alone (training changes them in pla
 bounded by a few pieces.
 
 Every rank runs one (the plan is the same on every rank). Transfers that failed are agreed
-across ranks and tried again, up to ATTEMPTS times; a source copy that failed its checksums is
+across ranks and tried again, up to ATTEMPTS times; a source copy that failed its checksums, or
+that another save of the iteration wrote than the one loaded (a copy restored by hand), is
 quarantined and the transfer planned from another holder. What still fails is logged (the next
 save brings redundancy back for the new iteration). A failed transfer never fails the load and
 never leaves a half-written shard (a receiver commits by rename or not at all). A failure of the
@@ -49,8 +50,11 @@ class WriteBack:
     exchange them first, on the thread."""
 
     def __init__(self, ctx: Context, plan: ExchangePlan, holders: dict[ShardId, list[int]],
-                 iteration: int, seconds: float | None, repair: Repair | None = None) -> None:
+                 iteration: int, seconds: float | None, repair: Repair | None = None,
+                 save_id: str | None = None) -> None:
         self.ctx = ctx
+        # the save loaded: a copy of another save of the iteration is set aside, never sent
+        self.save_id = save_id
         self.holders = {s: list(h) for s, h in holders.items()}  # minus quarantined copies
         self.iteration = iteration
         self._count = seconds is None
@@ -82,8 +86,14 @@ class WriteBack:
         fault_point("load_write_back", self.ctx.rank, t.iteration)
         fault_point("replica_send", self.ctx.rank, t.iteration)
         ref = self.ctx.store.ref(*t.shard, self.ctx.world_size)
-        return outgoing_from_disk(self.ctx.store, ref, self.ctx.store.read_manifest(ref),
-                                  self.ctx.ring)
+        manifest = self.ctx.store.read_manifest(ref)
+        save = manifest.metadata.get("save_id")
+        if self.save_id is not None and save != self.save_id:
+            # quarantined and sent from another holder, as a load sets such copies aside
+            raise CorruptShardError(
+                f"{ref.path}: a copy of another save of iteration {t.iteration} (save {save}; "
+                f"the load's is {self.save_id}): not sent")
+        return outgoing_from_disk(self.ctx.store, ref, manifest, self.ctx.ring)
 
     def _sink(self, t: Transfer, meta: bytes, nbytes: int) -> StoreReceiver:
         fault_point("load_write_back", self.ctx.rank, t.iteration)
