@@ -185,10 +185,10 @@ def rollback_interrupted(rank: int, world: int, base: str, how: str) -> dict[str
         store, group = mgr._ctx.store, mgr._ctx.group
         real_fence, real_gather = store.fence_rollback, group.gather_outcomes
 
-        def fence(iteration: int, world_size: int | None) -> None:
+        def fence(iteration: int, world_size: int | None, before: Any) -> None:
             if how == "died before fence":
                 os._exit(9)
-            real_fence(iteration, world_size)
+            real_fence(iteration, world_size, before)
             if how == "died after fence":
                 os._exit(9)
 
@@ -241,7 +241,63 @@ def rollback_with_fence(mgr: LocalCheckpointManager, rank: int, iteration: int,
 def rollback_fails_alike(rank: int, world: int, base: str) -> str:
     """A rollback to 10 whose fence rank 1 cannot write (ENOSPC): an error every rank agrees
     on, which cancels it."""
-    def fence(iteration: int, world_size: int | None) -> None:
+    def fence(iteration: int, world_size: int | None, before: Any) -> None:
         raise OSError(28, "No space left on device (injected)")
 
     return rollback_with_fence(manager(rank, base), rank, 10, fence)
+
+
+def _shared_root(base: str) -> LocalCheckpointManager:
+    """Every rank on one node root (one node of several GPUs), a durable tier beside it."""
+    from localckpt import DurableTier
+
+    return LocalCheckpointManager(Path(base) / "root", "job", None, keep_last=3, timeout=30,
+                                  node_id="one",
+                                  durable=DurableTier(Path(base) / "durable", persist_every=None))
+
+
+def save_on_a_shared_root(rank: int, world: int, base: str) -> None:
+    with _shared_root(base) as mgr:
+        for it in (10, 20, 30):
+            mgr.save(make_state(rank, it), it)
+
+
+def rollback_fails_on_a_shared_root(rank: int, world: int, base: str) -> str:
+    """A rollback to 20 that fails after every rank fenced the shared root: rank 0 cannot
+    discard the durable tier's newer iterations. Rank 1 reads and writes the fence file late
+    (a slower rank)."""
+    import time
+
+    import localckpt.storage.store as store_module
+
+    mgr = _shared_root(base)
+    if rank == 1:
+        real_read, real_write = store_module.read_fence, store_module.write_fence
+
+        def late_read(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)
+            return real_read(*args, **kwargs)
+
+        def late_write(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)
+            return real_write(*args, **kwargs)
+
+        store_module.read_fence, store_module.write_fence = late_read, late_write  # type: ignore[assignment]
+    if rank == 0:
+        def fail(iteration: int) -> None:
+            raise PermissionError(13, "Permission denied (injected)")
+
+        mgr._load.durable.discard_newer = fail  # type: ignore[union-attr, method-assign]
+    try:
+        mgr.load(iteration=20, discard_newer=True)
+        return "rolled back"
+    except Exception as exc:
+        return type(exc).__name__
+    finally:
+        with contextlib.suppress(Exception):
+            mgr.close()
+
+
+def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
+    with _shared_root(base) as mgr:
+        return {"latest": mgr.find_latest(), "iterations": mgr.iterations()}

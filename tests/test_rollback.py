@@ -379,3 +379,17 @@ def test_an_only_iteration_of_two_saves_is_never_reported_as_nothing_saved(
     for r in run_ranks(sc.load_twice, 2, tmp_path, str(root)):
         assert r.ok, r.message
         assert r.value[:2] == ["CorruptShardError", "CorruptShardError"], r.value
+
+
+def test_a_failed_rollback_leaves_nothing_fenced_on_a_root_ranks_share(tmp_path: Path) -> None:
+    """Each rank put back the fence it had read before writing its own; on a root two ranks
+    share, the later one had read the earlier one's, and put this very rollback's fence back:
+    find_latest answered 20, and the next save deleted 30 (from the attacker review of
+    retention and rollback)."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save_on_a_shared_root, 2, tmp_path, base))
+    for r in run_ranks(sc.rollback_fails_on_a_shared_root, 2, tmp_path, base):
+        assert r.ok and r.value == "RankOSError", (r.value, r.message)
+    for r in run_ranks(sc.listed_on_a_shared_root, 2, tmp_path, base):
+        assert r.ok, r.message
+        assert r.value == {"latest": 30, "iterations": [10, 20, 30]}, r.value

@@ -566,9 +566,9 @@ def test_a_rollback_fence_hides_newer_shards_until_they_are_deleted(store: Shard
     for it, world in ((10, 1), (20, 1), (30, 1), (30, 2), (40, 2)):
         _write(store, it, world=world)
     listed = lambda: [(r.iteration, r.world_size) for r in store.committed()]  # noqa: E731
-    store.fence_rollback(20, 1)  # this world size only
+    store.fence_rollback(20, 1, store.fence())  # this world size only
     assert listed() == [(10, 1), (20, 1), (30, 2), (40, 2)]
-    store.fence_rollback(20, None)  # every world size (a resharding job's lineage)
+    store.fence_rollback(20, None, store.fence())  # every world size (a resharding job's lineage)
     assert listed() == [(10, 1), (20, 1)]
     assert store.finish_rollback() == []
     store.wait_for_deletions()

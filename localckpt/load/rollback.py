@@ -27,10 +27,16 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     and deleted) keeps each fence, and the next save finishes the rollback. Deletions that fail
     are logged: what they leave stays hidden, and is tried again before the next save."""
     step = f"rollback to {iteration}: fence"
-    written: list[Fence | None] = []  # this root's fence before, once written
+    # What a cancel puts back, read by every rank before any writes: ranks sharing a root
+    # then put back the same fence (one that read after another rank wrote would put this
+    # rollback's back).
+    before: list[Fence | None] = []
+    ctx.group.exchange(f"{step} as it was", lambda: before.append(ctx.store.fence()))
+    written = []
 
     def fence() -> None:
-        written.append(ctx.store.fence_rollback(iteration, world))
+        ctx.store.fence_rollback(iteration, world, before[0])
+        written.append(True)
 
     outcome = ctx.group.gather_outcomes(step, fence)
     try:
@@ -43,7 +49,7 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     except BaseException:
         if written:  # no root deletes: as it was before (an earlier rollback's stays)
             with contextlib.suppress(OSError):
-                ctx.store.cancel_rollback(written[0])
+                ctx.store.cancel_rollback(before[0])
         raise
     for failure in ctx.store.finish_rollback():  # hidden: tried again before each save
         logger.error("rank %d: discarding after the rollback to %d: %s", ctx.rank,

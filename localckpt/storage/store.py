@@ -230,15 +230,14 @@ class ShardStore:
         """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
         return read_fence(self.session_path)
 
-    def fence_rollback(self, iteration: int, world_size: int | None) -> Fence | None:
+    def fence_rollback(self, iteration: int, world_size: int | None,
+                       before: Fence | None) -> None:
         """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
-        every world size) from every listing, durably (merged with a fence already there),
-        until :meth:`finish_rollback` deleted them. Returns the fence there before (for
-        :meth:`cancel_rollback`)."""
-        before = read_fence(self.session_path)
+        every world size) from every listing, durably, until :meth:`finish_rollback` deleted
+        them. ``before``: the fence already there (:meth:`fence`), read by every rank sharing
+        this root before any of them wrote (what :meth:`cancel_rollback` puts back)."""
         write_fence(self.session_path, merged(before, ((iteration, world_size),)), self._tag,
                     merge=False)
-        return before
 
     def cancel_rollback(self, before: Fence | None = None) -> None:
         """Put back this root's fence as it was ``before`` a rollback that deleted nothing
