@@ -457,14 +457,16 @@ class _Interrupting:
 
 
 def staging_interrupted(rank: int, world: int, root: str, is_async: bool,
-                        finalize: bool = True) -> dict[str, Any]:
+                        finalize: bool = True, busy: str = "wait") -> dict[str, Any]:
     """Ctrl-C reaches rank 1 while the save of 2 walks its state dict (before any agreement):
     rank 1 gets the KeyboardInterrupt, rank 0 the save's failure at once, and a handler on
     rank 1 that goes on (a graceful shutdown) finds the same checkpoint as rank 0. Without
-    ``finalize`` rank 0 leaves its request to the next find_latest (back-pressure)."""
+    ``finalize`` rank 0 leaves its request to the next find_latest (back-pressure); with
+    ``busy="skip"`` as well, to the next async save (its back-pressure asks whether the
+    previous save is done)."""
     out: dict[str, Any] = {}
     with LocalCheckpointManager(Path(root) / f"node{rank}", "job", timeout=5,
-                                node_id=f"node{rank}") as mgr:
+                                node_id=f"node{rank}", busy=busy) as mgr:
         mgr.save(make_state(rank, 1), 1)
         state = make_state(rank, 2)
         if rank == 1:
@@ -477,8 +479,14 @@ def staging_interrupted(rank: int, world: int, root: str, is_async: bool,
         except BaseException as exc:
             out["error"] = type(exc).__name__
         out["seconds"] = time.monotonic() - started
-        out["latest"] = mgr.find_latest()
-        mgr.save(make_state(rank, 3), 3)  # the ranks are still in step
+        if busy == "skip":
+            request = mgr.save(make_state(rank, 3), 3, is_async=True)
+            out["skipped"] = request is None
+            if request is not None:
+                request.execute_sync()
+        else:
+            out["latest"] = mgr.find_latest()
+            mgr.save(make_state(rank, 3), 3)  # the ranks are still in step
         out["after"] = mgr.find_latest()
     return out
 

@@ -220,6 +220,24 @@ def test_an_async_save_interrupted_on_one_rank_and_left_to_back_pressure_keeps_r
     assert zero["after"] == one["after"] == 3
 
 
+def test_an_async_save_interrupted_on_one_rank_keeps_ranks_in_step_with_busy_skip(
+        tmp_path: Path) -> None:
+    """With busy="skip", the next async save asked the others whether the previous save was
+    done only on the ranks that had one in flight: not on the interrupted rank, so the two
+    ranks' calls paired off and both groups broke for good (from the attacker review of the
+    async save path)."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.staging_interrupted, 2, tmp_path, str(tmp_path),
+                        True, False, "skip")
+    assert all(r.ok for r in results), [r.message for r in results]
+    zero, one = (r.value for r in results)
+    assert one["error"] == "KeyboardInterrupt" and "error" not in zero
+    assert zero["skipped"] is one["skipped"] is False
+    assert zero["after"] == one["after"] == 3
+
+
 @pytest.mark.parametrize("scenario", ["schedule_verbs_differ", "metadata_of_different_iterations",
                                       "async_save_after_the_group_broke"])
 def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) -> None:

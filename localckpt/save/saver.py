@@ -44,7 +44,7 @@ from ..state_dict import as_tensor_aware
 from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
-from .job import SaveJob, wait_for_save
+from .job import AGREEMENT_STEPS, SaveJob, wait_for_save
 from .persist import Persister
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
@@ -180,7 +180,10 @@ class SavePath:
             self._inflight = None
             return True
         group = self.ctx.group
-        if skip and not all(group.exchange("save: previous done?", job.done.is_set)):
+        # A rank interrupted in that save's walk has nothing in flight and asks no one: the
+        # others, told by the agreement, must not ask either (their calls would pair off).
+        if skip and not self._interrupted_elsewhere(job) \
+                and not all(group.exchange("save: previous done?", job.done.is_set)):
             return False
         self._wait(job)
         try:
@@ -190,6 +193,12 @@ class SavePath:
             logger.error("rank %d: the async save of iteration %d failed: %s", self.ctx.rank,
                          job.iteration, exc)
         return True
+
+    def _interrupted_elsewhere(self, job: SaveJob) -> bool:
+        """Whether ``job``'s agreement heard that a rank was interrupted in its walk (waiting
+        for the agreement as long as it may take: the same answer on every rank)."""
+        job.agreed.wait(self.ctx.timeout * AGREEMENT_STEPS)
+        return isinstance(job.agreed_error, RankInterruptedError)
 
     def _wait(self, job: SaveJob) -> None:
         """Wait for ``job``'s own thread as long as its agreement and the work agreed may
