@@ -239,6 +239,21 @@ def test_tied_host_tensors_of_into_are_filled_in_place(root: Path) -> None:
     assert torch.equal(loaded["model"]["head.weight"], torch.arange(40.0).view(10, 4))
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_one_memory_seen_through_a_lazy_bit_is_no_tied_weight(root: Path, view: str) -> None:
+    """w and w.conj() (or a negative view) under two keys were taken for tied weights: filled
+    by one copy each, the second undid the first, and the returned tensor did not hold the
+    saved value (from the attacker review of the state dict round trip)."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"a": x.clone(), "b": x.clone()}, 1)
+    w = torch.zeros(2, dtype=torch.complex64)
+    other = w.conj() if view == "conj" else torch._neg_view(w)
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into={"a": w, "b": other})
+    assert torch.equal(loaded["a"], x) and torch.equal(loaded["b"], x)
+
+
 @pytest.mark.parametrize("case", ["shrunk", "freed view"])
 def test_an_into_tensor_whose_storage_is_too_small_is_refused(root: Path, case: str) -> None:
     with LocalCheckpointManager(root, "s") as mgr:

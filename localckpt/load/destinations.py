@@ -256,14 +256,15 @@ def _tied_groups(shared: set[int], spans: list[tuple[str, int, int, int]],
                  direct: list[torch.Tensor | None],
                  copied: dict[int, torch.Tensor]) -> list[tuple[int, ...]]:
     """The entries of ``shared`` whose destinations are one tensor's memory seen alike (tied
-    weights: same place, shape, strides and dtype), in groups that overlap no other entry."""
+    weights: same place, shape, strides, dtype and lazy conjugate and negative bits), in groups
+    that overlap no other entry."""
     by_key: dict[Any, list[int]] = {}
     where = {i: (kind, start, end) for kind, start, end, i in spans if i in shared}
     for i in sorted(shared):
         t = direct[i] if direct[i] is not None else copied.get(i)
         if t is not None:
-            by_key.setdefault((t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype),
-                              []).append(i)
+            by_key.setdefault((t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
+                               t.is_conj(), t.is_neg()), []).append(i)
     groups = []
     for members in by_key.values():
         kind, start, end = where[members[0]]
