@@ -85,6 +85,30 @@ def test_only_overlapping_destinations_are_left_out(root: Path) -> None:
     assert all(torch.equal(loaded[k], saved[k]) for k in "abcd")
 
 
+def test_interleaved_views_that_share_no_memory_are_read_into(
+        root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Column slices of one matrix (a fused weight split along dim 1) and the even and odd
+    elements of one buffer span each other's memory without sharing any of it: they were taken
+    for tensors overlapping in part, left out without a word, and the caller's matrix kept its
+    old values (from the attacker review of load(into=...)). Tensors that do overlap in part
+    still come back fresh, now with a warning naming them."""
+    saved = {"q": torch.randn(4, 4), "k": torch.randn(4, 4), "even": torch.randn(6),
+             "odd": torch.randn(6), "x": torch.randn(4, 5), "y": torch.randn(4, 5)}
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save(saved, 1)
+    fused, buf, third = torch.zeros(4, 8), torch.zeros(12), torch.zeros(4, 8)
+    q, k = fused.split(4, dim=1)
+    into = {"q": q, "k": k, "even": buf[::2], "odd": buf[1::2], "x": third[:, :5],
+            "y": third[:, 3:]}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    assert {k: loaded[k] is into[k] for k in into} == {
+        "q": True, "k": True, "even": True, "odd": True, "x": False, "y": False}
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert torch.equal(fused, torch.cat([saved["q"], saved["k"]], dim=1))
+    assert "'x', 'y'" in caplog.text and "overlap in part" in caplog.text
+
+
 def test_a_node_loss_restore_receives_into_the_callers_tensors(tmp_path: Path,
                                                                root: Path) -> None:
     assert all(r.ok for r in run_ranks(into_scenarios.save, 2, tmp_path, str(root)))

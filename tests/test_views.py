@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import warnings
 
+import pytest
 import torch
 
 from localckpt.storage.views import first_read_only, outside, writable_memory
@@ -46,3 +47,18 @@ def test_distinct_elements_tells_overlapping_views_from_strided_ones() -> None:
     shared = [torch.zeros(1).expand(4, 2), torch.zeros(5).unfold(0, 2, 1),
               torch.zeros(10).as_strided((3, 3), (2, 1))]
     assert not any(distinct_elements(t) for t in shared)
+
+
+def test_sharing_tells_interleaved_views_from_overlapping_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from localckpt.storage import views
+
+    w = torch.zeros(4, 8)
+    q, k = w.split(4, dim=1)
+    assert views.sharing([q, k]) == [False, False]
+    assert views.sharing([w[:, :5], w[:, 3:], w[:, 1:2].t()]) == [True, True, True]
+    assert views.sharing([w.view(-1)[::2], w.view(-1)[1::2]]) == [False, False]
+    # one byte of a float and of its int8 view: another dtype, the same memory
+    assert views.sharing([w[0, :1], w[0].view(torch.int8)[3:4], w[1, :1]]) == [True, True, False]
+    monkeypatch.setattr(views, "SHARED_BYTES_MAX_SPAN", 16)  # too long to compare: taken to
+    assert views.sharing([q, k]) == [True, True]  # overlap

@@ -34,6 +34,7 @@ from ..storage.views import (
     extent,
     first_read_only_span,
     refuse_past_storage,
+    sharing,
 )
 
 logger = logging.getLogger(__name__)
@@ -209,17 +210,14 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     spans.sort()
     _refuse_read_only(manifest, [(start, end, i) for kind, start, end, i in spans
                                  if kind == "cpu"])
-    shared: set[int] = set()
-    reach, last, on = -1, -1, ""
-    for kind, start, end, i in spans:
-        if kind != on:
-            reach, last, on = -1, -1, kind
-        if start < reach:  # overlaps the furthest-reaching span so far
-            shared.update((i, last))
-        if end > reach:
-            reach, last = end, i
+    shared = _shared(spans, direct, copied)
     tied = _tied_groups(shared, spans, direct, copied)
     in_groups = {i for group in tied for i in group}
+    apart = sorted(shared - in_groups)
+    if apart:
+        logger.warning("load(into=...): the tensors of `into` at %s overlap in part: their "
+                       "saved values are returned in fresh tensors, not read into that memory",
+                       ", ".join(repr(manifest.tensors[i].key_path) for i in apart[:8]))
     for i in shared:
         held = direct[i] if direct[i] is not None else copied.get(i)
         direct[i] = None
@@ -233,6 +231,26 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
         dtensors.pop(i, None)
     return Destinations(direct, copied, dtensors, mismatched, elsewhere, tied,
                         {i: manifest.tensors[i].key_path for group in tied for i in group})
+
+
+def _shared(spans: list[tuple[str, int, int, int]], direct: list[torch.Tensor | None],
+            copied: dict[int, torch.Tensor]) -> set[int]:
+    """The entries whose destination shares memory with another's, of ``spans`` ((device,
+    start, end, entry) of their [first, last] addresses, sorted): spans that overlap chain into
+    clusters, compared byte by byte (:func:`sharing`)."""
+    clusters: list[list[int]] = []
+    reach, on = -1, ""
+    for kind, start, end, i in spans:
+        if kind != on or start >= reach:
+            clusters.append([])
+            reach, on = -1, kind
+        clusters[-1].append(i)
+        reach = max(reach, end)
+    out: set[int] = set()
+    for members in (c for c in clusters if len(c) > 1):
+        views = [copied[i] if (t := direct[i]) is None else t for i in members]
+        out.update(i for i, shares in zip(members, sharing(views), strict=True) if shares)
+    return out
 
 
 def _refuse_read_only(manifest: ShardManifest, spans: list[tuple[int, int, int]]) -> None:

@@ -151,6 +151,39 @@ def distinct_elements(t: torch.Tensor) -> bool:
     return True
 
 
+# Tensors whose spans overlap are compared byte by byte over at most this many bytes (a mask
+# of their span); larger spans are taken to overlap.
+SHARED_BYTES_MAX_SPAN = 1 << 28
+
+
+def sharing(views: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of ``views`` (tensors of distinct elements whose [first, last] address spans
+    chain into one range, on one device), whether it shares a byte of memory with another: the
+    column slices of one matrix, or the even and odd elements of one buffer, span each other
+    without sharing any. Every one is taken to share (True) when the range is over
+    SHARED_BYTES_MAX_SPAN bytes, or there are more views than a byte can count; identical
+    views (tied weights) share without a mask."""
+    first = views[0]
+    if all(v.data_ptr() == first.data_ptr() and v.shape == first.shape and
+           v.stride() == first.stride() and v.element_size() == first.element_size()
+           for v in views[1:]):
+        return [True] * len(views)
+    lo = min(v.data_ptr() for v in views)
+    hi = max(v.data_ptr() + v.element_size() * extent(v) for v in views)
+    if hi - lo > SHARED_BYTES_MAX_SPAN or len(views) > 255:
+        return [True] * len(views)
+    mask = torch.zeros(hi - lo, dtype=torch.uint8)  # of addresses only: nothing is read
+
+    def bytes_of(v: torch.Tensor) -> torch.Tensor:
+        size = v.element_size()
+        return mask.as_strided((*v.shape, size), (*(s * size for s in v.stride()), 1),
+                               v.data_ptr() - lo)
+
+    for v in views:
+        bytes_of(v).add_(1)
+    return [bool(bytes_of(v).max() > 1) for v in views]
+
+
 def past_storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(bytes its storage holds, bytes the tensor spans from the storage's start) when a CPU or
     CUDA tensor reaches past the end of its storage (freed or shrunk with
