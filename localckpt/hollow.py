@@ -404,7 +404,7 @@ class Decoder:
         if tag == "G":
             state, recorded = self._tensor(value.get("T")), str(value.get("device"))
             device = resolve_device(recorded, self._devices)
-            if device.type == "cpu" and torch.device(recorded).type != "cpu":
+            if device.type == "cpu" and leaves.recorded_device_type(recorded) != "cpu":
                 logger.warning("a torch.Generator of %s cannot be rebuilt here: its state "
                                "tensor is returned instead", recorded)
                 return state
@@ -469,9 +469,10 @@ def resolve_device(recorded: str, _cache: dict[str, torch.device] | None = None)
     CPU (with a warning, once per device string per call site cache)."""
     if _cache is not None and recorded in _cache:
         return _cache[recorded]
-    device = torch.device(recorded)
-    if device.type != "cpu":
+    device = torch.device("cpu")
+    if leaves.recorded_device_type(recorded) != "cpu":
         try:
+            device = torch.device(recorded)  # RuntimeError: a backend no package registered
             torch.empty(0, device=device)
         except Exception as exc:  # torch imports the backend's module (torch.hpu) for some
             # device types: ImportError on a machine without it, not a RuntimeError

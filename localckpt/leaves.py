@@ -30,6 +30,7 @@ import base64
 import dataclasses
 import enum
 import functools
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -304,3 +305,20 @@ def generator_from_state(state: torch.Tensor, device: torch.device) -> torch.Gen
         raise ValueError(f"torch.Generator state of {state.numel()} bytes for {device}: "
                          f"{str(exc).splitlines()[0]}") from None
     return gen
+
+
+# A device string as torch writes it ("cuda:1", "hpu:0", "npu:0"): backends registered by a
+# package this process may lack included.
+_DEVICE_NAME = re.compile(r"([a-z_][a-z0-9_]{0,31})(?::\d{1,6})?")
+
+
+def recorded_device_type(name: Any) -> str:
+    """The device type of a device string a manifest records ("cuda:1": "cuda"), whether this
+    torch knows that backend or not (a tensor of one it lacks is restored to the CPU; torch
+    cannot even parse the name of a backend a package registers, such as torch_npu's "npu").
+    ValueError for what no device string looks like."""
+    match = _DEVICE_NAME.fullmatch(name) if type(name) is str else None
+    if match is None:
+        raise ValueError(f"device: expected a device string such as 'cuda:0', got "
+                         f"{str(name)[:100]!r}")
+    return match.group(1)

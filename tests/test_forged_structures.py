@@ -76,3 +76,23 @@ def test_a_namespace_attribute_of_any_name_round_trips(root: Path) -> None:
         mgr.save({"args": args, "t": torch.zeros(1)}, 1)
         loaded, _ = mgr.load()
     assert type(loaded["args"]) is argparse.Namespace and vars(loaded["args"]) == vars(args)
+
+
+@pytest.mark.parametrize("device", ["npu:0", "hpu:1"])
+def test_a_tensor_of_a_backend_this_process_lacks_loads_onto_the_cpu(root: Path,
+                                                                     device: str) -> None:
+    """A manifest naming a device whose backend a package registers (torch_npu's "npu"),
+    read where that package is not imported: torch cannot parse the name, and the healthy
+    copy was quarantined as corrupt (from the attacker review of this session's diff)."""
+    with LocalCheckpointManager(root, "job") as mgr:
+        mgr.save({"w": torch.arange(4.0)}, 1)
+    meta = next((root / "job" / "iter_0000000001").glob("rank_*")) / "zarr.json"
+    doc = json.loads(meta.read_text())
+    body = doc["attributes"]["localckpt"]["manifest"]
+    body["tensors"][0]["device"] = device  # as the save on that machine recorded it
+    doc["attributes"]["localckpt"]["crc32c"] = _crc_of(body)
+    meta.write_text(json.dumps(doc))
+    with LocalCheckpointManager(root, "job") as mgr:
+        loaded, ckpt = mgr.load()
+    assert ckpt[0] == 1 and torch.equal(loaded["w"], torch.arange(4.0))
+    assert loaded["w"].device.type == "cpu"

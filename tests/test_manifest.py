@@ -122,9 +122,17 @@ def test_a_damaged_version_or_number_is_corruption_not_another_format() -> None:
         ShardManifest.from_json_dict(doc, "shard-x")
 
 
-def test_an_unknown_device_string_is_inconsistent() -> None:
-    with pytest.raises(CorruptShardError, match="bogus:0"):
-        ShardManifest.from_json_dict(_edited(_set(0, device="bogus:0")), "shard-x")
+@pytest.mark.parametrize("device", ["cuda:-1", "Cuda:0", "cuda 0", "cuda:0:1", "", "meta",
+                                    "x" * 40])
+def test_a_string_no_device_is_named_by_is_inconsistent(device: str) -> None:
+    with pytest.raises(CorruptShardError, match="names device"):
+        ShardManifest.from_json_dict(_edited(_set(0, device=device)), "shard-x")
+
+
+def test_a_device_of_a_backend_this_process_lacks_is_consistent() -> None:
+    """Loaded onto the CPU, with a warning: a package's backend ("npu") is no device torch
+    can even parse where that package is not imported."""
+    ShardManifest.from_json_dict(_edited(_set(0, device="npu:0")), "shard-x")
 
 
 @pytest.mark.parametrize("hollow, error", [

@@ -207,11 +207,12 @@ def test_a_loaded_tensor_aware_state_dict_saves_again_in_its_format(root: Path,
     assert torch.equal(again.to_state_dict()["w"], torch.ones(2))
 
 
-@pytest.mark.parametrize("recorded", ["hpu:0", "privateuseone:0", "cuda:3"])
+@pytest.mark.parametrize("recorded", ["hpu:0", "privateuseone:0", "cuda:3", "npu:0"])
 def test_a_device_this_machine_lacks_restores_to_cpu_even_when_torch_cannot_import_its_module(
         recorded: str, caplog: pytest.LogCaptureFixture) -> None:
     """An HPU's tensor made torch import torch.hpu, and the ModuleNotFoundError failed the
-    whole load (from the attacker review of the state dict round trip)."""
+    whole load (from the attacker review of the state dict round trip); torch cannot even
+    parse the name of a backend a package registers (torch_npu's "npu")."""
     from localckpt.hollow import resolve_device
 
     if recorded.startswith("cuda") and torch.cuda.is_available():

@@ -11,12 +11,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ..dtensors import DTensorLayout
 from ..errors import CorruptShardError
 from ..hollow import EXTENDED_TAGS, tagged_nodes
-from ..leaves import dtype_by_name, dtype_from_descr, scalar_from_json
+from ..leaves import dtype_by_name, dtype_from_descr, recorded_device_type, scalar_from_json
 
 if TYPE_CHECKING:
     from .manifest import TensorEntry
@@ -199,7 +197,7 @@ def _check_extended(tag: str, value: Any, tensor: Any) -> list[Any]:
         scalar_from_json(value)
     elif tag == "G":
         if set(value) != {"T", "device"} or type(value["device"]) is not str or \
-                torch.device(value["device"]).type == "meta":
+                recorded_device_type(value["device"]) == "meta":
             raise ValueError(f"Generator node {str(value)[:100]}")
         entry = tensor(value["T"])
         if not isinstance(entry, int) and (entry.dtype != "uint8" or len(entry.shape) != 1):

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CorruptShardError, UnsupportedFormatError
+from ..leaves import recorded_device_type
 
 # torch dtype <-> stable name. Built from what this torch has, so float8 etc. appear when present.
 _DTYPES: dict[str, torch.dtype] = {
@@ -130,9 +131,9 @@ def check_entries(tensors: tuple[TensorEntry, ...], data_nbytes: int,
     for i, (key_path, dtype, shape, offset, nbytes, device) in enumerate(tensors):
         if device not in devices:
             try:
-                if torch.device(device).type == "meta":  # no bytes: no save names it
+                if recorded_device_type(device) == "meta":  # no bytes: no save names it
                     raise ValueError(device)
-            except (RuntimeError, ValueError):
+            except ValueError:
                 raise bad(f"tensor {i} ({key_path}) names device {device!r}") from None
             devices.add(device)
         itemsize = itemsizes.get(dtype)
