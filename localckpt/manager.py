@@ -202,7 +202,9 @@ class LocalCheckpointManager:
             "repl_strategy": strategy_setting(strategy),
             "durable": None if durable is None else [
                 durable.persist_every, durable.keep, durable.keep_every,
-                durable.persist_interval, durable.commit_timeout]}
+                # as text: inf is a valid interval, and 60 and 60.0 one setting
+                *(None if x is None else repr(float(x))
+                  for x in (durable.persist_interval, durable.commit_timeout))]}
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:

@@ -85,13 +85,18 @@ class NoReplication(ReplicationStrategy):
 
 
 def strategy_setting(strategy: ReplicationStrategy | None) -> list[Any] | None:
-    """``strategy`` as JSON, equal for two strategies that place alike (None and
-    :class:`NoReplication` both None): what every rank of a job must be given."""
+    """``strategy`` as JSON, equal for strategies of one kind and parameters (None and
+    :class:`NoReplication` both None): what every rank of a job must be given. Parameters
+    that are not plain JSON (a custom strategy's set, function or inf: their text differs
+    between processes, or JSON has none) are left out: such strategies compare by kind."""
     if strategy is None or type(strategy) is NoReplication:
         return None
     kind = type(strategy)
-    return [f"{kind.__module__}.{kind.__qualname__}",
-            json.loads(json.dumps(strategy.describe(), sort_keys=True, default=repr))]
+    try:
+        params = json.loads(json.dumps(strategy.describe(), sort_keys=True, allow_nan=False))
+    except Exception:  # a custom describe() may hold anything, or fail
+        params = None
+    return [f"{kind.__module__}.{kind.__qualname__}", params]
 
 
 @register_strategy

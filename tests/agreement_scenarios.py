@@ -4,6 +4,7 @@ a finalized checkpoint or leave ranks out of step (run by dist_harness.run_ranks
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -541,8 +542,14 @@ def settings_differ(rank: int, world: int, root: str, setting: str) -> dict[str,
               "erasure": (ErasureCodingStrategy(1, 1), None),
               "durable": (DurableTier(Path(root) / "durable"), None),
               "durable_keep": (DurableTier(Path(root) / "durable", keep=2),
-                               DurableTier(Path(root) / "durable", keep=3))}[setting]
-    name = {"erasure": "repl_strategy", "durable_keep": "durable"}.get(setting, setting)
+                               DurableTier(Path(root) / "durable", keep=3)),
+              # alike on both ranks: an interval of inf (no JSON number) and 60 / 60.0
+              "same_durable": (DurableTier(Path(root) / "durable", persist_interval=math.inf,
+                                           commit_timeout=60),
+                               DurableTier(Path(root) / "durable", persist_interval=math.inf,
+                                           commit_timeout=60.0))}[setting]
+    name = {"erasure": "repl_strategy", "durable_keep": "durable",
+            "same_durable": "durable"}.get(setting, setting)
     try:
         with _plain(rank, root, **{name: values[rank]}):
             return {"made": True}

@@ -279,6 +279,17 @@ def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path
     assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
 
 
+def test_ranks_given_the_same_durable_tier_start_whatever_its_numbers(tmp_path: Path) -> None:
+    """A persist_interval of inf made the start exchange's JSON fail on every rank, and 60 and
+    60.0 were different settings (from the attacker review of this session's diff)."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.settings_differ, 2, tmp_path, str(tmp_path),
+                        "same_durable")
+    assert [r.value for r in results] == [{"made": True}] * 2, [r.message for r in results]
+
+
 @pytest.mark.parametrize("state", [{"s": "\ud83d\ude00"}, {"d": {"\ud83d\ude00": 1}},
                                    {"args": argparse.Namespace(**{"\ud83d\ude00": 1})}])
 def test_a_str_that_would_load_back_changed_is_refused_and_a_lone_surrogate_is_kept(

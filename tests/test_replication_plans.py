@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -185,3 +186,17 @@ def test_strategy_setting_is_equal_only_for_strategies_that_place_alike() -> Non
         ErasureCodingStrategy(2, 2))]
     assert len({json.dumps(s) for s in settings}) == len(settings)
     assert strategy_setting(ErasureCodingStrategy(2, 1)) == settings[3]
+
+
+def test_a_custom_strategy_s_parameters_that_are_not_json_are_compared_by_kind() -> None:
+    """A set's order and a function's address differ between the processes of one job: ranks
+    given the same strategy were refused (from the attacker review of this session's diff)."""
+    from replication import NodeSpreadReplicationStrategy
+    from replication.strategies import strategy_setting
+
+    class Racks(NodeSpreadReplicationStrategy):
+        def describe(self) -> dict[str, Any]:
+            return {"avoid": {"rack-a", "rack-b"}, "score": lambda r: r, "cap": float("inf")}
+
+    assert strategy_setting(Racks(2))[1] is None  # type: ignore[index]
+    json.dumps(strategy_setting(Racks(2)), allow_nan=False)
