@@ -109,6 +109,22 @@ def test_interleaved_views_that_share_no_memory_are_read_into(
     assert "'x', 'y'" in caplog.text and "overlap in part" in caplog.text
 
 
+def test_tied_pairs_that_interleave_are_each_filled_in_place(root: Path) -> None:
+    """Two pairs of tied keys on the even and the odd columns of one matrix share no memory
+    with each other: their address spans overlap, and both pairs were left out (from the
+    attacker review of this session's diff)."""
+    src = torch.arange(24.0).reshape(4, 6)
+    with LocalCheckpointManager(root, "s") as mgr:
+        mgr.save({"a1": src[:, 0::2], "a2": src[:, 0::2], "c1": src[:, 1::2],
+                  "c2": src[:, 1::2]}, 1)
+    m = torch.zeros(4, 6)
+    into = {"a1": m[:, 0::2], "a2": m[:, 0::2], "c1": m[:, 1::2], "c2": m[:, 1::2]}
+    with LocalCheckpointManager(root, "s") as mgr:
+        loaded, _ = mgr.load(into=into)
+    assert all(loaded[k] is into[k] for k in into)
+    assert torch.equal(m, src)
+
+
 def test_a_node_loss_restore_receives_into_the_callers_tensors(tmp_path: Path,
                                                                root: Path) -> None:
     assert all(r.ok for r in run_ranks(into_scenarios.save, 2, tmp_path, str(root)))

@@ -34,8 +34,8 @@ from ..storage.views import (
     extent,
     first_read_only_span,
     refuse_past_storage,
-    sharing,
 )
+from .tied import shared_destinations, split_tied, tied_groups
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +210,8 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
     spans.sort()
     _refuse_read_only(manifest, [(start, end, i) for kind, start, end, i in spans
                                  if kind == "cpu"])
-    shared = _shared(spans, direct, copied)
-    tied = _tied_groups(shared, spans, direct, copied)
+    shared = shared_destinations(spans, direct, copied)
+    tied = tied_groups(shared, spans, direct, copied)
     in_groups = {i for group in tied for i in group}
     apart = sorted(shared - in_groups)
     if apart:
@@ -233,26 +233,6 @@ def match(manifest: ShardManifest, by_path: dict[str, Target] | None,
                         {i: manifest.tensors[i].key_path for group in tied for i in group})
 
 
-def _shared(spans: list[tuple[str, int, int, int]], direct: list[torch.Tensor | None],
-            copied: dict[int, torch.Tensor]) -> set[int]:
-    """The entries whose destination shares memory with another's, of ``spans`` ((device,
-    start, end, entry) of their [first, last] addresses, sorted): spans that overlap chain into
-    clusters, compared byte by byte (:func:`sharing`)."""
-    clusters: list[list[int]] = []
-    reach, on = -1, ""
-    for kind, start, end, i in spans:
-        if kind != on or start >= reach:
-            clusters.append([])
-            reach, on = -1, kind
-        clusters[-1].append(i)
-        reach = max(reach, end)
-    out: set[int] = set()
-    for members in (c for c in clusters if len(c) > 1):
-        views = [copied[i] if (t := direct[i]) is None else t for i in members]
-        out.update(i for i, shares in zip(members, sharing(views), strict=True) if shares)
-    return out
-
-
 def _refuse_read_only(manifest: ShardManifest, spans: list[tuple[int, int, int]]) -> None:
     """ConfigurationError naming the key when the memory of a host tensor of ``into`` that
     ``load`` writes (``spans``: start, end, entry) is not writable (a read-only mapping of a
@@ -270,29 +250,6 @@ def read_only_error(key_path: str) -> ConfigurationError:
         "pass writable ones, or leave that key out of `into`")
 
 
-def _tied_groups(shared: set[int], spans: list[tuple[str, int, int, int]],
-                 direct: list[torch.Tensor | None],
-                 copied: dict[int, torch.Tensor]) -> list[tuple[int, ...]]:
-    """The entries of ``shared`` whose destinations are one tensor's memory seen alike (tied
-    weights: same place, shape, strides, dtype and lazy conjugate and negative bits), in groups
-    that overlap no other entry."""
-    by_key: dict[Any, list[int]] = {}
-    where = {i: (kind, start, end) for kind, start, end, i in spans if i in shared}
-    for i in sorted(shared):
-        t = direct[i] if direct[i] is not None else copied.get(i)
-        if t is not None:
-            by_key.setdefault((t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
-                               t.is_conj(), t.is_neg()), []).append(i)
-    groups = []
-    for members in by_key.values():
-        kind, start, end = where[members[0]]
-        if len(members) > 1 and not any(
-                k == kind and s < end and start < e and i not in members
-                for i, (k, s, e) in where.items()):
-            groups.append(tuple(members))
-    return groups
-
-
 def check_layouts(destinations: Destinations) -> None:
     """LayoutMismatchError if a saved DTensor shard does not lie where ``into``'s does, or is
     a replica another rank of its group stored (the manager then reshards)."""
@@ -308,46 +265,6 @@ def check_layouts(destinations: Destinations) -> None:
         raise LayoutMismatchError(
             f"load(into=...): {len(destinations.mismatched)} saved tensors do not fit the "
             f"layout of `into`: {shown}{more}; they are loaded through resharding")
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the same bytes (NaN payloads included, unlike torch.equal)."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    return torch.equal(a.detach().reshape(-1).view(torch.uint8),
-                       b.detach().reshape(-1).view(torch.uint8))
-
-
-def split_tied(fills: dict[int, tuple[torch.Tensor, torch.Tensor]],
-               paths: dict[int, str]) -> set[int]:
-    """Of ``fills`` (entry -> (the caller's tensor, the loaded data)), the entries whose
-    tensors overlap another's and cannot all be filled: not one memory seen alike (tied
-    weights), or saved with different values (a warning names the tied ones). Copying the
-    others in any order leaves each tensor of the caller with its saved value."""
-    spans = sorted((str(t.device), t.data_ptr(), t.data_ptr() + t.element_size() * extent(t), i)
-                   for i, (t, _) in fills.items() if t.numel())
-    clusters: list[list[int]] = []
-    reach, on = -1, ""
-    for device, start, end, i in spans:
-        if device != on or start >= reach:
-            clusters.append([])
-            reach, on = -1, device
-        clusters[-1].append(i)
-        reach = max(reach, end)
-    apart: set[int] = set()
-    for members in (c for c in clusters if len(c) > 1):
-        first, data = fills[members[0]]
-        alike = all(fills[i][0].data_ptr() == first.data_ptr() and
-                    fills[i][0].shape == first.shape and
-                    fills[i][0].stride() == first.stride() and same_bytes(fills[i][1], data)
-                    for i in members[1:])
-        if not alike:
-            apart.update(members)
-            logger.warning("load(into=...): %s share memory in `into` but were saved with "
-                           "different values (or overlap in part): each is returned as "
-                           "loaded, not read into that memory",
-                           ", ".join(repr(paths.get(i, i)) for i in members))
-    return apart
 
 
 def fill_copied(destinations: Destinations, tensors: list[torch.Tensor]) -> None:

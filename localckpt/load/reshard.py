@@ -43,7 +43,8 @@ from ..storage.checksum import crc32c
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
 from ..storage.views import distinct_elements, first_read_only, refuse_past_storage
-from .destinations import Destinations, Into, Rewrap, Target, read_only_error, split_tied
+from .destinations import Destinations, Into, Rewrap, Target, read_only_error
+from .tied import split_tied
 
 logger = logging.getLogger(__name__)
 
