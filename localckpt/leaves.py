@@ -309,7 +309,7 @@ def generator_from_state(state: torch.Tensor, device: torch.device) -> torch.Gen
 
 # A device string as torch writes it ("cuda:1", "hpu:0", "npu:0"): backends registered by a
 # package this process may lack included.
-_DEVICE_NAME = re.compile(r"([a-z_][a-z0-9_]{0,31})(?::\d{1,6})?")
+_DEVICE_NAME = re.compile(r"([a-z_][a-z0-9_]{0,31})(?::(?:0|[1-9][0-9]{0,2}))?")
 
 
 def recorded_device_type(name: Any) -> str:

@@ -202,8 +202,8 @@ class LocalCheckpointManager:
             "repl_strategy": strategy_setting(strategy),
             "durable": None if durable is None else [
                 durable.persist_every, durable.keep, durable.keep_every,
-                # as text: inf is a valid interval, and 60 and 60.0 one setting
-                *(None if x is None else repr(float(x))
+                # as text: inf is a valid interval (JSON has no inf)
+                *(None if x is None else _seconds_text(x)
                   for x in (durable.persist_interval, durable.commit_timeout))]}
 
         def start() -> dict[str, Any]:
@@ -226,7 +226,7 @@ class LocalCheckpointManager:
 
         try:
             started = group.exchange("start", start)
-            differ = sorted(k for k in settings if len({json.dumps(d["settings"][k])
+            differ = sorted(k for k in settings if len({json.dumps(_alike(d["settings"][k]))
                                                         for d in started}) > 1)
             if differ:  # the same gathered settings: raised on every rank alike
                 raise ConfigurationError(
@@ -535,6 +535,25 @@ class LocalCheckpointManager:
         next call). ``save``, ``find_latest``, ``load`` and ``close`` call it first. Raises
         CollectiveTimeoutError when it overran every bound (the groups are then unusable)."""
         self._load.wait_for_write_back()
+
+
+def _seconds_text(seconds: float) -> str:
+    """Seconds as text a JSON exchange carries (inf included), 60 and 60.0 alike."""
+    try:
+        return repr(float(seconds))
+    except OverflowError:  # an int past any float: as it is
+        return str(seconds)
+
+
+def _alike(setting: Any) -> Any:
+    """``setting`` (JSON) with every number a float: 60 and 60.0 are one setting."""
+    if isinstance(setting, list):
+        return [_alike(v) for v in setting]
+    if isinstance(setting, dict):
+        return {k: _alike(v) for k, v in setting.items()}
+    if isinstance(setting, (int, float)) and not isinstance(setting, bool):
+        return float(setting) if abs(setting) < 1e300 else setting
+    return setting
 
 
 def _discard_newer_in(tier: DurableStore, seconds: float, fence: Fence) -> None:

@@ -88,14 +88,20 @@ def strategy_setting(strategy: ReplicationStrategy | None) -> list[Any] | None:
     """``strategy`` as JSON, equal for strategies of one kind and parameters (None and
     :class:`NoReplication` both None): what every rank of a job must be given. Parameters
     that are not plain JSON (a custom strategy's set, function or inf: their text differs
-    between processes, or JSON has none) are left out: such strategies compare by kind."""
+    between processes, or JSON has none) are left out; the others are compared."""
     if strategy is None or type(strategy) is NoReplication:
         return None
     kind = type(strategy)
     try:
-        params = json.loads(json.dumps(strategy.describe(), sort_keys=True, allow_nan=False))
+        described = dict(strategy.describe())
     except Exception:  # a custom describe() may hold anything, or fail
-        params = None
+        described = {}
+    params = {}
+    for key, value in described.items():
+        try:
+            params[str(key)] = json.loads(json.dumps(value, sort_keys=True, allow_nan=False))
+        except Exception:
+            continue  # left out: compared by the others, and the kind
     return [f"{kind.__module__}.{kind.__qualname__}", params]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from scenarios import digest, make_state
 
-from localckpt import AsyncCallsQueue, DurableTier, LocalCheckpointManager
+from localckpt import AsyncCallsQueue, DurableTier, LocalCheckpointManager, SavePolicy
 from localckpt.ops import faults
 from replication import ErasureCodingStrategy, make_strategy
 
@@ -547,9 +547,13 @@ def settings_differ(rank: int, world: int, root: str, setting: str) -> dict[str,
               "same_durable": (DurableTier(Path(root) / "durable", persist_interval=math.inf,
                                            commit_timeout=60),
                                DurableTier(Path(root) / "durable", persist_interval=math.inf,
-                                           commit_timeout=60.0))}[setting]
-    name = {"erasure": "repl_strategy", "durable_keep": "durable",
-            "same_durable": "durable"}.get(setting, setting)
+                                           commit_timeout=60.0)),
+              "same_keep_interval": (60, 60.0),
+              "same_save_policy": (SavePolicy(every_seconds=60), SavePolicy(every_seconds=60.0))
+              }[setting]
+    name = {"erasure": "repl_strategy", "durable_keep": "durable", "same_durable": "durable",
+            "same_keep_interval": "keep_interval",
+            "same_save_policy": "save_policy"}.get(setting, setting)
     try:
         with _plain(rank, root, **{name: values[rank]}):
             return {"made": True}

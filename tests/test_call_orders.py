@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 from pathlib import Path
@@ -279,14 +280,16 @@ def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path
     assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
 
 
-def test_ranks_given_the_same_durable_tier_start_whatever_its_numbers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("setting", ["same_durable", "same_keep_interval", "same_save_policy"])
+def test_ranks_given_the_same_settings_start_whatever_their_numbers(tmp_path: Path,
+                                                                    setting: str) -> None:
     """A persist_interval of inf made the start exchange's JSON fail on every rank, and 60 and
-    60.0 were different settings (from the attacker review of this session's diff)."""
+    60.0 were different settings (from the attacker reviews of this session's diff)."""
     import agreement_scenarios
     from dist_harness import run_ranks
 
     results = run_ranks(agreement_scenarios.settings_differ, 2, tmp_path, str(tmp_path),
-                        "same_durable")
+                        setting)
     assert [r.value for r in results] == [{"made": True}] * 2, [r.message for r in results]
 
 
@@ -334,3 +337,16 @@ def test_an_int_json_cannot_carry_everywhere_is_refused_at_save_naming_its_key(
         mgr.save({"seed": most, "t": torch.zeros(1)}, 2)
         loaded, _ = mgr.load()
     assert loaded["seed"] == most
+
+
+def test_seconds_compared_across_ranks_are_text_json_carries() -> None:
+    """inf has no JSON number, and an int past any float made construction raise
+    OverflowError (from the attacker review of this session's diff)."""
+    import json as json_module
+
+    from localckpt.manager import _alike, _seconds_text
+
+    assert _seconds_text(60) == _seconds_text(60.0) == "60.0"
+    assert _seconds_text(math.inf) == "inf" and _seconds_text(10**400) == str(10**400)
+    assert json_module.dumps(_alike([60, {"a": 2}, True])) == json_module.dumps(
+        [60.0, {"a": 2.0}, True])

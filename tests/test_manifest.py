@@ -123,7 +123,7 @@ def test_a_damaged_version_or_number_is_corruption_not_another_format() -> None:
 
 
 @pytest.mark.parametrize("device", ["cuda:-1", "Cuda:0", "cuda 0", "cuda:0:1", "", "meta",
-                                    "x" * 40])
+                                    "x" * 40, "cpu:\u0663", "cuda:01", "cuda:1000"])
 def test_a_string_no_device_is_named_by_is_inconsistent(device: str) -> None:
     with pytest.raises(CorruptShardError, match="names device"):
         ShardManifest.from_json_dict(_edited(_set(0, device=device)), "shard-x")

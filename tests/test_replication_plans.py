@@ -196,7 +196,9 @@ def test_a_custom_strategy_s_parameters_that_are_not_json_are_compared_by_kind()
 
     class Racks(NodeSpreadReplicationStrategy):
         def describe(self) -> dict[str, Any]:
-            return {"avoid": {"rack-a", "rack-b"}, "score": lambda r: r, "cap": float("inf")}
+            return {**super().describe(), "avoid": {"rack-a", "rack-b"}, "score": lambda r: r,
+                    "cap": float("inf")}
 
-    assert strategy_setting(Racks(2))[1] is None  # type: ignore[index]
+    assert strategy_setting(Racks(2))[1] == {"replication_factor": 2}  # type: ignore[index]
+    assert strategy_setting(Racks(2)) != strategy_setting(Racks(3))  # what is JSON, compared
     json.dumps(strategy_setting(Racks(2)), allow_nan=False)

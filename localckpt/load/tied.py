@@ -7,6 +7,7 @@ slices of one matrix span each other without sharing memory. Pure: addresses onl
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,22 +35,27 @@ def tied_groups(shared: set[int], spans: list[tuple[str, int, int, int]],
                 copied: dict[int, torch.Tensor]) -> list[tuple[int, ...]]:
     """The entries of ``shared`` whose destinations are one tensor's memory seen alike (tied
     weights: same place, shape, strides, dtype and lazy conjugate and negative bits), in groups
-    that overlap no other entry."""
-    by_key: dict[Any, list[int]] = {}
-    where = {i: (kind, start, end) for kind, start, end, i in spans if i in shared}
-    for i in sorted(shared):
-        t = held(i, direct, copied)
-        by_key.setdefault((t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype,
-                           t.is_conj(), t.is_neg()), []).append(i)
+    that share memory with no other entry."""
     groups = []
-    for members in by_key.values():
-        kind, start, end = where[members[0]]
-        if len(members) > 1 and not any(
-                k == kind and s < end and start < e and i not in members
-                and sharing([held(members[0], direct, copied), held(i, direct, copied)])[0]
-                for i, (k, s, e) in where.items()):
-            groups.append(tuple(members))
+    for members in chained([span for span in spans if span[3] in shared]):
+        for group, overlaps in seen_alike(members, lambda i: held(i, direct, copied)):
+            if len(group) > 1 and not overlaps:
+                groups.append(tuple(group))
     return groups
+
+
+def seen_alike(members: list[int], tensor_of: Callable[[int], torch.Tensor]
+               ) -> list[tuple[list[int], bool]]:
+    """``members`` (one cluster of overlapping spans) in groups of one memory seen alike, each
+    with whether it shares memory with another group (one byte mask for the cluster)."""
+    seen: dict[Any, list[int]] = {}
+    for i in members:
+        t = tensor_of(i)
+        seen.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
+                         t.is_neg()), []).append(i)
+    groups = list(seen.values())
+    overlapping = sharing([tensor_of(g[0]) for g in groups]) if len(groups) > 1 else [False]
+    return list(zip(groups, overlapping, strict=True))
 
 
 def chained(spans: list[tuple[str, int, int, int]]) -> list[list[int]]:
@@ -67,7 +73,8 @@ def chained(spans: list[tuple[str, int, int, int]]) -> list[list[int]]:
 
 
 def held(i: int, direct: list[torch.Tensor | None],
-          copied: dict[int, torch.Tensor]) -> torch.Tensor:
+         copied: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The caller's tensor entry ``i`` goes into (read into, or filled by a copy)."""
     t = direct[i]
     return copied[i] if t is None else t
 
@@ -90,15 +97,7 @@ def split_tied(fills: dict[int, tuple[torch.Tensor, torch.Tensor]],
                    for i, (t, _) in fills.items() if t.numel())
     apart: set[int] = set()
     for members in (c for c in chained(spans) if len(c) > 1):
-        seen: dict[Any, list[int]] = {}  # one memory seen alike: tied
-        for i in members:
-            t = fills[i][0]
-            seen.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
-                             t.is_neg()), []).append(i)
-        groups = list(seen.values())
-        overlapping = sharing([fills[g[0]][0] for g in groups]) if len(groups) > 1 \
-            else [False]
-        for group, overlaps in zip(groups, overlapping, strict=True):
+        for group, overlaps in seen_alike(members, lambda i: fills[i][0]):
             data = fills[group[0]][1]
             if overlaps or not all(same_bytes(fills[i][1], data) for i in group[1:]):
                 apart.update(group)

@@ -172,12 +172,17 @@ def sharing(views: Sequence[torch.Tensor]) -> list[bool]:
     hi = max(v.data_ptr() + v.element_size() * extent(v) for v in views)
     if hi - lo > SHARED_BYTES_MAX_SPAN or len(views) > 255:
         return [True] * len(views)
-    mask = torch.zeros(hi - lo, dtype=torch.uint8)  # of addresses only: nothing is read
+    # Of addresses only: nothing is read. A slot per element when every view has elements of
+    # one size on one grid (a quarter of the work for fp32), else per byte.
+    unit = first.element_size()
+    if any(v.element_size() != unit or (v.data_ptr() - lo) % unit for v in views):
+        unit = 1
+    mask = torch.zeros(-(-(hi - lo) // unit), dtype=torch.uint8)
 
     def bytes_of(v: torch.Tensor) -> torch.Tensor:
-        size = v.element_size()
+        size = v.element_size() // unit
         return mask.as_strided((*v.shape, size), (*(s * size for s in v.stride()), 1),
-                               v.data_ptr() - lo)
+                               (v.data_ptr() - lo) // unit)
 
     for v in views:
         bytes_of(v).add_(1)
