@@ -228,6 +228,12 @@ def rollback_with_fence(mgr: LocalCheckpointManager, rank: int, iteration: int,
     ``mgr``."""
     if rank == 1:
         mgr._ctx.store.fence_rollback = fence  # type: ignore[method-assign]
+    return _rolled_back(mgr, iteration)
+
+
+def _rolled_back(mgr: LocalCheckpointManager, iteration: int) -> str:
+    """``mgr.load(iteration=..., discard_newer=True)``: "rolled back", or the error's class.
+    Closes ``mgr``."""
     try:
         mgr.load(iteration=iteration, discard_newer=True)
         return "rolled back"
@@ -270,32 +276,22 @@ def rollback_fails_on_a_shared_root(rank: int, world: int, base: str) -> str:
 
     import localckpt.storage.store as store_module
 
+    def late(fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)
+            return fn(*args, **kwargs)
+        return wrapped
+
     mgr = _shared_root(base)
     if rank == 1:
-        real_read, real_write = store_module.read_fence, store_module.write_fence
-
-        def late_read(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(0.5)
-            return real_read(*args, **kwargs)
-
-        def late_write(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(0.5)
-            return real_write(*args, **kwargs)
-
-        store_module.read_fence, store_module.write_fence = late_read, late_write  # type: ignore[assignment]
+        store_module.read_fence = late(store_module.read_fence)
+        store_module.write_fence = late(store_module.write_fence)
     if rank == 0:
         def fail(iteration: int) -> None:
             raise PermissionError(13, "Permission denied (injected)")
 
         mgr._load.durable.discard_newer = fail  # type: ignore[union-attr, method-assign]
-    try:
-        mgr.load(iteration=20, discard_newer=True)
-        return "rolled back"
-    except Exception as exc:
-        return type(exc).__name__
-    finally:
-        with contextlib.suppress(Exception):
-            mgr.close()
+    return _rolled_back(mgr, 20)
 
 
 def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
