@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -635,3 +636,97 @@ def test_two_stores_of_one_rank_in_one_process_leave_each_others_writes(root: Pa
     finally:
         a.close()
         b.close()
+
+
+def test_a_store_of_the_root_spelled_otherwise_leaves_the_others_write(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The open stores were told apart by the text of their session path: a second manager
+    given the root as a relative path took the first one's write in progress for a crash
+    leftover and removed it (from an attacker review)."""
+    monkeypatch.chdir(root.parent)
+    a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    b = ShardStore(Path(root.name), "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
+        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
+                                 chunk_nbytes, count, ())
+        writer = a.begin_write(manifest)
+        assert b.remove_leftovers() == [] and writer.tmp.is_dir()
+        writer.abort()
+    finally:
+        a.close()
+        b.close()
+
+
+def _remove_through_an_open_handle(path: Path, meanwhile: Any) -> None:
+    """What shutil.rmtree does: open the directory, then delete what is under that handle
+    (``meanwhile()`` runs in between: another process renaming it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    meanwhile()
+
+    def under(dir_fd: int) -> None:
+        for entry in os.scandir(dir_fd):
+            if entry.is_dir(follow_symlinks=False):
+                sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=dir_fd)
+                try:
+                    under(sub)
+                finally:
+                    os.close(sub)
+                os.rmdir(entry.name, dir_fd=dir_fd)
+            else:
+                os.unlink(entry.name, dir_fd=dir_fd)
+
+    try:
+        under(fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # gone if renamed meanwhile: ignore_errors=True
+        os.rmdir(path)
+
+
+def test_a_cleanup_racing_a_commit_never_leaves_a_hollow_committed_shard(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's leftover cleanup (a second job of the session on this node, the same
+    writer rank) opened a temporary directory to delete it while its writer renamed it into
+    place: the deletion went on inside the committed shard, whose save then finalized with no
+    files (from an attacker review). The cleanup must claim what it deletes by a rename first:
+    the writer then fails loudly, or commits a whole shard."""
+    from types import SimpleNamespace
+
+    from localckpt.storage import layout
+
+    a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    other = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    try:
+        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
+        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
+                                 chunk_nbytes, count, ())
+        writer = a.begin_write(manifest)
+        payload = torch.zeros(chunk_nbytes * count, dtype=torch.uint8)
+        view = byte_view(payload)
+        for i in range(count):
+            writer.submit_chunk(i, view[i * chunk_nbytes: (i + 1) * chunk_nbytes])
+        committed: list[BaseException | Path] = []
+
+        def commit() -> None:
+            try:
+                committed.append(a.commit(writer))
+            except Exception as exc:
+                committed.append(exc)
+
+        with monkeypatch.context() as m:  # as if the other store were another process's
+            m.setattr(layout, "shutil", SimpleNamespace(
+                rmtree=lambda path, ignore_errors=False:
+                _remove_through_an_open_handle(Path(path), commit)))
+            m.setattr("localckpt.storage.store._LIVE_WRITERS", {})
+            other.remove_leftovers()
+        [outcome] = committed
+        listed = [r for r in a.committed() if r.iteration == 3]
+        if isinstance(outcome, Path):  # the commit won: the shard is whole
+            a.verify(listed[0])
+        else:  # the cleanup won: the save fails, naming why, and nothing is listed
+            assert listed == [], listed
+            assert "removed" in str(outcome), outcome
+    finally:
+        a.close()
+        other.close()

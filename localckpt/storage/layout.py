@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,7 @@ def list_sessions(root: Path) -> list[str]:
 _SESSION_TRASH_RE = re.compile(
     r"\.trash-(?:iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}|fence-w[0-9]{5}-[0-9a-f]{32}"
     r"|durable-[0-9a-f]{32})")
+_WRITER_RE = re.compile(r"-w([0-9]{5})-")
 _QUARANTINE_RE = re.compile(r"\.quarantine-iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}")
 _POOL_FILE_RE = re.compile(r"[0-9]{20}-[0-9a-f]{12}|\.part-[0-9a-f]{32}")
 
@@ -225,11 +227,32 @@ def remove_leftovers(session_path: Path, writer_rank: int | None,
     return removed
 
 
+def trash_name(path: Path, writer_rank: int) -> Path:
+    """Where a shard directory ``<session>/<iteration>/<shard>`` is renamed to before it is
+    deleted: the session directory, so its iteration directory can go at once."""
+    return path.parent.parent / (f".trash-{path.parent.name}-{path.name}-w{writer_rank:05d}-"
+                                 f"{uuid.uuid4().hex[:12]}")
+
+
 def remove_paths(session_path: Path, paths: list[Path]) -> None:
     """Delete ``paths``, then the session's empty iteration directories (a writer that loses
-    its new, still empty iteration directory to this retries: see ShardWriter)."""
+    its new, still empty iteration directory to this retries: see ShardWriter).
+
+    A shard's temporary directory is claimed by a rename before anything in it is deleted: a
+    deletion works through an open handle, so one that began before its writer (another
+    process of the session on this node) renamed it into place would go on inside the
+    committed shard. Claimed first, the writer's commit fails loudly instead, or, committed
+    first, the directory is not this call's to delete."""
     for path in paths:
         if path.is_dir() and not path.is_symlink():
+            if path.name.startswith(".tmp-"):
+                writer = _WRITER_RE.search(path.name)
+                claimed = trash_name(path, int(writer.group(1)) if writer else 0)
+                try:
+                    os.rename(path, claimed)
+                except OSError:  # committed, or claimed by another cleanup meanwhile
+                    continue
+                path = claimed
             shutil.rmtree(path, ignore_errors=True)
         else:  # a file (a rollback fence half written)
             with contextlib.suppress(OSError):

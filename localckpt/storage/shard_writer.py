@@ -24,6 +24,7 @@ from ..ops.faults import fault_point
 from . import fsutil
 from .checksum import crc32c
 from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
+from .layout import trash_name
 from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 from .recycle import FilePool
 
@@ -96,13 +97,6 @@ def chunk_files_off(chunk_dir: Path, count: int) -> tuple[list[str], list[str]]:
     that are no chunk of the shard."""
     names, want = set(os.listdir(chunk_dir)), {str(i) for i in range(count)}
     return sorted(want - names, key=int), sorted(names - want)
-
-
-def trash_name(path: Path, writer_rank: int) -> Path:
-    """Where a shard directory ``<session>/<iteration>/<shard>`` is renamed to before it is
-    deleted: the session directory, so its iteration directory can go at once."""
-    return path.parent.parent / (f".trash-{path.parent.name}-{path.name}-w{writer_rank:05d}-"
-                                 f"{uuid.uuid4().hex[:12]}")
 
 
 class ShardWriter:
@@ -262,4 +256,10 @@ class ShardWriter:
             return InsufficientSpaceError(
                 f"no space left writing shard {self.final}: {exc.strerror}. Enlarge the file "
                 "system (Docker: --shm-size) or lower keep_last.")
+        if exc.errno == errno.ENOENT and not os.path.lexists(self.tmp):
+            return FileNotFoundError(
+                errno.ENOENT, f"{self.final}: not committed: its temporary directory "
+                f"{self.tmp.name} was removed while it was written (another process cleaning "
+                "up this session's leftovers on this node: a second job or manager of the "
+                f"session writing as rank {self._writer_rank}?)")
         return exc

@@ -51,6 +51,7 @@ from .layout import (
     remove_paths,
     session_dir,
     shard_path,
+    trash_name,
 )
 from .manifest import ShardManifest
 from .recycle import FilePool
@@ -64,7 +65,7 @@ from .rollback_fence import (
     write_fence,
 )
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
-from .shard_writer import ShardWriter, trash_name
+from .shard_writer import ShardWriter
 from .tensor_reads import read_shard_tensors
 from .views import byte_view
 
@@ -128,7 +129,8 @@ class ShardStore:
         self.writer_rank = writer_rank
         self._tag = f"w{writer_rank:05d}"  # this writer's temporary files
         self._instance = uuid.uuid4().hex[:6]  # this store's, within them (see _LIVE_WRITERS)
-        self._live_key = (str(self.session_path), writer_rank)
+        # the same session however its root is spelled (relative, through a link)
+        self._live_key = (os.path.realpath(self.session_path), writer_rank)
         with _LIVE_LOCK:
             _LIVE_WRITERS.setdefault(self._live_key, set()).add(self._instance)
         self.chunk_nbytes = chunk_nbytes
