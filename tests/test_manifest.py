@@ -361,3 +361,55 @@ def test_a_dimension_no_tensor_can_have_is_corrupt_at_once(version: int,
     with pytest.raises(CorruptShardError, match="has shape"):
         ShardManifest.from_json_dict(doc, "shard-x")
     assert time.monotonic() - started < 1
+
+
+def test_checking_the_table_by_columns_accepts_exactly_what_checking_each_entry_does() -> None:
+    """The column-at-a-time check is the fast path of every load; the entry-by-entry check
+    names the first failure. Random tables (in and out of offset order, empty tensors,
+    several dtypes and devices) with random damage: both must agree on every one."""
+    import math
+    import random
+
+    from localckpt.storage.tensor_table import _all_valid, _check_each
+
+    rng = random.Random(7)
+    sizes = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}
+
+    def table() -> tuple[list[TensorEntry], int]:
+        entries, offset = [], 0
+        for i in range(rng.randint(1, 12)):
+            dtype = rng.choice(list(sizes))
+            shape = tuple(rng.choice([0, 1, 2, 3, 5]) for _ in range(rng.randint(0, 3)))
+            nbytes = sizes[dtype] * math.prod(shape)
+            entries.append(TensorEntry(f"k{i}", dtype, shape, offset, nbytes,
+                                       rng.choice(["cpu", "cuda:0", "cuda:1", "npu:0"])))
+            offset += nbytes + rng.choice([0, 0, 8])
+        if rng.random() < 0.5:  # packed out of order (by dtype, as small host tensors are)
+            spans = [(e.offset, e.nbytes) for e in entries]
+            rng.shuffle(spans)
+            entries = [e._replace(offset=o) if e.nbytes == n else e
+                       for e, (o, n) in zip(entries, spans, strict=True)]
+        return entries, offset + rng.choice([0, 0, 16])
+
+    damages = [
+        lambda e: e._replace(device="meta"), lambda e: e._replace(device="cuda:01"),
+        lambda e: e._replace(dtype="float3"), lambda e: e._replace(shape=(-1, 2)),
+        lambda e: e._replace(shape=(1 << 64,)), lambda e: e._replace(nbytes=e.nbytes + 1),
+        lambda e: e._replace(offset=-4), lambda e: e._replace(offset=e.offset + 3),
+        lambda e: e._replace(offset=e.offset - 2), lambda e: e._replace(offset=0),
+    ]
+    outcomes = set()
+    for _ in range(3000):
+        entries, data_nbytes = table()
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            k = rng.randrange(len(entries))
+            entries[k] = rng.choice(damages)(entries[k])
+        data_nbytes -= rng.choice([0, 0, 0, 1])
+        try:
+            _check_each(tuple(entries), data_nbytes, CorruptShardError, "x")
+            passes = True
+        except (CorruptShardError, UnsupportedFormatError):
+            passes = False
+        assert _all_valid(tuple(entries), data_nbytes) == passes, (entries, data_nbytes)
+        outcomes.add(passes)
+    assert outcomes == {True, False}

@@ -124,6 +124,48 @@ def check_entries(tensors: tuple[TensorEntry, ...], data_nbytes: int,
                   bad: Callable[[str], CorruptShardError], where: str) -> None:
     """Raise for the first entry of ``tensors`` that fails a check: its device or dtype
     unknown, its shape not its bytes, lying outside the data or over another."""
+    if not _all_valid(tensors, data_nbytes):
+        _check_each(tensors, data_nbytes, bad, where)
+
+
+def _all_valid(tensors: tuple[TensorEntry, ...], data_nbytes: int) -> bool:
+    """Whether every entry passes every check of :func:`_check_each`, decided a column at a
+    time in C loops (a load parses 10,000 entries: 13 ms one by one on this 2-core machine,
+    about 4 column by column). False says only that one may fail: the caller then checks
+    entry by entry to name the first."""
+    if not tensors:
+        return True
+    _, dtypes, shapes, offsets, nbytes, devices = zip(*tensors, strict=True)
+    for device in set(devices):
+        try:
+            if recorded_device_type(device) == "meta":
+                return False
+        except ValueError:
+            return False
+    itemsizes = list(map(_ITEMSIZE.get, dtypes))
+    if None in itemsizes:
+        return False
+    dims = list(itertools.chain.from_iterable(shapes))
+    if dims and (min(dims) < 0 or max(dims) > _MAX_DIM):
+        return False
+    if tuple(map(operator.mul, map(math.prod, shapes), itemsizes)) != nbytes:
+        return False
+    ends = tuple(map(operator.add, offsets, nbytes))
+    if min(offsets) < 0 or max(ends) > data_nbytes:
+        return False
+    # No two tensors with bytes overlap: each ends before the next in offset order.
+    starts = list(itertools.compress(offsets, nbytes))
+    stops = list(itertools.compress(ends, nbytes))
+    if not all(map(operator.le, stops, starts[1:])):  # packed out of order: sort first
+        spans = sorted(zip(starts, stops, strict=True))
+        starts, stops = [s for s, _ in spans], [e for _, e in spans]
+        return all(map(operator.le, stops, starts[1:]))
+    return True
+
+
+def _check_each(tensors: tuple[TensorEntry, ...], data_nbytes: int,
+                bad: Callable[[str], CorruptShardError], where: str) -> None:
+    """:func:`check_entries` one entry at a time, raising for the first that fails."""
     devices: set[str] = set()
     end_of_last, in_order = 0, True
     itemsizes, prod = _ITEMSIZE, math.prod
