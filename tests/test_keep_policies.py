@@ -148,6 +148,17 @@ def test_one_per_interval_and_what_a_partial_view_keeps() -> None:
         KeepPolicy(1, interval=0)
 
 
+@pytest.mark.parametrize("interval,time", [(1e-300, 1.8e9), (0.5, 1.7e308)])
+def test_an_interval_too_small_for_the_clock_keeps_each_iteration_apart(interval: float,
+                                                                         time: float) -> None:
+    """keep_interval=1e-300 was accepted, then every retention raised OverflowError (the
+    interval's number, floor(inf)), was logged and retried, and nothing was ever deleted:
+    keep_last was ignored until the node root filled up (from an attacker review). Times past
+    the float range share one interval."""
+    times = {1: time, 2: time, 3: time, 4: time}
+    assert KeepPolicy(1, interval=interval).keep([1, 2, 3], unsure=[4], times=times) == {1, 3, 4}
+
+
 def test_manager_keeps_one_per_interval_by_rank_0s_clock(root: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from localckpt.save import prepare

@@ -112,15 +112,17 @@ class KeepPolicy:
         """The oldest complete iteration of each interval; an unsure one older than every
         complete one of its interval (it would be that one were it complete)."""
         assert self.interval is not None
-        first: dict[int, int] = {}
+        # Floor division, not floor(a / b): a number of intervals past the float range (an
+        # interval of 1e-300 s) is inf, one bucket, where floor raised OverflowError.
+        first: dict[float, int] = {}
         for it in complete:
             if it in times:
-                bucket = math.floor(times[it] / self.interval)
+                bucket = times[it] // self.interval
                 first[bucket] = min(first.get(bucket, it), it)
         out = set(first.values())
         for it in unsure:
             if it in times:
-                bucket = math.floor(times[it] / self.interval)
+                bucket = times[it] // self.interval
                 if it < first.get(bucket, math.inf):
                     out.add(it)
         return out
