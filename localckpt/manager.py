@@ -173,6 +173,7 @@ class LocalCheckpointManager:
         self.node_id = node_id
         self.timeout = float(timeout)
         self.metrics = metrics_
+        self._closed = False
 
         # Bootstrap: the groups, then one agreed step in which every rank prepares its root.
         group = CheckpointGroup(self.timeout)  # control: agreement, training thread only
@@ -291,6 +292,7 @@ class LocalCheckpointManager:
         every rank and happens through the AsyncCallsQueue, so close the queue first), then
         release the I/O threads, the process groups and the session lock. Not collective.
         Every later collective of this manager raises CollectiveError."""
+        self._closed = True
         ended = True
         try:
             self.wait_for_write_back()
@@ -494,7 +496,10 @@ class LocalCheckpointManager:
         arena; with replication, the buffers replicas are received into), so the first save
         stalls no longer than later ones. Not collective; call it once the state exists (after
         building the model and optimizer). Returns the bytes one save stages. Raises TypeError
-        for a leaf ``save`` would refuse."""
+        for a leaf ``save`` would refuse, CollectiveError after :meth:`close` (as every verb)."""
+        if self._closed:  # it would allocate again what close freed, and write pool files
+            raise CollectiveError("reserve: the LocalCheckpointManager was closed: its memory, "
+                                  "file pool and session lock are released; build a new one")
         nbytes = self._save.reserve(state_dict)
         if any(self._ctx.placement.holders) or self._ctx.erasure is not None:
             # a piece is at most the shard, at most this

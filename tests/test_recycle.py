@@ -137,6 +137,21 @@ def test_reserve_puts_the_first_saves_chunk_files_in_the_pool(root: Path) -> Non
         assert torch.equal(loaded["w"], big_state(1)["w"])
 
 
+def test_reserve_after_close_is_refused_and_writes_nothing(root: Path) -> None:
+    """reserve() after close() allocated a new staging arena and wrote a shard's worth of pool
+    files into the session, which no lock covered and nothing removed until a later manager
+    opened the session; every other verb refused (from an attacker review)."""
+    from localckpt.errors import CollectiveError
+
+    mgr = manager(root, keep_last=1)
+    mgr.save(big_state(1), 1)
+    mgr.close()
+    before = sorted(p for p in root.rglob("*"))
+    with pytest.raises(CollectiveError, match=r"reserve.*closed"):
+        mgr.reserve(big_state(1))
+    assert sorted(p for p in root.rglob("*")) == before
+
+
 def test_a_pooled_file_is_published_only_once_complete(root: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A file must never be takeable while preallocate still writes it (a take would write a
