@@ -524,6 +524,24 @@ def metadata_of_different_iterations(rank: int, world: int, root: str) -> dict[s
                 "after": _outcome(mgr.find_latest)}
 
 
+def verbs_with_arguments_differ(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 0 asks metadata(1) / load(iteration=1) while rank 1 is in find_latest / iterations:
+    out of step, told so (not "different arguments"), and the group stays usable."""
+    def told(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    with _plain(rank, root, keep_last=3) as mgr:
+        mgr.save(make_state(rank, 1), 1)
+        mgr.save(make_state(rank, 2), 2)
+        return {"asked": told(lambda: mgr.metadata(1) if rank == 0 else mgr.find_latest()),
+                "loaded": told(lambda: mgr.load(iteration=1) if rank == 0 else mgr.iterations()),
+                "after": _outcome(mgr.find_latest)}
+
+
 def async_save_after_the_group_broke(rank: int, world: int, root: str) -> dict[str, Any]:
     with _plain(rank, root, keep_last=3) as mgr:
         mgr.save(make_state(rank, 1), 1)

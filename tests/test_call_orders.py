@@ -240,12 +240,14 @@ def test_an_async_save_interrupted_on_one_rank_keeps_ranks_in_step_with_busy_ski
 
 
 @pytest.mark.parametrize("scenario", ["schedule_verbs_differ", "metadata_of_different_iterations",
-                                      "async_save_after_the_group_broke"])
+                                      "async_save_after_the_group_broke",
+                                      "verbs_with_arguments_differ"])
 def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) -> None:
     """Two ranks asking through different schedule verbs were paired (one answer each, no
     error); metadata of different iterations per rank broke the group for good (load's
     iteration is a checked argument: so is this one); an async save after the group was found
-    out of step still wrote and committed its shards, failing only at its finalize."""
+    out of step still wrote and committed its shards, failing only at its finalize; a verb with
+    checked arguments beside another verb was reported as different arguments."""
     import agreement_scenarios
     from dist_harness import run_ranks
 
@@ -256,6 +258,16 @@ def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) ->
         assert values == [{"asked": "CollectiveError"}] * 2
     elif scenario == "metadata_of_different_iterations":
         assert values == [{"asked": "ConfigurationError", "after": 2}] * 2
+    elif scenario == "verbs_with_arguments_differ":
+        # a verb whose arguments are compared was taken for the same call with none: rank 1,
+        # in find_latest, was told its arguments to metadata were "nothing"
+        assert values[0] == values[1], values
+        assert values[0]["after"] == 2, values
+        for key, verb, other in (("asked", "metadata", "find_latest"),
+                                 ("loaded", "load", "iterations")):
+            told = values[0][key]
+            assert told.startswith("CollectiveError") and "different" in told, told
+            assert verb in told and other in told, told
     else:
         assert values == [{"broke": "CollectiveError", "saved": "CollectiveError",
                            "on_disk": ["iter_0000000001"]}] * 2

@@ -221,10 +221,11 @@ class CheckpointGroup:
     def arguments(self, call: str, check: Callable[[], Any]) -> Iterator[None]:
         """Within the block, the first exchange also carries ``check()``'s result (this rank's
         arguments of ``call``, JSON-able) or its exception, and every rank compares them before
-        anything else: the failing ranks' error (see :func:`error_from_failures`), or
-        ConfigurationError when ranks passed different arguments, is raised on every rank alike
-        (the ranks may be in different steps by then, having taken different paths; each did
-        one collective, so the group stays usable). A rank whose ``check()`` failed does that
+        anything else: the failing ranks' error (see :func:`error_from_failures`),
+        ConfigurationError when ranks passed different arguments, or CollectiveError when some
+        ranks are in another verb, is raised on every rank alike (the ranks may be in different
+        steps by then, having taken different paths; each did one collective, so the group
+        stays usable). A rank whose ``check()`` failed does that
         exchange at once, before the block, and raises there.
         """
         try:
@@ -240,7 +241,7 @@ class CheckpointGroup:
 
     def _check_arguments(self, gathered: list[Any], local_exc: BaseException | None) -> None:
         """Raise on every rank when the arguments some ranks' docs carry disagree (see
-        :meth:`arguments`)."""
+        :meth:`arguments`), or some ranks are in another verb (CollectiveError)."""
         carried = [d.get("arguments") for d in gathered]
         if all(c is None for c in carried):
             return
@@ -249,6 +250,20 @@ class CheckpointGroup:
                     for r, c in enumerate(carried) if c is not None and "error" in c}
         if failures:
             raise error_from_failures(call, failures) from local_exc
+        # Ranks in other verbs (no arguments, or another call's): out of step, not arguments
+        # that differ. Each did this one exchange, so the group is still in step.
+        verbs = [repr(str(d.get("step"))) if c is None else str(c["call"])
+                 for c, d in zip(carried, gathered, strict=True)]
+        if len(set(verbs)) > 1:
+            by_verb: dict[str, list[int]] = {}
+            for r, verb in enumerate(verbs):
+                by_verb.setdefault(verb, []).append(r)
+            raise CollectiveError(
+                "localckpt's ranks called different methods: " + "; ".join(
+                    f"{_ranks(ranks)} in {verb}" for verb, ranks in by_verb.items())
+                + ". Every rank must call save, find_latest, load and the queue's methods in the "
+                "same order (this call failed on every rank; the group is still usable)"
+            ) from local_exc
         by_value: dict[str, list[int]] = {}
         for r, c in enumerate(carried):
             by_value.setdefault("nothing" if c is None else json.dumps(c["ok"]), []).append(r)
