@@ -13,7 +13,6 @@ This module is the facade: arguments, bootstrap, and the verbs. The save path is
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import uuid
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
-from replication.strategies import strategy_setting
 
 from .control.bootstrap import open_node_root, place_replicas, stripes
 from .control.collectives import CheckpointGroup, checked_timeout
@@ -32,6 +30,7 @@ from .control.context import Context
 from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy, Schedule
+from .control.settings import agreed_settings, refuse_differing
 from .errors import CheckpointingError, CollectiveError, ConfigurationError, InvalidIterationError
 from .load.from_durable import within
 from .load.loader import LoadPath
@@ -185,27 +184,16 @@ class LocalCheckpointManager:
         # setting on one rank, preemption_signals it cannot handle): nothing stays held.
         undo: list[Callable[[], object]] = [group.close, data_group.close]
 
-        # What every rank must be given alike: retention, the agreement's rules and the
-        # schedule are decided per rank from them (different ones: different shards kept,
-        # answers that disagree).
-        settings = {
-            "session_id": session_id, "keep_last": keep_last, "keep_every": keep_every,
-            "keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode,
-            "keep_without_metric": keep_without_metric, "keep_interval": keep_interval,
-            "keep_predicate": keep_predicate is not None, "busy": busy, "strict": strict,
-            "reshard": reshard, "dedupe_replicated": dedupe_replicated, "timeout": self.timeout,
-            "save_policy": None if save_policy is None else [
-                save_policy.every_steps, sorted(save_policy.at_steps),
-                save_policy.every_seconds, save_policy.predicate is not None],
-            "preemption_signals": preemption_signals is not None
-            and preemption_signals is not False,
-            # Where replicas and parity go, and what counts as complete: decided per rank.
-            "repl_strategy": strategy_setting(strategy),
-            "durable": None if durable is None else [
-                durable.persist_every, durable.keep, durable.keep_every,
-                # as text: inf is a valid interval (JSON has no inf)
-                *(None if x is None else _seconds_text(x)
-                  for x in (durable.persist_interval, durable.commit_timeout))]}
+        # What every rank must be given alike (compared in the start-up exchange).
+        settings = agreed_settings(
+            session_id=session_id, keep_last=keep_last, keep_every=keep_every,
+            keep_best=keep_best, best_metric=best_metric, best_mode=best_mode,
+            keep_without_metric=keep_without_metric, keep_interval=keep_interval,
+            keep_predicate=keep_predicate is not None, busy=busy, strict=strict,
+            reshard=reshard, dedupe_replicated=dedupe_replicated, timeout=self.timeout,
+            save_policy=save_policy,
+            preemption_signals=preemption_signals is not None and preemption_signals is not False,
+            strategy=strategy, durable=durable)
 
         def start() -> dict[str, Any]:
             if self.world_size > MAX_WORLD_SIZE:
@@ -227,14 +215,7 @@ class LocalCheckpointManager:
 
         try:
             started = group.exchange("start", start)
-            differ = sorted(k for k in settings if len({json.dumps(_alike(d["settings"][k]))
-                                                        for d in started}) > 1)
-            if differ:  # the same gathered settings: raised on every rank alike
-                raise ConfigurationError(
-                    "LocalCheckpointManager: every rank must be given the same settings; "
-                    + "; ".join(f"{k}: " + ", ".join(f"rank {r} {d['settings'][k]!r}"
-                                                     for r, d in enumerate(started[:8]))
-                                for k in differ))
+            refuse_differing([d["settings"] for d in started])  # every rank alike
             names = [str(d["node"]) for d in started]
             topology = Topology(tuple(names))
             placement = place_replicas(strategy, topology,
@@ -540,25 +521,6 @@ class LocalCheckpointManager:
         next call). ``save``, ``find_latest``, ``load`` and ``close`` call it first. Raises
         CollectiveTimeoutError when it overran every bound (the groups are then unusable)."""
         self._load.wait_for_write_back()
-
-
-def _seconds_text(seconds: float) -> str:
-    """Seconds as text a JSON exchange carries (inf included), 60 and 60.0 alike."""
-    try:
-        return repr(float(seconds))
-    except OverflowError:  # an int past any float: as it is
-        return str(seconds)
-
-
-def _alike(setting: Any) -> Any:
-    """``setting`` (JSON) with every number a float: 60 and 60.0 are one setting."""
-    if isinstance(setting, list):
-        return [_alike(v) for v in setting]
-    if isinstance(setting, dict):
-        return {k: _alike(v) for k, v in setting.items()}
-    if isinstance(setting, (int, float)) and not isinstance(setting, bool):
-        return float(setting) if abs(setting) < 1e300 else setting
-    return setting
 
 
 def _discard_newer_in(tier: DurableStore, seconds: float, fence: Fence) -> None:

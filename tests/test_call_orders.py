@@ -356,7 +356,8 @@ def test_seconds_compared_across_ranks_are_text_json_carries() -> None:
     OverflowError (from the attacker review of this session's diff)."""
     import json as json_module
 
-    from localckpt.manager import _alike, _seconds_text
+    from localckpt.control.settings import alike as _alike
+    from localckpt.control.settings import seconds_text as _seconds_text
 
     assert _seconds_text(60) == _seconds_text(60.0) == "60.0"
     assert _seconds_text(math.inf) == "inf" and _seconds_text(10**400) == str(10**400)
