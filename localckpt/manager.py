@@ -15,22 +15,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from replication import ReplicationStrategy, Topology, make_strategy, strategy_names
+from replication import ReplicationStrategy, make_strategy, strategy_names
 
-from .control.bootstrap import open_node_root, place_replicas, stripes
-from .control.collectives import CheckpointGroup, checked_timeout
-from .control.context import Context
+from .control.bootstrap import join_job
+from .control.collectives import checked_timeout
 from .control.durable_config import DurableTier
 from .control.retention import KeepPolicy
 from .control.schedule import SavePolicy, Schedule
-from .control.settings import agreed_settings, refuse_differing
+from .control.settings import agreed_settings
 from .errors import CheckpointingError, CollectiveError, ConfigurationError, InvalidIterationError
 from .load.from_durable import within
 from .load.loader import LoadPath
@@ -39,12 +36,10 @@ from .save.async_calls import AsyncRequest
 from .save.persist import Persister
 from .save.saver import SavePath
 from .storage.durable import DurableStore
-from .storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
-from .storage.layout import MAX_WORLD_SIZE, session_dir
+from .storage.layout import session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.rollback_fence import Fence
-from .storage.session_lock import SessionLock
-from .storage.store import DEFAULT_CHUNK_NBYTES, ShardStore
+from .storage.store import DEFAULT_CHUNK_NBYTES
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +169,9 @@ class LocalCheckpointManager:
         self.metrics = metrics_
         self._closed = False
 
-        # Bootstrap: the groups, then one agreed step in which every rank prepares its root.
-        group = CheckpointGroup(self.timeout)  # control: agreement, training thread only
-        data_group = CheckpointGroup(self.timeout)  # shard transfers, maybe in the background
-        self.rank, self.world_size = group.rank, group.world_size
-        locks: list[SessionLock] = []
-        tiers: list[DurableStore] = []
         # What construction took so far, released in reverse if a later step refuses (a bad
         # setting on one rank, preemption_signals it cannot handle): nothing stays held.
-        undo: list[Callable[[], object]] = [group.close, data_group.close]
-
+        undo: list[Callable[[], object]] = []
         # What every rank must be given alike (compared in the start-up exchange).
         settings = agreed_settings(
             session_id=session_id, keep_last=keep_last, keep_every=keep_every,
@@ -194,51 +182,16 @@ class LocalCheckpointManager:
             save_policy=save_policy,
             preemption_signals=preemption_signals is not None and preemption_signals is not False,
             strategy=strategy, durable=durable)
-
-        def start() -> dict[str, Any]:
-            if self.world_size > MAX_WORLD_SIZE:
-                raise ConfigurationError(f"world size: expected at most {MAX_WORLD_SIZE} ranks "
-                                         f"(5 digits in shard names), got {self.world_size}")
-            # Well under the timeout: the other ranks wait that long for this exchange, and
-            # should get SessionInUseError from here, not a timeout of their own.
-            doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
-                                       min(self.timeout / 3, 30.0), recycle_files)
-            locks.append(lock)
-            undo.append(lock.release)
-            if durable is not None:  # settings a rank cannot use fail every rank here alike
-                durable.check_apart(root, session_id)
-                tiers.append(DurableStore(durable.root, session_id, self.rank,
-                                          io_threads=io_threads or 4, timeout=self.timeout,
-                                          options=durable.options))
-                undo.append(tiers[0].close)
-            return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex, "settings": settings}
-
         try:
-            started = group.exchange("start", start)
-            refuse_differing([d["settings"] for d in started])  # every rank alike
-            names = [str(d["node"]) for d in started]
-            topology = Topology(tuple(names))
-            placement = place_replicas(strategy, topology,
-                                       [(int(d["root"][0]), int(d["root"][1])) for d in started],
-                                       strict, self.rank)
-            layout = stripes(strategy, topology, strict, self.rank)
-            if io_threads is None:  # this rank's share of the cores it may run on
-                io_threads = default_io_threads(ranks_sharing(
-                    self.rank, names, [d.get("cpus") for d in started]))
-            store = ShardStore(root, session_id, writer_rank=self.rank, io_threads=io_threads,
-                               chunk_nbytes=chunk_nbytes, recycle=recycle_files)
-            undo.append(store.close)
-            group.use_nodes(topology.node_of)
-            data_group.use_nodes(topology.node_of)
-            self._lock = locks[0]
-            self._run = str(started[0]["run"])  # this job run's id: rank 0's
-            self.topology = topology
-            # Recorded in every manifest; a shard written under another layout is warned about.
-            self._job_identity = {"world_size": self.world_size, "nodes": topology.num_nodes,
-                                  "topology_crc32": zlib.crc32("\n".join(names).encode())}
-            self._ctx = Context(self.rank, self.world_size, session_id, root, self.timeout, group,
-                                data_group, topology, placement, store, metrics_,
-                                self._job_identity, erasure=layout)
+            joined = join_job(root, session_id, node_id, timeout=self.timeout, strategy=strategy,
+                              strict=strict, settings=settings, metrics=metrics_,
+                              allow_unsafe_root=allow_unsafe_root, recycle_files=recycle_files,
+                              durable=durable, io_threads=io_threads,
+                              chunk_nbytes=chunk_nbytes, undo=undo)
+            self._ctx, self._lock, self._run = joined.ctx, joined.lock, joined.run
+            self.rank, self.world_size = self._ctx.rank, self._ctx.world_size
+            self.topology = self._ctx.topology
+            self._job_identity = joined.identity
             self._save = SavePath(self._ctx, keep, busy)
             undo.append(self._save.close)
             self._save.agreement.any_world = reshard
@@ -249,8 +202,9 @@ class LocalCheckpointManager:
             self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
             undo.append(self._schedule.close)
             self.durable = durable
-            if durable is not None:  # no request made yet: an unreachable store fails no rank here
-                tier = tiers[0]
+            tier = joined.tier
+            if durable is not None and tier is not None:  # no request made yet: an
+                # unreachable store fails no rank here
                 self._load.durable = tier
                 persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
                                       durable.commit_timeout or self.timeout, self._run,

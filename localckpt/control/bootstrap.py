@@ -1,13 +1,18 @@
-"""What a manager does once at construction: prepare this node's root (a local step every rank
-runs inside one agreed exchange), and check that the replication strategy protects against a
-node loss on the topology the exchange revealed (pure).
+"""What a manager does once at construction: join the job (its process groups, one agreed
+exchange in which every rank prepares its node's root and shows its settings), and check that
+the replication strategy protects against a node loss on the topology the exchange revealed
+(pure).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
+import zlib
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +31,95 @@ from replication import (
 )
 
 from ..errors import ConfigurationError, SessionInUseError
+from ..ops.metrics import Metrics
+from ..storage.durable import DurableStore
 from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
-from ..storage.layout import find_leftovers, remove_paths, session_dir
+from ..storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
+from ..storage.layout import MAX_WORLD_SIZE, find_leftovers, remove_paths, session_dir
 from ..storage.session_lock import SessionLock
+from ..storage.store import ShardStore
+from .collectives import CheckpointGroup
+from .context import Context
+from .durable_config import DurableTier
+from .settings import refuse_differing
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Joined:
+    """This rank's place in the job, as the start-up exchange settled it: its context (groups,
+    topology, placement, store), its shared lock on the session, its durable tier (None: none
+    given), the job run's id (rank 0's) and the job identity every manifest records."""
+
+    ctx: Context
+    lock: SessionLock
+    tier: DurableStore | None
+    run: str
+    identity: dict[str, Any]
+
+
+def join_job(root: Path, session_id: str, node_id: str | None, *, timeout: float,
+             strategy: ReplicationStrategy | None, strict: bool, settings: dict[str, Any],
+             metrics: Metrics, allow_unsafe_root: bool, recycle_files: bool,
+             durable: DurableTier | None, io_threads: int | None, chunk_nbytes: int,
+             undo: list[Callable[[], object]]) -> Joined:
+    """Create the manager's two gloo groups (control, and data for shard transfers that may
+    run in the background), then run one agreed exchange in which every rank prepares its node
+    root (:func:`open_node_root`), opens its durable tier and shows its ``settings``; place
+    replicas and stripes on the topology revealed. Collective. Whatever it takes is appended to
+    ``undo`` (the caller releases it in reverse if construction fails later). Raises on every
+    rank alike: ConfigurationError (a world too large, settings that differ, a strategy that
+    cannot protect this topology with ``strict``), SessionInUseError, CollectiveError."""
+    group = CheckpointGroup(timeout)  # control: agreement, training thread only
+    undo.append(group.close)
+    data_group = CheckpointGroup(timeout)  # shard transfers, maybe in the background
+    undo.append(data_group.close)
+    rank, world_size = group.rank, group.world_size
+    locks: list[SessionLock] = []
+    tiers: list[DurableStore] = []
+
+    def start() -> dict[str, Any]:
+        if world_size > MAX_WORLD_SIZE:
+            raise ConfigurationError(f"world size: expected at most {MAX_WORLD_SIZE} ranks "
+                                     f"(5 digits in shard names), got {world_size}")
+        # Well under the timeout: the other ranks wait that long for this exchange, and
+        # should get SessionInUseError from here, not a timeout of their own.
+        doc, lock = open_node_root(root, session_id, node_id, allow_unsafe_root,
+                                   min(timeout / 3, 30.0), recycle_files)
+        locks.append(lock)
+        undo.append(lock.release)
+        if durable is not None:  # settings a rank cannot use fail every rank here alike
+            durable.check_apart(root, session_id)
+            tiers.append(DurableStore(durable.root, session_id, rank,
+                                      io_threads=io_threads or 4, timeout=timeout,
+                                      options=durable.options))
+            undo.append(tiers[0].close)
+        return {**doc, "cpus": cpu_set(), "run": uuid.uuid4().hex, "settings": settings}
+
+    started = group.exchange("start", start)
+    refuse_differing([d["settings"] for d in started])  # every rank alike
+    names = [str(d["node"]) for d in started]
+    topology = Topology(tuple(names))
+    placement = place_replicas(strategy, topology,
+                               [(int(d["root"][0]), int(d["root"][1])) for d in started],
+                               strict, rank)
+    layout = stripes(strategy, topology, strict, rank)
+    if io_threads is None:  # this rank's share of the cores it may run on
+        io_threads = default_io_threads(ranks_sharing(rank, names,
+                                                      [d.get("cpus") for d in started]))
+    store = ShardStore(root, session_id, writer_rank=rank, io_threads=io_threads,
+                       chunk_nbytes=chunk_nbytes, recycle=recycle_files)
+    undo.append(store.close)
+    group.use_nodes(topology.node_of)
+    data_group.use_nodes(topology.node_of)
+    # Recorded in every manifest; a shard written under another layout is warned about.
+    identity = {"world_size": world_size, "nodes": topology.num_nodes,
+                "topology_crc32": zlib.crc32("\n".join(names).encode())}
+    ctx = Context(rank, world_size, session_id, root, timeout, group, data_group, topology,
+                  placement, store, metrics, identity, erasure=layout)
+    return Joined(ctx, locks[0], tiers[0] if tiers else None,
+                  str(started[0]["run"]), identity)  # the run's id: rank 0's
 
 
 def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsafe: bool,
