@@ -253,6 +253,19 @@ def rollback_fails_alike(rank: int, world: int, base: str) -> str:
     return rollback_with_fence(manager(rank, base), rank, 10, fence)
 
 
+def rollback_fenced_then_fails(rank: int, world: int, base: str) -> str:
+    """A rollback to 10 whose fence rank 1 writes, then fails to make durable (EIO from the
+    fsync of its session directory after the rename): an error every rank agrees on."""
+    mgr = manager(rank, base)
+    real = mgr._ctx.store.fence_rollback
+
+    def fence(iteration: int, world_size: int | None, before: Any) -> None:
+        real(iteration, world_size, before)
+        raise OSError(5, "Input/output error (injected)")
+
+    return rollback_with_fence(mgr, rank, 10, fence)
+
+
 def _shared_root(base: str) -> LocalCheckpointManager:
     """Every rank on one node root (one node of several GPUs), a durable tier beside it."""
     from localckpt import DurableTier

@@ -131,6 +131,20 @@ def test_a_failed_rollback_leaves_an_earlier_unfinished_one_as_it_was(tmp_path: 
         assert r.value == {"loaded": 20, "is": 20, "then": [10, 20, 21]}, r.value
 
 
+def test_a_rollback_that_failed_after_its_fence_was_written_is_cancelled(tmp_path: Path) -> None:
+    """Rank 1's fence was in place when its write failed (the directory's fsync): every rank
+    was told the rollback failed, but rank 1 never cancelled a fence it had not seen written,
+    so 20 and 30 vanished from find_latest and the next save deleted them (from an attacker
+    review)."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    for r in run_ranks(sc.rollback_fenced_then_fails, 2, tmp_path, base):
+        assert r.ok and r.value == "RankOSError", (r.value, r.message)
+    for r in run_ranks(sc.restart_and_save, 2, tmp_path, base, 31):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 30, "is": 30, "then": [20, 30, 31]}, r.value  # keep_last=3
+
+
 def test_gc_honours_a_fence_any_root_holds(tmp_path: Path) -> None:
     """gc between runs after an interrupted rollback: node 1 (no fence) made 30 look complete,
     so gc kept 30 and deleted 10 and 20 everywhere; the job then had nothing to load."""

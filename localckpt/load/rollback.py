@@ -5,14 +5,13 @@ agreed step before any rank deletes, and the durable tier's newer iterations go 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from ..control.context import Context
 from ..errors import CollectiveError, error_from_failures
 from ..save.persist import Persister
 from ..storage.durable import DurableStore
-from ..storage.rollback_fence import Fence
+from ..storage.rollback_fence import FENCE_NAME, Fence
 from .from_durable import within
 
 logger = logging.getLogger(__name__)
@@ -32,11 +31,13 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     # rollback's back).
     before: list[Fence | None] = []
     ctx.group.exchange(f"{step} as it was", lambda: before.append(ctx.store.fence()))
-    written = []
+    tried = []
 
     def fence() -> None:
+        # Before the write: one that fails after its rename (the directory's fsync) has put
+        # the fence in place all the same, and must be cancelled with the rest.
+        tried.append(True)
         ctx.store.fence_rollback(iteration, world, before[0])
-        written.append(True)
 
     outcome = ctx.group.gather_outcomes(step, fence)
     try:
@@ -47,9 +48,15 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     except CollectiveError:
         raise
     except BaseException:
-        if written:  # no root deletes: as it was before (an earlier rollback's stays)
-            with contextlib.suppress(OSError):
+        if tried:  # no root deletes: as it was before (an earlier rollback's stays)
+            try:
                 ctx.store.cancel_rollback(before[0])
+            except OSError as exc:  # the next save would finish the rollback reported failed
+                logger.error("rank %d: the rollback to %d failed, and its fence in %s could "
+                             "not be taken back (%s): the next save finishes that rollback "
+                             "(deleting the newer iterations) unless the file %s is put back "
+                             "as it was before the rollback, or removed", ctx.rank, iteration,
+                             ctx.store.session_path, exc, FENCE_NAME)
         raise
     for failure in ctx.store.finish_rollback():  # hidden: tried again before each save
         logger.error("rank %d: discarding after the rollback to %d: %s", ctx.rank,
