@@ -180,7 +180,7 @@ class LocalCheckpointManager:
             keep_predicate=keep_predicate is not None, busy=busy, strict=strict,
             reshard=reshard, dedupe_replicated=dedupe_replicated, timeout=self.timeout,
             save_policy=save_policy,
-            preemption_signals=preemption_signals is not None and preemption_signals is not False,
+            preemption_signals=preemption_signals,
             strategy=strategy, durable=durable)
         try:
             joined = join_job(root, session_id, node_id, timeout=self.timeout, strategy=strategy,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -567,10 +568,14 @@ def settings_differ(rank: int, world: int, root: str, setting: str) -> dict[str,
                                DurableTier(Path(root) / "durable", persist_interval=math.inf,
                                            commit_timeout=60.0)),
               "same_keep_interval": (60, 60.0),
+              # an empty list watches nothing: was compared as "watching"
+              "preemption_signals": ([], [signal.SIGUSR1]),
+              "same_preemption_signals": (True, [signal.SIGTERM, signal.SIGTERM]),
               "same_save_policy": (SavePolicy(every_seconds=60), SavePolicy(every_seconds=60.0))
               }[setting]
     name = {"erasure": "repl_strategy", "durable_keep": "durable", "same_durable": "durable",
             "same_keep_interval": "keep_interval",
+            "same_preemption_signals": "preemption_signals",
             "same_save_policy": "save_policy"}.get(setting, setting)
     try:
         with _plain(rank, root, **{name: values[rank]}):

@@ -274,7 +274,8 @@ def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) ->
 
 
 @pytest.mark.parametrize("setting", ["keep_last", "reshard", "strict", "busy", "repl_strategy",
-                                     "erasure", "durable", "durable_keep"])
+                                     "erasure", "durable", "durable_keep",
+                                     "preemption_signals"])
 def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path,
                                                                   setting: str) -> None:
     """Retention, resharding and the schedule are decided per rank from the settings: ranks
@@ -292,7 +293,8 @@ def test_ranks_given_different_settings_are_refused_on_every_rank(tmp_path: Path
     assert [r.value for r in results] == [{"error": "ConfigurationError", "names": True}] * 2
 
 
-@pytest.mark.parametrize("setting", ["same_durable", "same_keep_interval", "same_save_policy"])
+@pytest.mark.parametrize("setting", ["same_durable", "same_keep_interval", "same_save_policy",
+                                     "same_preemption_signals"])
 def test_ranks_given_the_same_settings_start_whatever_their_numbers(tmp_path: Path,
                                                                     setting: str) -> None:
     """A persist_interval of inf made the start exchange's JSON fail on every rank, and 60 and

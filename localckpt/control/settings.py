@@ -7,6 +7,7 @@ carries and compares. Pure: no I/O.
 from __future__ import annotations
 
 import json
+import signal
 from typing import Any
 
 from replication import ReplicationStrategy
@@ -22,7 +23,7 @@ def agreed_settings(*, session_id: str, keep_last: int, keep_every: int | None,
                     keep_without_metric: bool, keep_interval: float | None,
                     keep_predicate: bool, busy: str, strict: bool, reshard: bool,
                     dedupe_replicated: bool, timeout: float, save_policy: SavePolicy | None,
-                    preemption_signals: bool, strategy: ReplicationStrategy | None,
+                    preemption_signals: Any, strategy: ReplicationStrategy | None,
                     durable: DurableTier | None) -> dict[str, Any]:
     """The settings a manager compares across ranks at construction, as JSON. Callables are
     compared by presence (``keep_predicate``, a policy's predicate): their text differs
@@ -36,7 +37,7 @@ def agreed_settings(*, session_id: str, keep_last: int, keep_every: int | None,
         "save_policy": None if save_policy is None else [
             save_policy.every_steps, sorted(save_policy.at_steps),
             save_policy.every_seconds, save_policy.predicate is not None],
-        "preemption_signals": preemption_signals,
+        "preemption_signals": signals_setting(preemption_signals),
         # Where replicas and parity go, and what counts as complete: decided per rank.
         "repl_strategy": strategy_setting(strategy),
         "durable": None if durable is None else [
@@ -57,6 +58,20 @@ def refuse_differing(gathered: list[dict[str, Any]]) -> None:
             + "; ".join(f"{k}: " + ", ".join(f"rank {r} {s[k]!r}"
                                              for r, s in enumerate(gathered[:8]))
                         for k in differ))
+
+
+def signals_setting(signals: Any) -> list[Any] | None:
+    """The signals a manager watches for preemption, as the schedule takes them (True:
+    SIGTERM; none, False or an empty list: no watch, and ``should_save`` decides locally),
+    sorted numbers; the text of what is no list of signals (the schedule refuses it)."""
+    if signals is True:
+        signals = [signal.SIGTERM]
+    if not signals:
+        return None
+    try:
+        return sorted({int(s) for s in signals})
+    except (TypeError, ValueError):
+        return [repr(signals)]
 
 
 def seconds_text(seconds: float) -> str:
