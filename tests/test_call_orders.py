@@ -323,11 +323,13 @@ def test_a_str_that_would_load_back_changed_is_refused_and_a_lone_surrogate_is_k
     assert loaded["lone"] == kept["lone"] and loaded["emoji"] == kept["emoji"]
 
 
-@pytest.mark.parametrize("timeout", [True, 0, -1, float("inf"), float("nan"), 1e300, "5", None])
+@pytest.mark.parametrize("timeout", [True, 0, -1, float("inf"), float("nan"), 1e300, "5", None,
+                                     0.0005])
 def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(root: Path,
                                                                    timeout: Any) -> None:
     """True was taken for 1 s, inf and 1e300 reached gloo (an OverflowError there), and the
-    queue took anything until its first collective."""
+    queue took anything until its first collective. Gloo keeps whole milliseconds: 0.5 ms was
+    0 ms, no timeout at all when the groups were made (a rank waited 68 s for a late peer)."""
     from localckpt import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="timeout: expected seconds"):

@@ -360,14 +360,15 @@ def _encoded(doc: dict[str, Any], arguments: dict[str, Any] | None) -> bytes:
 
 
 MAX_TIMEOUT = 1e6  # seconds (11.6 days): gloo's timeout is a timedelta of milliseconds
+MIN_TIMEOUT = 1e-3  # less is 0 ms, which gloo takes for no timeout when a group is made
 
 
 def checked_timeout(timeout: Any, owner: str) -> float:
     """``timeout`` as float seconds; ConfigurationError unless it is an int or float (not a
-    bool) in (0, MAX_TIMEOUT]."""
-    if type(timeout) not in (int, float) or not 0 < timeout <= MAX_TIMEOUT:
+    bool) in [MIN_TIMEOUT, MAX_TIMEOUT]."""
+    if type(timeout) not in (int, float) or not MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
         raise ConfigurationError(f"{owner}: timeout: expected seconds, an int or float in "
-                                 f"(0, {MAX_TIMEOUT:g}], got {timeout!r}")
+                                 f"[{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}], got {timeout!r}")
     return float(timeout)
 
 
