@@ -227,3 +227,18 @@ def test_add_finalize_fn_adds_in_place_as_megatrons_request_does() -> None:
     with pytest.raises(RuntimeError, match="frozen"):
         frozen.add_finalize_fn(lambda: None)
     assert len(frozen.finalize_fns) == 2 and frozen.is_frozen and not request.is_frozen
+
+
+def test_waiting_for_a_large_save_with_the_largest_timeout_does_not_overflow() -> None:
+    """A save agreed with more than about 9,220 units of work (chunks and pieces), waited for
+    with the largest timeout accepted (1e6 s), raised OverflowError from threading on the
+    rank still saving: its peers were never told and sat in the finalize exchange (from an
+    attacker review)."""
+    from localckpt.control.collectives import MAX_TIMEOUT
+    from localckpt.save.job import SaveJob
+
+    job = SaveJob(7, None, None, agree=lambda: None)
+    job.agreed.set()
+    job.wait_steps = 2 + 9000 + 300  # 9,000 chunks and 300 pieces
+    threading.Timer(0.2, job.done.set).start()
+    assert job.wait(MAX_TIMEOUT)

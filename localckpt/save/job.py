@@ -219,8 +219,8 @@ class SaveJob:
         """Whether the job is done, waiting up to ``timeout`` (seconds per unit of work) for
         its agreement (AGREEMENT_STEPS units), then for the work agreed (``wait_steps``); once
         done, its thread has ended too (``close`` leaves no save thread behind)."""
-        if not (self.agreed.wait(timeout * AGREEMENT_STEPS)
-                and self.done.wait(timeout * self.wait_steps)):
+        if not (self.agreed.wait(waitable(timeout * AGREEMENT_STEPS))
+                and self.done.wait(waitable(timeout * self.wait_steps))):
             return False
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)  # done is set last: the thread is only returning
@@ -315,3 +315,9 @@ class SaveJob:
                     folder().commit()
             except Exception as exc:
                 self.error = self.error or exc
+
+
+def waitable(seconds: float) -> float:
+    """``seconds`` as a threading wait takes it: a bound of many units of work times a long
+    timeout (1e6 s) passes threading.TIMEOUT_MAX, where a wait raises OverflowError."""
+    return min(seconds, threading.TIMEOUT_MAX)

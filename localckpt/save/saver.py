@@ -44,7 +44,7 @@ from ..state_dict import as_tensor_aware
 from ..storage.store import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
-from .job import AGREEMENT_STEPS, SaveJob, wait_for_save
+from .job import AGREEMENT_STEPS, SaveJob, wait_for_save, waitable
 from .persist import Persister
 from .prepare import SaveAgreement, StagedShard, stage_shard
 from .retainer import Retainer
@@ -197,7 +197,7 @@ class SavePath:
     def _interrupted_elsewhere(self, job: SaveJob) -> bool:
         """Whether ``job``'s agreement heard that a rank was interrupted in its walk (waiting
         for the agreement as long as it may take: the same answer on every rank)."""
-        job.agreed.wait(self.ctx.timeout * AGREEMENT_STEPS)
+        job.agreed.wait(waitable(self.ctx.timeout * AGREEMENT_STEPS))
         return isinstance(job.agreed_error, RankInterruptedError)
 
     def _wait(self, job: SaveJob) -> None:
