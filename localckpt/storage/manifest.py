@@ -31,6 +31,7 @@ from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 from .checksum import crc32c
 from .hollow_check import MAX_HOLLOW_DEPTH, check_hollow, numpy_byte_tensors
+from .lineage import MAX_LINEAGE
 from .parity_info import ParityInfo
 from .tensor_table import (
     TensorEntry,
@@ -280,6 +281,9 @@ def _metadata_of(value: Any) -> dict[str, Any]:
     save_id = value.get("save_id")
     if type(save_id) is str and len(save_id) <= 64:
         out["save_id"] = save_id
+    lineage = value.get("lineage")
+    if type(lineage) is int and 0 <= lineage < MAX_LINEAGE:
+        out["lineage"] = lineage
     most = value.get("most_chunks")
     if type(most) is int and 0 <= most < 1 << 40:
         out["most_chunks"] = most
