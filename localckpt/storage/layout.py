@@ -26,7 +26,7 @@ from pathlib import Path
 from replication import parity_of_slot, parity_slot
 
 from ..errors import ConfigurationError
-from .lineage import LINEAGE_NAME
+from .lineage import is_lineage
 from .rollback_fence import FENCE_NAME, hidden, read_fence
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -149,7 +149,7 @@ def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
 def holds_checkpoints(session_path: Path) -> bool:
     """Whether ``session_path`` holds anything localckpt writes: an iteration directory, a
     rollback fence, a lineage, a leftover of its own naming, or a pool of recycled files."""
-    return any(_ITER_RE.fullmatch(e.name) or e.name in (FENCE_NAME, LINEAGE_NAME)
+    return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME or is_lineage(e.name)
                or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
                for e in _scandir(session_path)) or (
                    _real_dir(session_path / RECYCLE_DIR) and any(
@@ -176,7 +176,6 @@ def list_sessions(root: Path) -> list[str]:
 # given the wrong directory must not take a Samba ``.recycle`` or someone's ``.trash-old``.
 _SESSION_TRASH_RE = re.compile(
     r"\.trash-(?:iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}|fence-w[0-9]{5}-[0-9a-f]{32}"
-    r"|lineage-w[0-9]{5}-[0-9a-f]{32}"
     r"|durable-[0-9a-f]{32})")
 _WRITER_RE = re.compile(r"-w([0-9]{5})-")
 _QUARANTINE_RE = re.compile(r"\.quarantine-iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}")

@@ -4,24 +4,24 @@ a root's counter to the number of any copy before committing it there. A later r
 iteration number thus outranks an earlier run's (a rollback's save again, a resume from an older
 iteration), whatever the wall clocks of the two runs' rank 0 said.
 
-A small JSON file, written atomically (temporary file, fsync, rename, fsync of the directory);
-missing or unreadable, it counts as 0 (a root older than lineages, or damaged: the save numbers
-then order ties by clock, as before).
+The counter is the highest N of the empty files ``lineage-N`` in the session directory. Raising
+it creates a file (exclusively, then an fsync of the directory) and removes the lower ones: no
+read-modify-write, so writers that race (ranks sharing a root, a write-back beside a save) never
+lower it, and a crash leaves a whole name or none. None there: 0 (a root older than lineages;
+the saves of one number are then ordered by clock, as before).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import uuid
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .fsutil import fsync_dir
 
-LINEAGE_NAME = "lineage.json"  # no iteration, leftover or session directory looks so
-MAX_LINEAGE = 1 << 62
+LINEAGE_RE = re.compile(r"lineage-([0-9]{1,18})")  # no iteration, leftover or session looks so
 
 
 @dataclass
@@ -38,34 +38,32 @@ class Lineage:
             self.run = max(self.run, loaded + 1)
 
 
-def read_lineage(session_path: Path) -> int:
-    """The counter in ``session_path``; 0 when there is none or it cannot be read."""
+def _counters(session_path: Path) -> list[int]:
     try:
-        with open(session_path / LINEAGE_NAME, "rb") as f:
-            doc = json.loads(f.read(4096))
-    except (OSError, ValueError):
-        return 0
-    run = doc.get("run") if type(doc) is dict else None
-    return run if type(run) is int and 0 <= run < MAX_LINEAGE else 0
+        with os.scandir(session_path) as entries:
+            return [int(m.group(1)) for e in entries if (m := LINEAGE_RE.fullmatch(e.name))]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
-def raise_lineage(session_path: Path, run: int, tag: str) -> None:
-    """Make the counter in ``session_path`` at least ``run``, durably (ranks sharing a root may
-    do this at once: ``tag`` keeps their temporary files apart, and each writes a number at
-    least what it read). Raises OSError."""
+def read_lineage(session_path: Path) -> int:
+    """The counter in ``session_path``; 0 when there is none."""
+    return max(_counters(session_path), default=0)
+
+
+def raise_lineage(session_path: Path, run: int) -> None:
+    """Make the counter in ``session_path`` at least ``run``, durably. Raises OSError."""
     if read_lineage(session_path) >= run:
         return
-    tmp = session_path / f".trash-lineage-{tag}-{uuid.uuid4().hex}"  # a crash leftover
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            os.write(fd, json.dumps({"version": 1, "run": run}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, session_path / LINEAGE_NAME)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with contextlib.suppress(FileExistsError):  # another rank of the run made it
+        os.close(os.open(session_path / f"lineage-{run}",
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     fsync_dir(session_path)
+    for lower in _counters(session_path):
+        if lower < run:
+            with contextlib.suppress(OSError):  # gone already; any left over is never the max
+                os.unlink(session_path / f"lineage-{lower}")
+
+
+def is_lineage(name: str) -> bool:
+    return LINEAGE_RE.fullmatch(name) is not None

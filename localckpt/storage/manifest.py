@@ -31,7 +31,6 @@ from ..errors import CorruptShardError, UnsupportedFormatError
 from ..gc_pause import gc_paused
 from .checksum import crc32c
 from .hollow_check import MAX_HOLLOW_DEPTH, check_hollow, numpy_byte_tensors
-from .lineage import MAX_LINEAGE
 from .parity_info import ParityInfo
 from .tensor_table import (
     TensorEntry,
@@ -282,7 +281,7 @@ def _metadata_of(value: Any) -> dict[str, Any]:
     if type(save_id) is str and len(save_id) <= 64:
         out["save_id"] = save_id
     lineage = value.get("lineage")
-    if type(lineage) is int and 0 <= lineage < MAX_LINEAGE:
+    if type(lineage) is int and 0 <= lineage < 10**18:  # as a lineage file can name it
         out["lineage"] = lineage
     most = value.get("most_chunks")
     if type(most) is int and 0 <= most < 1 << 40:

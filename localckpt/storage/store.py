@@ -304,7 +304,7 @@ class ShardStore:
         run = writer.manifest.metadata.get("lineage")
         if type(run) is int and run > self._lineage:
             try:
-                raise_lineage(self.session_path, run, self._tag)
+                raise_lineage(self.session_path, run)
             except BaseException:
                 writer.abort()
                 raise
