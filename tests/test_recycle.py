@@ -331,3 +331,22 @@ def test_a_pool_holding_a_stray_entry_still_gives_its_files_back(tmp_path: Path)
         ".nfs0000000001"]
     (pool / ".nfs0000000001").unlink()
     assert remove_leftovers(tmp_path / "s", None) == [pool] and not pool.exists()
+
+
+def test_files_pooled_before_a_reboot_are_drained(root: Path) -> None:
+    """Pooled files are named by time.monotonic_ns(), which starts again at a boot: on a root
+    that survives one (NVMe), files pooled before it looked newer than every later save and
+    were never drained (from an attacker review)."""
+    import time
+
+    from localckpt.storage.recycle import FilePool
+
+    pool = FilePool(root)
+    pool.path.mkdir(parents=True)
+    save_started = time.monotonic_ns()
+    before_boot = pool.path / f"{time.monotonic_ns() + 10**15:020d}-{'a' * 12}"
+    current = pool.path / f"{time.monotonic_ns():020d}-{'b' * 12}"  # since the save started
+    before_boot.write_bytes(b"x")
+    current.write_bytes(b"x")
+    pool.drain(before_ns=save_started)
+    assert not before_boot.exists() and current.exists()

@@ -183,11 +183,11 @@ class FilePool:
                 os.unlink(self.path / name)
 
     def drain(self, before_ns: int | None = None, deadline: float | None = None) -> None:
-        """Delete the pooled files that arrived before ``before_ns`` (time.monotonic_ns): those
-        the save that started then did not take. None: everything in the pool (no rank of the
-        node may be writing then). Stops at ``deadline`` (time.monotonic()), if given: freeing
-        tmpfs pages takes about 0.4 s per GiB, and a caller inside an exchange must answer
-        within the timeout."""
+        """Delete the pooled files that arrived before ``before_ns`` (time.monotonic_ns), or
+        before this boot: those the save that started then did not take. None: everything in
+        the pool (no rank of the node may be writing then). Stops at ``deadline``
+        (time.monotonic()), if given: freeing tmpfs pages takes about 0.4 s per GiB, and a
+        caller inside an exchange must answer within the timeout."""
         if not self._usable():
             return
         with contextlib.suppress(FileNotFoundError), os.scandir(self.path) as entries:
@@ -195,8 +195,9 @@ class FilePool:
                 if deadline is not None and time.monotonic() > deadline:
                     return
                 stamp = entry.name.split("-", 1)[0]
-                if before_ns is None or (_NAME.fullmatch(entry.name)
-                                         and int(stamp) < before_ns):
+                # a stamp past this boot's clock is an earlier boot's (a root on NVMe)
+                if before_ns is None or (_NAME.fullmatch(entry.name) and (
+                        int(stamp) < before_ns or int(stamp) > time.monotonic_ns())):
                     with self._lock:
                         self._added.discard(entry.name)
                     with contextlib.suppress(OSError):
