@@ -6,7 +6,6 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-import torch
 from scenarios import digest, make_state
 
 from localckpt import LocalCheckpointManager
@@ -311,36 +310,3 @@ def rollback_fails_on_a_shared_root(rank: int, world: int, base: str) -> str:
 def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
     with _shared_root(base) as mgr:
         return {"latest": mgr.find_latest(), "iterations": mgr.iterations()}
-
-
-def _lineage_manager(base: str, node: str) -> LocalCheckpointManager:
-    return LocalCheckpointManager(Path(base) / node, "job", "node_spread", keep_last=10,
-                                  timeout=30, node_id=node)
-
-
-def first_run_clock_ahead(rank: int, world: int, base: str) -> None:
-    """Nodes a and b; rank 0's wall clock an hour ahead. Saves 3 and 5 (values 3 and 5)."""
-    import time
-
-    if rank == 0:
-        real = time.time
-        time.time = lambda: real() + 3600  # type: ignore[assignment]
-    with _lineage_manager(base, "ab"[rank]) as mgr:
-        for it in (3, 5):
-            mgr.save({"v": torch.tensor(float(it))}, it)
-
-
-def roll_back_without_node_b(rank: int, world: int, base: str) -> None:
-    """Node b is away, an empty node c stands in: roll back to 3 and save 5 again (1005)."""
-    with _lineage_manager(base, "ac"[rank]) as mgr:
-        mgr.load(iteration=3, discard_newer=True)
-        mgr.wait_for_write_back()
-        mgr.save({"v": torch.tensor(1005.0)}, 5)
-
-
-def load_with_node_b_back(rank: int, world: int, base: str) -> dict[str, Any]:
-    """Node b is back, still holding the first save of 5 the rollback discarded."""
-    with _lineage_manager(base, "ab"[rank]) as mgr:
-        state, ckpt = mgr.load()
-        mgr.wait_for_write_back()
-        return {"loaded": ckpt[0], "v": float(state["v"])}

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from localckpt import LocalCheckpointManager
-from localckpt.storage.lineage import is_lineage
 
 
 def make_state(rank: int, iteration: int, n: int = 3) -> dict[str, Any]:
@@ -119,7 +118,7 @@ def write_fails_on(rank: int, world: int, base: str, bad_rank: int) -> dict[str,
             error = (type(exc).__name__, [c.__name__ for c in type(exc).__mro__], str(exc))
         else:
             error = None
-        leftover = sorted(p.name for p in (root / "job").iterdir() if not is_lineage(p.name))
+        leftover = sorted(p.name for p in (root / "job").iterdir())
     return {"error": error, "dirs": leftover, **find_and_load(rank, world, base)}
 
 

@@ -372,26 +372,6 @@ def test_the_save_loaded_is_the_newest_and_only_when_it_covers_every_rank() -> N
     chosen, why = covering_save([[[0, "A", 1.0], [1, "A", 1.0]], [[0, "B", 2.0]]], 2)
     assert chosen is None and "(B)" in why
     assert covering_save([[[0, None, 3.0], [1, "A", 1.0]], [[0, "A", 1.0]]], 2) == ("A", "")
-    # a later job run's save is the newer, whatever the clocks said (A's rank 0 was ahead)
-    assert covering_save([[[0, "A", 9.0, 1], [1, "A", 9.0, 1]],
-                          [[0, "B", 2.0, 2], [1, "B", 2.0, 2]]], 2) == ("B", "")
-    assert covering_save([[[0, "A", 9.0, 2], [1, "A", 9.0, 2]],
-                          [[0, "B", 2.0, 2], [1, "B", 2.0, 2]]], 2) == ("A", "")  # one run
-    assert covering_save([[[0, "A", 9.0], [1, "A", 9.0]],  # written before lineages
-                          [[0, "B", 2.0, 1], [1, "B", 2.0, 1]]], 2) == ("B", "")
-
-
-def test_a_save_again_after_a_rollback_is_the_newer_whatever_the_clocks(tmp_path: Path) -> None:
-    """Run A (rank 0's clock an hour ahead) saved 5; run B, with node b away, rolled back to 3
-    and saved 5 again; node b came back with A's copies. The saves were ordered by their rank
-    0's clocks: B's finalized 5 was set aside and the 5 the rollback discarded was loaded,
-    without a word (from an attacker review). A later job run's save is now the newer."""
-    base = str(tmp_path / "roots")
-    for program in (sc.first_run_clock_ahead, sc.roll_back_without_node_b):
-        assert all(r.ok for r in run_ranks(program, 2, tmp_path, base)), program
-    for r in run_ranks(sc.load_with_node_b_back, 2, tmp_path, base):
-        assert r.ok, r.message
-        assert r.value == {"loaded": 5, "v": 1005.0}, r.value
 
 
 def test_an_only_iteration_of_two_saves_is_never_reported_as_nothing_saved(

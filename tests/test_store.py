@@ -730,22 +730,3 @@ def test_a_cleanup_racing_a_commit_never_leaves_a_hollow_committed_shard(
     finally:
         a.close()
         other.close()
-
-
-def test_a_roots_lineage_only_rises_and_counts_every_committed_copy(store: ShardStore) -> None:
-    """Each commit raises the root's lineage to its copy's job run first; a writer that raced
-    with a lower number (a write-back beside a save, ranks sharing the root) never lowers it."""
-    from localckpt.storage.lineage import raise_lineage, read_lineage
-
-    assert read_lineage(store.session_path) == 0
-    chunk_nbytes, count = chunking(100, store.chunk_nbytes)
-    for iteration, run in ((1, 3), (2, 2)):
-        manifest = ShardManifest("sess", iteration, 0, 1, (), {"dict": []}, "plain", 100,
-                                 chunk_nbytes, count, (), metadata={"lineage": run})
-        store.write(manifest, torch.zeros(chunk_nbytes * count, dtype=torch.uint8))
-        assert read_lineage(store.session_path) == 3
-    raise_lineage(store.session_path, 7)
-    (store.session_path / "lineage-5").touch()  # a slower writer's, after 7's
-    assert read_lineage(store.session_path) == 7
-    assert store.read_manifest(store.ref(1, 0, 1)).metadata["lineage"] == 3
-    assert read_lineage(store.session_path / "missing") == 0

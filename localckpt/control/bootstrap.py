@@ -36,7 +36,6 @@ from ..storage.durable import DurableStore
 from ..storage.fsutil import check_safe_dir, make_private_dir, make_private_dirs
 from ..storage.io_sizing import cpu_set, default_io_threads, ranks_sharing
 from ..storage.layout import MAX_WORLD_SIZE, find_leftovers, remove_paths, session_dir
-from ..storage.lineage import Lineage, read_lineage
 from ..storage.session_lock import SessionLock
 from ..storage.store import ShardStore
 from .collectives import CheckpointGroup
@@ -118,8 +117,7 @@ def join_job(root: Path, session_id: str, node_id: str | None, *, timeout: float
     identity = {"world_size": world_size, "nodes": topology.num_nodes,
                 "topology_crc32": zlib.crc32("\n".join(names).encode())}
     ctx = Context(rank, world_size, session_id, root, timeout, group, data_group, topology,
-                  placement, store, metrics, identity, erasure=layout,
-                  lineage=Lineage(1 + max(int(d.get("lineage", 0)) for d in started)))
+                  placement, store, metrics, identity, erasure=layout)
     return Joined(ctx, locks[0], tiers[0] if tiers else None,
                   str(started[0]["run"]), identity)  # the run's id: rank 0's
 
@@ -131,8 +129,7 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
     durable), refuse them if unsafe (see :func:`localckpt.storage.fsutil.check_safe_dir`), take
     the session's shared lock, and remove every writer's crash leftovers (the pool of recycled
     chunk files too, unless this job ``recycle``s: its first save then writes over them).
-    Returns what the other ranks need to know (node name, identity of the root, its lineage)
-    and the lock.
+    Returns what the other ranks need to know (node name, identity of the root) and the lock.
 
     Removing any writer's leftovers is safe only here, and only alone: no rank of this job
     writes before this exchange completes, ranks move between nodes when a node is replaced (a
@@ -171,8 +168,7 @@ def open_node_root(root: Path, session_id: str, node_id: str | None, allow_unsaf
     except BaseException:
         lock.release()
         raise
-    return {"node": local_node_name(node_id), "root": [st.st_dev, st.st_ino],
-            "lineage": read_lineage(session)}, lock
+    return {"node": local_node_name(node_id), "root": [st.st_dev, st.st_ino]}, lock
 
 
 def shared_roots_hint(topology: Topology, roots: list[tuple[int, int]]) -> str:

@@ -14,7 +14,6 @@ from typing import Any
 from replication import Placement, StripeLayout, Topology
 
 from ..ops.metrics import Metrics
-from ..storage.lineage import Lineage
 from ..storage.peer_io import PieceRing
 from ..storage.store import ShardStore
 from .collectives import CheckpointGroup
@@ -48,9 +47,6 @@ class Context:
     # why: left out of every inventory (find_latest, saves, retention) until a save of that
     # number is finalized. The same on every rank: set from gathered reports.
     unloadable: dict[tuple[int, int], str] = field(default_factory=dict)  # (it, world size)
-    # This job run's place in the session's lineage: recorded in every save, one past any run
-    # whose copies the job has seen.
-    lineage: Lineage = field(default_factory=Lineage)
 
     def inventory(self, also: int | None = None) -> Inventory:
         """The committed shards of this session in this rank's root (no data is read), but

@@ -189,11 +189,7 @@ class LoadPath:
         # A rollback's target is kept by the retention of the save finalized here.
         self._settle_keeping(iteration)
         with self.ctx.group.arguments("load (iteration, discard_newer)", check):
-            manifest, state = self._load(into, iteration, discard_newer)
-        # Saves from here on outrank the run that saved what was loaded (one restored from the
-        # durable tier included: the roots' lineages did not count it at construction).
-        self.ctx.lineage.follow(manifest.metadata.get("lineage"))
-        return manifest, state
+            return self._load(into, iteration, discard_newer)
 
     def _load(self, into: Any, iteration: int | None,
               discard_newer: bool) -> tuple[ShardManifest, Any]:

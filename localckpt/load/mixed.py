@@ -5,9 +5,8 @@ built from two saves: when the newest save of that number has a copy of every ra
 is loaded and the copies of older saves are set aside; otherwise (the newest save is not whole,
 whatever older save may be: it may have been discarded on purpose by a rollback) the iteration
 cannot be loaded, and the manager leaves it out of what it lists until a save of that number is
-finalized. The newest save is that of the latest job run (storage/lineage.py), then by clock.
-Erasure-coded iterations are not resolved this way (their parity blocks belong to a save too):
-they cannot be loaded, as before.
+finalized. Erasure-coded iterations are not resolved this way (their parity blocks belong to a
+save too): they cannot be loaded, as before.
 """
 
 from __future__ import annotations
@@ -24,26 +23,21 @@ logger = logging.getLogger(__name__)
 
 def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
                   ) -> tuple[str | None, str]:
-    """The save to load, from each rank's ``[owner, save id, saved_unix, lineage]`` of the
-    copies its node holds (lineage may be left out: None) (pure): the newest save (of the
-    latest job run, storage/lineage.py; within one run, or for copies written before lineages,
-    by rank 0's clock at the save; then by id), when it has a copy of every owner's shard:
-    (save id, ""); else (None, why). Copies written before save ids (None) count for no
-    save."""
+    """The save to load, from each rank's ``[owner, save id, saved_unix]`` of the copies its
+    node holds (pure): the newest save (by rank 0's clock at the save, then by id), when it has
+    a copy of every owner's shard: (save id, ""); else (None, why). Copies written before save
+    ids (None) count for no save."""
     owners: dict[str, set[int]] = {}
     when: dict[str, float] = {}
-    run: dict[str, int] = {}
     for listed in copies:
-        for owner, save, saved, *rest in listed:
+        for owner, save, saved in listed:
             if save is not None:
                 owners.setdefault(str(save), set()).add(int(owner))
                 if isinstance(saved, (int, float)):
                     when[str(save)] = max(when.get(str(save), float("-inf")), float(saved))
-                if rest and type(rest[0]) is int:
-                    run[str(save)] = max(run.get(str(save), -1), rest[0])
     if not owners:
         return None, "no copy names its save"
-    newest = max(owners, key=lambda s: (run.get(s, -1), when.get(s, float("-inf")), s))
+    newest = max(owners, key=lambda s: (when.get(s, float("-inf")), s))
     if owners[newest] >= set(range(world_size)):
         return newest, ""
     return None, (f"its newest save ({newest}) has copies of {len(owners[newest])} of "
@@ -70,8 +64,8 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
                 except Exception as exc:  # left out: a copy that cannot be read is no vote
                     logger.warning("rank %d: %s: %s left out: %s", ctx.rank, where, ref.path,
                                    exc)
-        return [[ref.owner_rank, meta.get("save_id"), meta.get("saved_unix"),
-                 meta.get("lineage")] for ref, meta in held]
+        return [[ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")]
+                for ref, meta in held]
 
     reports = ctx.group.exchange(f"{where}: the saves of every copy", mine)
     chosen, why = covering_save(reports, world)

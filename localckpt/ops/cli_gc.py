@@ -220,9 +220,8 @@ def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: 
             if ref.iteration == iteration and ref.world_size == world and ref.owner_rank >= 0:
                 with contextlib.suppress(UsageError, CheckpointingError):
                     meta = read_manifest(ref.path).metadata
-                    copies.append([ref.owner_rank, meta.get("save_id"), meta.get("saved_unix"),
-                                   meta.get("lineage")])
-    if len({save for _, save, *_ in copies if save is not None}) <= 1:
+                    copies.append([ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")])
+    if len({save for _, save, _ in copies if save is not None}) <= 1:
         return True
     return covering_save([copies], world)[0] is not None
 

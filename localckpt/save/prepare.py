@@ -90,7 +90,6 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
     meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
     meta["save_id"] = uuid.uuid4().hex  # rank 0's is kept: names this save's shards
-    meta["lineage"] = ctx.lineage.run  # orders it before a later job run's save of its number
     early = EagerCopies(arena)  # large tensors are copied as the walk meets them
     try:
         tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met, GATHER_MAX_NBYTES)

@@ -26,7 +26,6 @@ from pathlib import Path
 from replication import parity_of_slot, parity_slot
 
 from ..errors import ConfigurationError
-from .lineage import is_lineage
 from .rollback_fence import FENCE_NAME, hidden, read_fence
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -148,8 +147,8 @@ def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
 
 def holds_checkpoints(session_path: Path) -> bool:
     """Whether ``session_path`` holds anything localckpt writes: an iteration directory, a
-    rollback fence, a lineage, a leftover of its own naming, or a pool of recycled files."""
-    return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME or is_lineage(e.name)
+    rollback fence, a leftover of its own naming, or a pool of recycled files."""
+    return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME
                or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
                for e in _scandir(session_path)) or (
                    _real_dir(session_path / RECYCLE_DIR) and any(

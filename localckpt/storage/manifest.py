@@ -280,9 +280,6 @@ def _metadata_of(value: Any) -> dict[str, Any]:
     save_id = value.get("save_id")
     if type(save_id) is str and len(save_id) <= 64:
         out["save_id"] = save_id
-    lineage = value.get("lineage")
-    if type(lineage) is int and 0 <= lineage < 10**18:  # as a lineage file can name it
-        out["lineage"] = lineage
     most = value.get("most_chunks")
     if type(most) is int and 0 <= most < 1 << 40:
         out["most_chunks"] = most

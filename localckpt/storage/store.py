@@ -53,7 +53,6 @@ from .layout import (
     shard_path,
     trash_name,
 )
-from .lineage import raise_lineage
 from .manifest import ShardManifest
 from .recycle import FilePool
 from .rollback_fence import (
@@ -149,7 +148,6 @@ class ShardStore:
         self._manifests: dict[tuple[str, int, int, int], ShardManifest] = {}
         self._manifests_lock = threading.Lock()  # the save thread commits while others read
         self._commits_stopped = threading.Event()
-        self._lineage = 0  # the root's lineage as this store last raised it
         # Copies found bad that could not be moved aside (a file system gone read-only after an
         # I/O error): hidden from this process's listings until a commit replaces them.
         self._set_aside: set[Path] = set()
@@ -298,17 +296,7 @@ class ShardStore:
                            self.fault_points, self._commits_stopped, self._instance)
 
     def commit(self, writer: ShardWriter) -> Path:
-        """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`;
-        first the root's lineage is raised to the copy's (see :mod:`.lineage`): no copy is
-        visible here whose job run the root does not count."""
-        run = writer.manifest.metadata.get("lineage")
-        if type(run) is int and run > self._lineage:
-            try:
-                raise_lineage(self.session_path, run)
-            except BaseException:
-                writer.abort()
-                raise
-            self._lineage = run
+        """``writer.commit()``, remembering the committed manifest for :meth:`read_manifest`."""
         final = writer.commit()
         self._set_aside.discard(final)
         with contextlib.suppress(OSError):
