@@ -147,6 +147,13 @@ class LocalCheckpointManager:
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise ConfigurationError(f"save_policy: expected None or a SavePolicy, got "
                                      f"{type(save_policy).__name__}")
+        if preemption_signals is not None and type(preemption_signals) is not bool:
+            try:  # once: an iterator read by the settings would reach the schedule spent
+                preemption_signals = list(preemption_signals)
+            except TypeError:
+                raise ConfigurationError(
+                    "preemption_signals: expected None, a bool or signals (e.g. "
+                    f"[signal.SIGTERM]), got {preemption_signals!r}") from None
         checked_timeout(timeout, "LocalCheckpointManager")
         if type(chunk_nbytes) is not int or chunk_nbytes < 4096:
             raise ConfigurationError(f"chunk_nbytes: expected an int >= 4096, got {chunk_nbytes!r}")

@@ -64,6 +64,19 @@ def test_preemption_signal_is_noticed_and_the_previous_handler_chained(root: Pat
         assert not mgr.reached_preemption(0)  # not handled: False, no collective
 
 
+def test_signals_given_as_an_iterator_are_watched(root: Path) -> None:
+    """The settings compared across ranks read the signals first, so an iterator reached the
+    schedule spent: a watch of nothing, and SIGUSR1 killed the process instead of asking for a
+    save (from the review of this session's diff)."""
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: None)
+    try:
+        with LocalCheckpointManager(root, preemption_signals=iter([signal.SIGUSR1])) as mgr:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mgr.reached_preemption(1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def _agree(rank: int, world: int, base: str, skew: float) -> dict[str, Any]:
     """Rank 1's clock says it saved long ago; rank 0's decides (every_seconds=3600)."""
     with LocalCheckpointManager(Path(base) / f"node{rank}", "job", node_id=f"node{rank}",
