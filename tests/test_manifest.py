@@ -413,3 +413,21 @@ def test_checking_the_table_by_columns_accepts_exactly_what_checking_each_entry_
         assert _all_valid(tuple(entries), data_nbytes) == passes, (entries, data_nbytes)
         outcomes.add(passes)
     assert outcomes == {True, False}
+
+
+def test_a_table_of_absurd_shapes_is_refused_fast_and_as_corruption() -> None:
+    """200 forged entries of 3,000 dimensions of 2**63-1: the column check multiplied every
+    shape out (10 s, every rank waiting in an exchange), and naming the first one raised a bare
+    ValueError (a size of more than 4,300 digits) instead of CorruptShardError (from the review
+    of this session's diff)."""
+    import time
+
+    from localckpt.storage.tensor_table import check_entries
+
+    big = (1 << 63) - 1
+    tensors = tuple(TensorEntry(f"t{i}", "float32", (big,) * 3000, 0, 4, "cpu")
+                    for i in range(200))
+    started = time.monotonic()
+    with pytest.raises(CorruptShardError, match=r"t0.*shape"):
+        check_entries(tensors, 4, CorruptShardError, "x")
+    assert time.monotonic() - started < 1

@@ -90,6 +90,11 @@ _ARRAYS = {list, tuple}
 # A dimension a tensor can have (torch takes int64 sizes): larger ones, or thousands of digits
 # that math.prod would multiply for seconds, mark a manifest no writer made.
 _MAX_DIM = (1 << 63) - 1
+# Elements no tensor holds (their bits, summed over the dimensions: multiplying out thousands
+# of them takes a forged manifest's reader seconds), and the most dimensions the column check
+# multiplies out (more: it leaves the entry to the check of each, which refuses the former).
+_MAX_SIZE_BITS = 128
+_FAST_MAX_DIMS = 64
 
 
 def entries_from_columns(table: Any) -> tuple[TensorEntry, ...]:
@@ -133,9 +138,11 @@ def _all_valid(tensors: tuple[TensorEntry, ...], data_nbytes: int) -> bool:
     time in C loops (a load parses 10,000 entries: 13 ms one by one on this 2-core machine,
     about 4 column by column). False says only that one may fail: the caller then checks
     entry by entry to name the first."""
-    if not tensors:
-        return True
+    if not tensors or data_nbytes >= 1 << 64:
+        return not tensors
     _, dtypes, shapes, offsets, nbytes, devices = zip(*tensors, strict=True)
+    if max(map(len, shapes)) > _FAST_MAX_DIMS:  # a forged shape: not multiplied out here
+        return False
     for device in set(devices):
         try:
             if recorded_device_type(device) == "meta":
@@ -181,8 +188,10 @@ def _check_each(tensors: tuple[TensorEntry, ...], data_nbytes: int,
         itemsize = itemsizes.get(dtype)
         if itemsize is None:
             dtype_from_name(dtype, where)  # raises UnsupportedFormatError
-        if shape and (min(shape) < 0 or max(shape) > _MAX_DIM):
-            raise bad(f"tensor {i} ({key_path}) has shape {str(list(shape))[:200]}")
+        if shape and (min(shape) < 0 or max(shape) > _MAX_DIM or (
+                0 not in shape and sum(d.bit_length() for d in shape) > _MAX_SIZE_BITS)):
+            raise bad(f"tensor {i} ({key_path}) has shape {str(list(shape))[:200]} "
+                      f"({len(shape)} dimensions)")
         if prod(shape) * itemsize != nbytes:  # type: ignore[operator]
             raise bad(f"tensor {i} ({key_path}): shape {list(shape)} of {dtype} is "
                       f"{prod(shape) * itemsize} bytes, entry says nbytes={nbytes}")  # type: ignore[operator]
