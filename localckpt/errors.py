@@ -152,8 +152,13 @@ _BUILTIN_FALLBACKS: dict[str, type[CheckpointingError]] = {
 
 
 def describe_failure(exc: BaseException) -> tuple[str, str]:
-    """(class name, message) of ``exc``, the form in which a failure travels to other ranks."""
-    return type(exc).__name__, str(exc) or repr(exc)
+    """(class name, message) of ``exc``, the form in which a failure travels to other ranks.
+    Never raises: a rank that failed must still tell the others (an exception whose ``str``
+    raises would leave them waiting for it until the timeout)."""
+    try:
+        return type(exc).__name__, str(exc) or repr(exc)
+    except Exception as inner:
+        return type(exc).__name__, f"(its message cannot be read: {type(inner).__name__})"
 
 
 def error_from_failures(step: str, failures: Mapping[int, tuple[str, str]]) -> CheckpointingError:

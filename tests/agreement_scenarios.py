@@ -543,6 +543,39 @@ def verbs_with_arguments_differ(rank: int, world: int, root: str) -> dict[str, A
                 "after": _outcome(mgr.find_latest)}
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+class _Saboteur:
+    """A Stateful object whose state_dict raises an exception that cannot be printed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise _Unprintable()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def unprintable_failure_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's state dict raises an exception whose str() raises: every rank must get the
+    save's error at once, not wait out the timeout."""
+    with _plain(rank, root) as mgr:
+        state: dict[str, Any] = {"w": torch.ones(4)}
+        if rank == 1:
+            state["app"] = _Saboteur()
+        started = time.monotonic()
+        try:
+            mgr.save(state, 1)
+        except Exception as exc:
+            error = type(exc).__name__, "_Unprintable" in repr(exc.args)
+        else:
+            error = None
+        return {"error": error, "fast": time.monotonic() - started < 4,
+                "after": _outcome(lambda: mgr.save({"w": torch.ones(4)}, 2))}
+
+
 def async_save_after_the_group_broke(rank: int, world: int, root: str) -> dict[str, Any]:
     with _plain(rank, root, keep_last=3) as mgr:
         mgr.save(make_state(rank, 1), 1)

@@ -273,6 +273,21 @@ def test_ranks_out_of_step_are_told_not_paired(tmp_path: Path, scenario: str) ->
                            "on_disk": ["iter_0000000001"]}] * 2
 
 
+def test_a_failure_that_cannot_be_printed_is_still_every_ranks_error(tmp_path: Path) -> None:
+    """An exception whose str() raises (a user's, from a Stateful's state_dict) escaped the
+    step before its rank joined the exchange: that rank raised the RuntimeError of str(), and
+    the others waited out the timeout (from an attacker review)."""
+    import agreement_scenarios
+    from dist_harness import run_ranks
+
+    results = run_ranks(agreement_scenarios.unprintable_failure_on_one_rank, 2, tmp_path,
+                        str(tmp_path))
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        assert r.value == {"error": ("RankFailureError", True), "fast": True, "after": None}, \
+            r.value
+
+
 @pytest.mark.parametrize("setting", ["keep_last", "reshard", "strict", "busy", "repl_strategy",
                                      "erasure", "durable", "durable_keep",
                                      "preemption_signals"])
