@@ -330,6 +330,32 @@ def test_overwriting_a_shard_leaves_one_committed_whichever_step_fails(
     assert torch.equal(data, old) or torch.equal(data, new)
 
 
+def test_without_an_atomic_exchange_a_failed_replacement_puts_the_old_shard_back(
+        store: ShardStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel has no RENAME_EXCHANGE (NFS), a re-save moves the old shard aside, then
+    renames the new one in. When that second rename failed (the temporary directory claimed by
+    another process's cleanup, an I/O error), the old shard stayed aside, to be deleted: that
+    shard id had no copy left (from the review of this session's diff)."""
+    from localckpt.storage import fsutil
+
+    old, _ = _write(store, 3, seed=1)
+    monkeypatch.setattr(fsutil, "rename_exchange", lambda a, b: False)
+    real = os.rename
+
+    def rename(src: object, dst: object) -> None:
+        if str(src).rsplit("/", 1)[-1].startswith(".tmp-") and not Path(str(dst)).exists():
+            raise OSError(errno.ENOENT, "claimed meanwhile (injected)")
+        real(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        _write(store, 3, seed=2)
+    monkeypatch.undo()
+    refs = store.committed()
+    assert [(r.iteration, r.owner_rank) for r in refs] == [(3, 0)]
+    assert torch.equal(store.read(refs[0])[1], old)
+
+
 def _rewrite_manifest(ref_path: Path, edit: object) -> None:
     import json
 

@@ -7,6 +7,7 @@ rest of it is still being received.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -128,7 +129,7 @@ class ShardWriter:
             self._make_dirs()
         except OSError as exc:
             shutil.rmtree(self.tmp, ignore_errors=True)  # made before a later mkdir failed
-            raise self._translate(exc) from exc
+            raise self._translate(exc, False) from exc
 
     def _make_dirs(self) -> None:
         """The iteration directory (durable, 0700) and the temporary shard directory in it. A
@@ -207,9 +208,10 @@ class ShardWriter:
             self._rename_into_place()
             fsync_dir(self.final.parent)
         except BaseException as exc:
+            gone = not os.path.lexists(self.tmp)  # before abort removes it
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, CorruptShardError):
-                raise self._translate(exc) from exc
+                raise self._translate(exc, gone) from exc
             raise
         self.manifest = manifest
         return self.final
@@ -248,15 +250,20 @@ class ShardWriter:
                      self.final)
         trash = trash_name(self.final, self._writer_rank)
         os.rename(self.final, trash)
-        os.rename(self.tmp, self.final)
+        try:
+            os.rename(self.tmp, self.final)
+        except BaseException:  # the old shard back: that id must not be left with no copy
+            with contextlib.suppress(OSError):
+                os.rename(trash, self.final)
+            raise
         shutil.rmtree(trash, ignore_errors=True)
 
-    def _translate(self, exc: OSError) -> OSError:
+    def _translate(self, exc: OSError, gone: bool) -> OSError:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return InsufficientSpaceError(
                 f"no space left writing shard {self.final}: {exc.strerror}. Enlarge the file "
                 "system (Docker: --shm-size) or lower keep_last.")
-        if exc.errno == errno.ENOENT and not os.path.lexists(self.tmp):
+        if exc.errno == errno.ENOENT and gone:
             return FileNotFoundError(
                 errno.ENOENT, f"{self.final}: not committed: its temporary directory "
                 f"{self.tmp.name} was removed while it was written (another process cleaning "
