@@ -186,9 +186,8 @@ class LocalCheckpointManager:
             keep_without_metric=keep_without_metric, keep_interval=keep_interval,
             keep_predicate=keep_predicate is not None, busy=busy, strict=strict,
             reshard=reshard, dedupe_replicated=dedupe_replicated, timeout=self.timeout,
-            save_policy=save_policy,
-            preemption_signals=preemption_signals,
-            strategy=strategy, durable=durable)
+            save_policy=save_policy, preemption_signals=preemption_signals, strategy=strategy,
+            durable=durable)
         try:
             joined = join_job(root, session_id, node_id, timeout=self.timeout, strategy=strategy,
                               strict=strict, settings=settings, metrics=metrics_,
@@ -209,9 +208,9 @@ class LocalCheckpointManager:
             self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
             undo.append(self._schedule.close)
             self.durable = durable
-            tier = joined.tier
-            if durable is not None and tier is not None:  # no request made yet: an
-                # unreachable store fails no rank here
+            tier = joined.tier  # opened when durable is given
+            if durable is not None and tier is not None:  # no request made yet: an unreachable
+                # store fails no rank here
                 self._load.durable = tier
                 persister = Persister(self._ctx, tier, durable.persist_every, durable.keep,
                                       durable.commit_timeout or self.timeout, self._run,

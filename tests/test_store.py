@@ -643,42 +643,32 @@ def test_a_fence_half_written_by_a_killed_writer_is_a_leftover(store: ShardStore
     assert list(store.session_path.iterdir()) == []
 
 
-def test_two_stores_of_one_rank_in_one_process_leave_each_others_writes(root: Path) -> None:
+def _iteration_3(store: ShardStore) -> ShardManifest:
+    """The manifest of a 10,000-byte shard of iteration 3 of rank 0 (of 1)."""
+    chunk_nbytes, count = chunking(10_000, store.chunk_nbytes)
+    return ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000, chunk_nbytes,
+                         count, ())
+
+
+@pytest.mark.parametrize("spelled", ["alike", "relative"])
+def test_two_stores_of_one_rank_in_one_process_leave_each_others_writes(
+        root: Path, monkeypatch: pytest.MonkeyPatch, spelled: str) -> None:
     """A job that loads with a second manager while the saving one is open (scripts/bench.py
     does): both wrote temporary directories under one writer tag, and either one's retention
-    took the other's write in progress for a crash leftover and removed it."""
+    took the other's write in progress for a crash leftover and removed it. The open stores
+    were then told apart by the text of their session path: one given the root as a relative
+    path still did (from an attacker review)."""
+    monkeypatch.chdir(root.parent)
     a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
-    b = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
+    b = ShardStore(root if spelled == "alike" else Path(root.name), "sess", writer_rank=0,
+                   chunk_nbytes=4096)
     try:
-        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
-        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
-                                 chunk_nbytes, count, ())
-        writer = a.begin_write(manifest)
+        writer = a.begin_write(_iteration_3(a))
         assert b.remove_leftovers() == [] and writer.tmp.is_dir()
         writer.abort()
         dead = writer.tmp.parent / f".tmp-rank_00000_of_00001-w00000-{'0' * 12}"
         dead.mkdir()  # a crashed process's: still a leftover for either
-        assert b.remove_leftovers() == [dead] and not dead.exists()
-    finally:
-        a.close()
-        b.close()
-
-
-def test_a_store_of_the_root_spelled_otherwise_leaves_the_others_write(
-        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The open stores were told apart by the text of their session path: a second manager
-    given the root as a relative path took the first one's write in progress for a crash
-    leftover and removed it (from an attacker review)."""
-    monkeypatch.chdir(root.parent)
-    a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
-    b = ShardStore(Path(root.name), "sess", writer_rank=0, chunk_nbytes=4096)
-    try:
-        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
-        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
-                                 chunk_nbytes, count, ())
-        writer = a.begin_write(manifest)
-        assert b.remove_leftovers() == [] and writer.tmp.is_dir()
-        writer.abort()
+        assert [p.resolve() for p in b.remove_leftovers()] == [dead] and not dead.exists()
     finally:
         a.close()
         b.close()
@@ -724,10 +714,9 @@ def test_a_cleanup_racing_a_commit_never_leaves_a_hollow_committed_shard(
     a = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
     other = ShardStore(root, "sess", writer_rank=0, chunk_nbytes=4096)
     try:
-        chunk_nbytes, count = chunking(10_000, a.chunk_nbytes)
-        manifest = ShardManifest("sess", 3, 0, 1, (), {"dict": []}, "plain", 10_000,
-                                 chunk_nbytes, count, ())
+        manifest = _iteration_3(a)
         writer = a.begin_write(manifest)
+        chunk_nbytes, count = manifest.chunk_nbytes, manifest.chunk_count
         payload = torch.zeros(chunk_nbytes * count, dtype=torch.uint8)
         view = byte_view(payload)
         for i in range(count):

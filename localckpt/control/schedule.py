@@ -131,6 +131,14 @@ class PreemptionWatch:
                 signal.signal(sig, previous)
 
 
+def watched_signals(signals: Sequence[int] | bool | None) -> Sequence[int]:
+    """The signals a manager's ``preemption_signals`` watches (none: ``should_save`` decides
+    locally, with no exchange)."""
+    if signals is True:
+        return [signal.SIGTERM]  # what schedulers send first (Kubernetes, SLURM)
+    return signals or []
+
+
 class Schedule:
     """A manager's save policy and preemption watch, and the agreement on both (on the
     manager's control group, from the training thread)."""
@@ -138,9 +146,8 @@ class Schedule:
     def __init__(self, ctx: Any, policy: SavePolicy | None,
                  signals: Sequence[int] | bool | None) -> None:
         self.ctx, self.policy = ctx, policy
-        if signals is True:
-            signals = [signal.SIGTERM]  # what schedulers send first (Kubernetes, SLURM)
-        self.watch = PreemptionWatch(signals) if signals else None
+        watched = watched_signals(signals)
+        self.watch = PreemptionWatch(watched) if watched else None
         self._last_save = time.monotonic()
 
     def saved(self) -> None:

@@ -7,7 +7,6 @@ carries and compares. Pure: no I/O.
 from __future__ import annotations
 
 import json
-import signal
 from typing import Any
 
 from replication import ReplicationStrategy
@@ -15,7 +14,7 @@ from replication.strategies import strategy_setting
 
 from ..errors import ConfigurationError
 from .durable_config import DurableTier
-from .schedule import SavePolicy
+from .schedule import SavePolicy, watched_signals
 
 
 def agreed_settings(*, session_id: str, keep_last: int, keep_every: int | None,
@@ -61,15 +60,14 @@ def refuse_differing(gathered: list[dict[str, Any]]) -> None:
 
 
 def signals_setting(signals: Any) -> list[Any] | None:
-    """The signals a manager watches for preemption, as the schedule takes them (True:
-    SIGTERM; none, False or an empty list: no watch, and ``should_save`` decides locally),
-    sorted numbers; the text of what is no list of signals (the schedule refuses it)."""
-    if signals is True:
-        signals = [signal.SIGTERM]
-    if not signals:
+    """The signals the schedule watches for preemption (:func:`watched_signals`) as sorted
+    numbers, None for none; the text of what is no list of signals (the schedule refuses
+    it)."""
+    watched = watched_signals(signals)
+    if not watched:
         return None
     try:
-        return sorted({int(s) for s in signals})
+        return sorted({int(s) for s in watched})
     except (TypeError, ValueError):
         return [repr(signals)]
 
