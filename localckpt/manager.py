@@ -205,7 +205,8 @@ class LocalCheckpointManager:
             self._save.dedupe_replicated = dedupe_replicated
             self.reshard = reshard
             self._load = LoadPath(self._ctx, self._save, reshard, self._job_identity)
-            self._schedule = Schedule(self._ctx, save_policy, preemption_signals)
+            self._schedule = Schedule(self._ctx, save_policy, preemption_signals,
+                                      self._save.finalize_over)
             undo.append(self._schedule.close)
             self.durable = durable
             tier = joined.tier  # opened when durable is given

@@ -78,6 +78,51 @@ def test_a_save_finalized_from_two_threads_at_once_is_finalized_once(root: Path)
         saver.SavePath._finalize = real  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("verb", ["find_latest", "should_save"])
+def test_a_verb_waits_for_the_finalize_another_thread_is_running(root: Path,
+                                                                 verb: str) -> None:
+    """The queue finalized on a helper thread; the training thread's find_latest came while
+    that finalize was running. settle() saw the save marked finalized (and nothing in flight)
+    and returned at once, so find_latest's exchange ran beside the finalize's: in a job the
+    two pair across ranks ('ranks called different steps', the group broken). A verb, and a
+    save policy's exchange, now wait for that finalize to end (attacker review)."""
+    from localckpt import SavePolicy
+    from localckpt.save import saver
+
+    events: list[str] = []
+    real = saver.SavePath._finalize
+
+    def slow(self: saver.SavePath, job: object, done: bool) -> None:
+        if job.iteration == 2:  # type: ignore[attr-defined]
+            events.append("finalize begins")
+            time.sleep(1.0)
+        real(self, job, done)  # type: ignore[arg-type]
+        if job.iteration == 2:  # type: ignore[attr-defined]
+            events.append("finalize ends")
+
+    saver.SavePath._finalize = slow  # type: ignore[method-assign]
+    try:
+        with LocalCheckpointManager(root, keep_last=1, timeout=30,
+                                    save_policy=SavePolicy(every_seconds=3600)) as mgr:
+            mgr.save({"w": torch.ones(4)}, 1, force=True)
+            request = mgr.save({"w": torch.zeros(4)}, 2, is_async=True, force=True)
+            assert request is not None
+            helper = threading.Thread(target=request.finalize_fns[0], name="helper")
+            helper.start()
+            deadline = time.monotonic() + 30
+            while "finalize begins" not in events and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if verb == "find_latest":
+                assert mgr.find_latest() == 2
+            else:
+                assert not mgr.should_save(3)
+            events.append(f"{verb} returned")
+            helper.join(30)
+    finally:
+        saver.SavePath._finalize = real  # type: ignore[method-assign]
+    assert events == ["finalize begins", "finalize ends", f"{verb} returned"], events
+
+
 @pytest.mark.parametrize("delay", [0.0, 1.5], ids=["at-once", "late-waiter"])
 def test_a_forked_waiter_never_hangs_the_exit(tmp_path: Path, delay: float) -> None:
     code = textwrap.dedent(f"""

@@ -141,11 +141,14 @@ def watched_signals(signals: Sequence[int] | bool | None) -> Sequence[int]:
 
 class Schedule:
     """A manager's save policy and preemption watch, and the agreement on both (on the
-    manager's control group, from the training thread)."""
+    manager's control group, from the training thread). ``before_exchange`` runs before each
+    exchange (the manager's waits for a save's finalize running on another thread)."""
 
     def __init__(self, ctx: Any, policy: SavePolicy | None,
-                 signals: Sequence[int] | bool | None) -> None:
+                 signals: Sequence[int] | bool | None,
+                 before_exchange: Callable[[], None] = lambda: None) -> None:
         self.ctx, self.policy = ctx, policy
+        self._before_exchange = before_exchange
         watched = watched_signals(signals)
         self.watch = PreemptionWatch(watched) if watched else None
         self._last_save = time.monotonic()
@@ -172,6 +175,7 @@ class Schedule:
                     "preempted": watch is not None and watch.noticed,
                     "since": time.monotonic() - self._last_save}
 
+        self._before_exchange()
         seen = self.ctx.group.exchange(f"schedule: {verb}", local)
         steps = sorted({repr(s["step"]) for s in seen})
         if len(steps) > 1:

@@ -174,8 +174,11 @@ class SavePath:
         """Back-pressure before anything that needs the arena or a settled disk: wait for the
         async save in flight (bounded by the timeout) and finalize it (collective). With
         ``skip``, return False on every rank instead of waiting if it is not done on some rank.
-        """
-        job = self._inflight
+        A finalize running on another thread (the queue's on a helper thread) is waited for:
+        it marks its save finalized before its exchanges, which this thread's next collective
+        must not run beside (the two would pair across ranks)."""
+        with self._finalizing:
+            job = self._inflight
         if job is None or job.finalized:
             self._inflight = None
             return True
@@ -193,6 +196,13 @@ class SavePath:
             logger.error("rank %d: the async save of iteration %d failed: %s", self.ctx.rank,
                          job.iteration, exc)
         return True
+
+    def finalize_over(self) -> None:
+        """Return once no other thread is inside a finalize of this manager's save (one the
+        queue runs on a helper thread): its exchanges run on the control group, and this
+        thread's next one must not run beside them."""
+        with self._finalizing:
+            pass
 
     def _interrupted_elsewhere(self, job: SaveJob) -> bool:
         """Whether ``job``'s agreement heard that a rank was interrupted in its walk (waiting
