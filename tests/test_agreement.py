@@ -223,3 +223,31 @@ def test_every_survivor_notices_a_dead_peer_at_once_in_a_long_wait(tmp_path: Pat
         assert r.ok, r.message
         assert r.value["error"] is not None and "CollectiveError" in r.value["error"]["bases"]
         assert r.value["seconds"] < 3.0, r.value  # not the 2 x 3 s the wait allows
+
+
+@pytest.mark.parametrize("strategy", ["node_spread", "erasure"])
+def test_node_names_the_roots_contradict_are_refused_with_strict(
+        strategy: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 runs on node n1's machine, beside rank 2 (one root), but reports node 'n0' (a
+    stale LOCALCKPT_NODE_ID): ranks 0 and 1 report one node with two roots. node_spread put
+    rank 1's only copy on rank 2, on rank 1's very root, and strict=True built the manager
+    without a word: losing that machine lost every checkpoint. The start exchange had seen
+    the contradiction, but said so only inside other messages (attacker review)."""
+    from localckpt.control.bootstrap import place_replicas
+    from localckpt.errors import ConfigurationError
+    from replication import ErasureCodingStrategy, NodeSpreadReplicationStrategy
+    from replication.topology import Topology
+
+    chosen = NodeSpreadReplicationStrategy(2) if strategy == "node_spread" \
+        else ErasureCodingStrategy(2, 1)
+    topology = Topology(("n0", "n0", "n1", "n2"))
+    roots = [(7, 10), (7, 11), (7, 11), (7, 12)]
+    with pytest.raises(ConfigurationError, match=r"different roots.*strict=True refuses"):
+        place_replicas(chosen, topology, roots, True, 0)
+    with caplog.at_level("WARNING"):
+        place_replicas(chosen, topology, roots, False, 0)
+    assert "ranks [0, 1] report node 'n0' but use 2 different roots" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # names and roots agree: quiet
+        place_replicas(chosen, topology, [(7, 10), (7, 10), (7, 11), (7, 12)], True, 0)
+    assert "different roots" not in caplog.text

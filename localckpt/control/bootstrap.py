@@ -197,7 +197,22 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
     to fewer nodes): without ``strict`` each shard then gets a copy on every other node (none on
     a single node), placed as node_spread places them."""
     hint = shared_roots_hint(topology, roots)
-    if strategy is None or isinstance(strategy, (NoReplication, ErasureCodingStrategy)):
+
+    def names_untrusted() -> None:
+        # The names say the copies are on other nodes; the roots say the names are wrong (a
+        # stale LOCALCKPT_NODE_ID): a copy may share its owner's machine.
+        if hint:
+            message = (f"replication {strategy!r}: node names cannot place copies on other "
+                       f"machines: {hint}")
+            if strict:
+                raise ConfigurationError(f"{message}; strict=True refuses that")
+            if rank == 0:
+                logger.warning(message)
+
+    if strategy is None or isinstance(strategy, NoReplication):
+        return NoReplication().place(topology)
+    if isinstance(strategy, ErasureCodingStrategy):
+        names_untrusted()
         return NoReplication().place(topology)  # parity instead of replicas: see stripes
     factor = getattr(strategy, "replication_factor", 0)
     nodes = topology.num_nodes
@@ -218,6 +233,7 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
         raise TopologyError(f"{exc}; {hint}" if hint else str(exc)) from None
     uncovered = owners_without_remote_copy(placement, topology)
     if not uncovered:
+        names_untrusted()
         return placement
     if not hint:
         per_node = {len(members) for members in topology.nodes}
