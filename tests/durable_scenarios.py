@@ -275,8 +275,8 @@ def rollback_dies_at_fence(rank: int, world: int, base: str, durable: str) -> st
     mgr = _manager(rank, base, durable, keep_last=5, keep=5)
     real = mgr._ctx.store.fence_rollback
 
-    def fence(iteration: int, world_size: int | None, before: Any) -> None:
-        real(iteration, world_size, before)
+    def fence(iteration: int, world_size: int | None, before: Any, *rid: str) -> None:
+        real(iteration, world_size, before, *rid)
         os._exit(9)
 
     return rollback_with_fence(mgr, rank, 2, fence)

@@ -185,10 +185,10 @@ def rollback_interrupted(rank: int, world: int, base: str, how: str) -> dict[str
         store, group = mgr._ctx.store, mgr._ctx.group
         real_fence, real_gather = store.fence_rollback, group.gather_outcomes
 
-        def fence(iteration: int, world_size: int | None, before: Any) -> None:
+        def fence(iteration: int, world_size: int | None, before: Any, *rid: str) -> None:
             if how == "died before fence":
                 os._exit(9)
-            real_fence(iteration, world_size, before)
+            real_fence(iteration, world_size, before, *rid)
             if how == "died after fence":
                 os._exit(9)
 
@@ -247,7 +247,7 @@ def _rolled_back(mgr: LocalCheckpointManager, iteration: int) -> str:
 def rollback_fails_alike(rank: int, world: int, base: str) -> str:
     """A rollback to 10 whose fence rank 1 cannot write (ENOSPC): an error every rank agrees
     on, which cancels it."""
-    def fence(iteration: int, world_size: int | None, before: Any) -> None:
+    def fence(iteration: int, world_size: int | None, before: Any, *rid: str) -> None:
         raise OSError(28, "No space left on device (injected)")
 
     return rollback_with_fence(manager(rank, base), rank, 10, fence)
@@ -259,8 +259,8 @@ def rollback_fenced_then_fails(rank: int, world: int, base: str) -> str:
     mgr = manager(rank, base)
     real = mgr._ctx.store.fence_rollback
 
-    def fence(iteration: int, world_size: int | None, before: Any) -> None:
-        real(iteration, world_size, before)
+    def fence(iteration: int, world_size: int | None, before: Any, *rid: str) -> None:
+        real(iteration, world_size, before, *rid)
         raise OSError(5, "Input/output error (injected)")
 
     return rollback_with_fence(mgr, rank, 10, fence)
@@ -310,3 +310,19 @@ def rollback_fails_on_a_shared_root(rank: int, world: int, base: str) -> str:
 def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
     with _shared_root(base) as mgr:
         return {"latest": mgr.find_latest(), "iterations": mgr.iterations()}
+
+
+def on_nodes(rank: int, world: int, base: str, nodes: list[str], saves: list[int]
+             ) -> dict[str, Any]:
+    """A job whose rank r runs on node ``nodes[r]`` (its root base/<node>): load the newest,
+    save ``saves``; what it loaded (and whether the state is that iteration's) and then
+    lists."""
+    with LocalCheckpointManager(Path(base) / nodes[rank], "job", "node_spread", keep_last=3,
+                                timeout=30, node_id=nodes[rank]) as mgr:
+        state, ckpt_id = mgr.load()
+        mgr.wait_for_write_back()
+        for it in saves:
+            mgr.save(make_state(rank, it), it)
+        return {"loaded": ckpt_id[0],
+                "identical": digest(state) == digest(make_state(rank, ckpt_id[0])),
+                "then": mgr.iterations()}

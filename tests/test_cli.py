@@ -559,7 +559,7 @@ def test_gc_of_some_nodes_roots_keeps_every_iteration(capsys: pytest.CaptureFixt
         for i, node in enumerate(nodes):
             for owner in (i, (i - 1) % 3):
                 _shard(node, it, owner, 3, nodes=3)
-    write_fence(nodes[0] / "job", ((1, 3),), "w00000")
+    write_fence(nodes[0] / "job", ((1, 3, None),), "w00000")
     leftover = nodes[1] / "job" / "iter_0000000002" / ".tmp-rank_00001_of_00003-w00001-dead"
     leftover.mkdir()
     code, out, err = run_cli(capsys, "gc", str(nodes[1]), str(nodes[2]), "--json")
@@ -629,6 +629,6 @@ def test_ls_hides_what_a_fence_on_any_root_hides(capsys: pytest.CaptureFixture[s
         for node in nodes:
             for owner in (0, 1):
                 _shard(node, it, owner, 2)
-    write_fence(nodes[0] / "job", ((1, 2),), "w00000")
+    write_fence(nodes[0] / "job", ((1, 2, None),), "w00000")
     rows = cli_json(capsys, "ls", *map(str, nodes))
     assert [(r["iteration"], r["complete"]) for r in rows] == [(1, True)], rows

@@ -169,3 +169,25 @@ def test_why_nothing_is_complete_names_the_newest_iteration_and_what_it_lacks() 
     assert why_incomplete(invs, 3, layout) == "the newest iteration on disk, 10, has no copy " \
         "of the shard of rank 0; stripe 0 (ranks [0, 1]) holds 1 of its blocks, 2 needed to " \
         "rebuild"
+
+
+def test_a_fence_hides_nothing_on_a_root_that_finished_its_rollback() -> None:
+    """Pure: the fence of rollback "r" (back with a node that died in it) hides what is newer
+    than 20 on every root but one that finished "r" (what it holds newer was saved after);
+    a fence written before ids hides everywhere, as before; the inventory carries the ids."""
+    from localckpt.control.coverage import Inventory, decode_inventories, job_unfinished
+
+    stale = Inventory(0, "s", frozenset({(20, 0, 2), (20, 1, 2), (30, 0, 2), (30, 1, 2)}),
+                      ((20, 2, "r"),))
+    finished = Inventory(1, "s", frozenset({(20, 0, 2), (50, 0, 2), (50, 1, 2)}), None,
+                         frozenset({"r"}))
+    docs = [inv.to_json() for inv in (stale, finished)]
+    assert docs[1]["done"] == ["r"] and "done" not in docs[0]
+    out = decode_inventories(docs)
+    assert out[0].shards == {(20, 0, 2), (20, 1, 2)}
+    assert out[1].shards == finished.shards and out[1].done == {"r"}
+    assert choose_latest(out, 2) == 50
+    assert job_unfinished(out) is None  # "r" finished somewhere: the durable tier is free
+    legacy = [{**docs[0], "fence": [[20, 2]]}, docs[1]]
+    out = decode_inventories(legacy)
+    assert out[1].shards == {(20, 0, 2)} and job_unfinished(out) == ((20, 2, None),)

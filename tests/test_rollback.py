@@ -407,3 +407,44 @@ def test_a_failed_rollback_leaves_nothing_fenced_on_a_root_ranks_share(tmp_path:
     for r in run_ranks(sc.listed_on_a_shared_root, 2, tmp_path, base):
         assert r.ok, r.message
         assert r.value == {"latest": 30, "iterations": [10, 20, 30]}, r.value
+
+
+def test_a_node_back_with_the_fence_of_a_finished_rollback_hides_nothing_saved_after(
+        tmp_path: Path) -> None:
+    """Node 1 died in a rollback to 20 once its fence was written; the job went on with a new
+    node 2 in its place (the load finished the rollback there, 30 deleted) and saved 40 and
+    50. Node 1 came back with its fence: the fence hid 40 and 50 on every root, the job
+    loaded 20 without a word, and its next save deleted 40 and 50 on node 0. A root that
+    finished a rollback now records it, and that rollback's fence hides nothing of it
+    (attacker review)."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    run_ranks(sc.rollback_interrupted, 2, tmp_path, base, "died after fence")
+    for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node0", "node2"], [40, 50]):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "identical": True, "then": [20, 40, 50]}, r.value
+    shutil.rmtree(Path(base) / "node2")  # node 1 is back in its place
+    for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node0", "node1"], [60]):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 50, "identical": True, "then": [40, 50, 60]}, r.value
+
+
+def test_a_node_that_joined_after_a_rollback_keeps_what_it_was_given_from_a_stale_fence(
+        tmp_path: Path) -> None:
+    """As above, but node 0 is lost too: node 3 joined after the rollback was finished and
+    got 50 from node 0 (a load's write-back). It never finished the rollback itself, so node
+    1's fence would hide its 50, and the next save delete it. A node records the rollbacks
+    another root of the job finished before anything is written to it."""
+    base = str(tmp_path / "roots")
+    assert all(r.ok for r in run_ranks(sc.save, 2, tmp_path, base))
+    run_ranks(sc.rollback_interrupted, 2, tmp_path, base, "died after fence")
+    assert all(r.ok for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node0", "node2"],
+                                       [40, 50]))
+    shutil.rmtree(Path(base) / "node2")
+    for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node0", "node3"], []):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 50, r.value
+    shutil.rmtree(Path(base) / "node0")  # node 1 is back beside node 3
+    for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node3", "node1"], [60]):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 50, "identical": True, "then": [20, 50, 60]}, r.value

@@ -593,9 +593,10 @@ def test_a_rollback_fence_hides_newer_shards_until_they_are_deleted(store: Shard
     for it, world in ((10, 1), (20, 1), (30, 1), (30, 2), (40, 2)):
         _write(store, it, world=world)
     listed = lambda: [(r.iteration, r.world_size) for r in store.committed()]  # noqa: E731
-    store.fence_rollback(20, 1, store.fence())  # this world size only
+    store.fence_rollback(20, 1, store.fence(), "r1")  # this world size only
     assert listed() == [(10, 1), (20, 1), (30, 2), (40, 2)]
-    store.fence_rollback(20, None, store.fence())  # every world size (a resharding job's lineage)
+    store.fence_rollback(20, None, store.fence(), "r2")  # every world size (a resharding
+    # job's lineage)
     assert listed() == [(10, 1), (20, 1)]
     assert store.finish_rollback() == []
     store.wait_for_deletions()
@@ -603,6 +604,41 @@ def test_a_rollback_fence_hides_newer_shards_until_they_are_deleted(store: Shard
     assert not (store.session_path / "rollback-fence.json").exists()
     _write(store, 30)  # a later save of 30 is listed: the fence is gone
     assert listed() == [(10, 1), (20, 1), (30, 1)]
+
+
+def test_a_root_that_finished_a_rollback_shows_what_it_saved_after_it(store: ShardStore,
+                                                                      root: Path) -> None:
+    """A node away during a rollback comes back with its fence (the rollback stopped when it
+    died) after the rest of the job finished the rollback and saved 40: the fence hid 40 on
+    every root, and the next save deleted it. A root that finished a rollback records it, and
+    that rollback's fence hides nothing of it again (attacker review)."""
+    from localckpt.storage import rollback_fence
+
+    for it in (10, 20, 30):
+        _write(store, it)
+    listed = lambda: [r.iteration for r in store.committed()]  # noqa: E731
+    store.fence_rollback(20, 1, store.fence(), "r1")
+    stale = store.fence()
+    assert listed() == [10, 20] and stale == ((20, 1, "r1"),)
+    assert store.finish_rollback() == []
+    store.wait_for_deletions()
+    assert store.rollbacks_done() == {"r1"} and store.fence() is None
+    _write(store, 40)  # saved after the rollback
+    assert store.discard_fenced(stale) == []  # the job's fence, from the node back with it
+    store.wait_for_deletions()
+    assert listed() == [10, 20, 40]
+    store.lift_fence()
+    assert store.fence() is None and listed() == [10, 20, 40]
+    # a fence written before ids (or of a rollback this root never finished) hides as before
+    rollback_fence.write_fence(store.session_path, ((20, 1, None), (30, 1, "r9")), "w00000")
+    assert listed() == [10, 20]
+    store.cancel_rollback()
+    # the newest DONE_KEPT ids are kept, oldest first out; an unreadable record is no record
+    store.record_rollbacks_done([f"x{i}" for i in range(rollback_fence.DONE_KEPT + 2)])
+    assert "r1" not in store.rollbacks_done() and "x2" in store.rollbacks_done()
+    assert len(store.rollbacks_done()) == rollback_fence.DONE_KEPT
+    (store.session_path / rollback_fence.DONE_NAME).write_text("{")
+    assert store.rollbacks_done() == frozenset()
 
 
 def test_a_fence_that_cannot_be_read_is_an_error_not_ignored(store: ShardStore) -> None:
@@ -617,12 +653,14 @@ def test_fences_of_rollbacks_at_two_world_sizes_hide_what_each_hid_and_no_more()
     world 2's 40 itself, the second rollback's target, was hidden and deleted."""
     from localckpt.storage.rollback_fence import hidden, merged
 
-    fence = merged(((10, 1),), ((40, 2),))
+    fence = merged(((10, 1, None),), ((40, 2, None),))
     assert not hidden(fence, 40, 2) and hidden(fence, 41, 2)
     assert not hidden(fence, 10, 1) and hidden(fence, 11, 1) and not hidden(fence, 11, 3)
-    assert merged(fence, ((5, None),)) == ((5, None), (10, 1), (40, 2))
-    assert hidden(merged(fence, ((5, None),)), 6, 3)
-    assert merged(((30, 2),), ((20, 2),)) == ((20, 2),)
+    assert merged(fence, ((5, None, None),)) == ((5, None, None), (10, 1, None), (40, 2, None))
+    assert hidden(merged(fence, ((5, None, None),)), 6, 3)
+    assert merged(((30, 2, None),), ((20, 2, None),)) == ((20, 2, None),)
+    # rollbacks with ids: one entry each, so that finishing one lifts only its own
+    assert merged(((30, 2, "a"),), ((20, 2, "b"),)) == ((20, 2, "b"), (30, 2, "a"))
 
 
 def test_a_fence_half_written_by_a_killed_writer_is_a_leftover(store: ShardStore) -> None:
@@ -635,7 +673,7 @@ def test_a_fence_half_written_by_a_killed_writer_is_a_leftover(store: ShardStore
             raise KeyboardInterrupt  # stands for a kill between the write and the rename
         os.rename = killed  # type: ignore[assignment]
         with pytest.raises(KeyboardInterrupt):
-            rollback_fence.write_fence(store.session_path, ((3, 1),), "w00000")
+            rollback_fence.write_fence(store.session_path, ((3, 1, "r"),), "w00000")
     finally:
         os.rename = real
     assert [p.name[:19] for p in store.session_path.iterdir()] == [".trash-fence-w00000"]

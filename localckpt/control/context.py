@@ -6,6 +6,7 @@ load found it cannot load, :attr:`Context.unloadable`).
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,12 @@ from replication import Placement, StripeLayout, Topology
 
 from ..ops.metrics import Metrics
 from ..storage.peer_io import PieceRing
+from ..storage.rollback_fence import ids_of
 from ..storage.store import ShardStore
 from .collectives import CheckpointGroup
-from .coverage import Inventory, decode_inventories
+from .coverage import Inventory, decode_inventories, job_done
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +60,26 @@ class Context:
         shards = frozenset((s.iteration, s.owner_rank, s.world_size)
                            for s in self.store.committed()
                            if (s.iteration, s.world_size) not in hidden)
-        return Inventory(self.rank, self.session_id, shards, self.store.fence())
+        return Inventory(self.rank, self.session_id, shards, self.store.fence(),
+                         self.store.rollbacks_done())
+
+    def note_rollbacks_done(self, inventories: list[Inventory]) -> None:
+        """Record on this rank's root the rollbacks another root of the job finished (see
+        storage/rollback_fence.py), before anything is written here: a node that joined
+        after a rollback holds only shards saved after it, which a fence of that rollback
+        (on a node away then, back later) must not hide. Not one whose fence this root
+        holds: it is finished here by deleting what it hides (the next save). Local; what
+        fails is logged."""
+        mine = inventories[self.rank]
+        missing = sorted(job_done(inventories) - mine.done - set(ids_of(mine.fence)))
+        if missing:
+            try:
+                self.store.record_rollbacks_done(missing)
+            except OSError as exc:
+                logger.warning("rank %d: could not record the rollbacks %s as finished in %s "
+                               "(%s): a node back with one of their fences would hide what "
+                               "is written there", self.rank, missing, self.store.session_path,
+                               exc)
 
     def gather_inventories(self, step: str) -> list[Inventory]:
         """Every rank's :meth:`inventory`. Collective (on ``group``)."""

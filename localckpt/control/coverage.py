@@ -16,7 +16,7 @@ from replication.erasure import rebuildable
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
-from ..storage.rollback_fence import Fence, fence_of, hidden, merged
+from ..storage.rollback_fence import Fence, fence_of, hidden, merged, unfinished
 from .retention import KeepPolicy
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
@@ -30,8 +30,10 @@ class Inventory:
     session_id: str
     shards: frozenset[ShardKey]
     # the fence of a rollback not finished on this rank's root (storage/rollback_fence.py);
-    # it hides the shards it names on every rank's root
+    # it hides the shards it names on every rank's root, but those of a root that finished
+    # the rollback: ``done``, the ids of the rollbacks this rank's root finished
     fence: Fence | None = None
+    done: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
         """``{"session", "shards": [[iteration, world size, [[first owner, last owner + 1],
@@ -55,6 +57,8 @@ class Inventory:
         doc: dict[str, Any] = {"session": self.session_id, "shards": listing}
         if self.fence is not None:
             doc["fence"] = [list(e) for e in self.fence]
+        if self.done:
+            doc["done"] = sorted(self.done)
         return doc
 
     @classmethod
@@ -64,12 +68,16 @@ class Inventory:
         ranks)."""
         shards = frozenset((it, o, w) for it, w, runs in doc["shards"] for a, b in runs
                            for o in range(a, b))
-        return cls(rank, str(doc["session"]), shards, _fence_of(doc))
+        return cls(rank, str(doc["session"]), shards, _fence_of(doc), _done_of(doc))
 
 
 def _fence_of(doc: dict[str, Any]) -> Fence | None:
     fence = doc.get("fence")
     return None if fence is None else fence_of(fence)
+
+
+def _done_of(doc: dict[str, Any]) -> frozenset[str]:
+    return frozenset(map(str, doc.get("done") or ()))
 
 
 def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
@@ -85,7 +93,7 @@ def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
         if doc["shards"] is not last_listing and doc["shards"] != last_listing:
             last_listing = doc["shards"]
             shards = Inventory.from_json(doc, rank).shards
-        out.append(Inventory(rank, str(doc["session"]), shards, _fence_of(doc)))
+        out.append(Inventory(rank, str(doc["session"]), shards, _fence_of(doc), _done_of(doc)))
     return apply_fence(out)
 
 
@@ -98,21 +106,36 @@ def job_fence(inventories: Sequence[Inventory]) -> Fence | None:
     return fence
 
 
+def job_done(inventories: Sequence[Inventory]) -> frozenset[str]:
+    """The ids of the rollbacks some rank's root finished."""
+    return frozenset().union(*(inv.done for inv in inventories))
+
+
+def job_unfinished(inventories: Sequence[Inventory]) -> Fence | None:
+    """What of the job's fence no root finished (what still hides the durable tier's newer
+    iterations: a rollback finished on some root has discarded them), or None."""
+    return unfinished(job_fence(inventories), job_done(inventories))
+
+
 def apply_fence(inventories: list[Inventory]) -> list[Inventory]:
     """``inventories`` without the shards the fence of any rank's root hides: a rollback that
     reached one root (its fence written) is not undone by another root that never got it, or
-    got past it. Shared shard sets stay shared."""
+    got past it. A root that finished a rollback shows what it holds above its iteration
+    (saved after it: a node away during the rollback, back with its fence, hides none of
+    it). Shared shard sets stay shared."""
     fence = job_fence(inventories)
     if fence is None:
         return inventories
-    kept: dict[int, frozenset[ShardKey]] = {}
+    kept: dict[tuple[int, frozenset[str]], frozenset[ShardKey]] = {}
     out = []
     for inv in inventories:
-        shards = kept.get(id(inv.shards))
+        key = (id(inv.shards), inv.done)
+        shards = kept.get(key)
         if shards is None:
-            shards = kept[id(inv.shards)] = frozenset(
-                s for s in inv.shards if not hidden(fence, s[0], s[2]))
-        out.append(Inventory(inv.rank, inv.session_id, shards, inv.fence))
+            left = unfinished(fence, inv.done)
+            shards = kept[key] = frozenset(
+                s for s in inv.shards if not hidden(left, s[0], s[2]))
+        out.append(Inventory(inv.rank, inv.session_id, shards, inv.fence, inv.done))
     return out
 
 

@@ -19,7 +19,7 @@ from ..control.coverage import (
     Inventory,
     choose_latest_any_world,
     complete_iterations,
-    job_fence,
+    job_unfinished,
 )
 from ..errors import (
     ConfigurationError,
@@ -98,13 +98,15 @@ class LoadPath:
         ctx = self.ctx
         with ctx.timed("find_latest", -1) as box, gc_paused():
             self.latest_iteration, world, self._listed = find_latest(ctx, self.reshard)
+            ctx.note_rollbacks_done(self._listed)  # before a load writes here
             self._found = (self.latest_iteration, world)
             self._local_latest, self._durable_candidates = self.latest_iteration, []
             self._local_found = self._found
             if self.durable is not None and durable:  # newer than any local one (any world
                 # size with reshard)
                 # a rollback a failure interrupted hides the tier's newer iterations too
-                fence = job_fence(self._listed)
+                # (until a root finished it: it discarded them there)
+                fence = job_unfinished(self._listed)
                 self._durable_candidates = [
                     c for c in durable_candidates(ctx, self.durable, self.latest_iteration,
                                                   self.reshard)
@@ -269,7 +271,7 @@ class LoadPath:
         Collective; every rank takes the same path (the verdicts are agreed)."""
         ctx = self.ctx
         assert self.durable is not None
-        fence = job_fence(ctx.gather_inventories("load: a rollback's fence"))
+        fence = job_unfinished(ctx.gather_inventories("load: a rollback's fence"))
         candidates = [c for c in durable_candidates(ctx, self.durable, fallback, any_world)
                       if c[0] not in exclude  # fetched already by this load: failed again
                       and not hidden(fence, *c)]

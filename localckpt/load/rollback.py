@@ -6,6 +6,7 @@ agreed step before any rank deletes, and the durable tier's newer iterations go 
 from __future__ import annotations
 
 import logging
+import uuid
 
 from ..control.context import Context
 from ..errors import CollectiveError, error_from_failures
@@ -30,14 +31,20 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     # then put back the same fence (one that read after another rank wrote would put this
     # rollback's back).
     before: list[Fence | None] = []
-    ctx.group.exchange(f"{step} as it was", lambda: before.append(ctx.store.fence()))
+
+    def as_it_was() -> str:
+        before.append(ctx.store.fence())
+        return uuid.uuid4().hex[:12]
+
+    # rank 0's id names this rollback in every fence (a root that finishes it records it)
+    rollback_id = ctx.group.exchange(f"{step} as it was", as_it_was)[0]
     tried = []
 
     def fence() -> None:
         # Before the write: one that fails after its rename (the directory's fsync) has put
         # the fence in place all the same, and must be cancelled with the rest.
         tried.append(True)
-        ctx.store.fence_rollback(iteration, world, before[0])
+        ctx.store.fence_rollback(iteration, world, before[0], rollback_id)
 
     outcome = ctx.group.gather_outcomes(step, fence)
     try:

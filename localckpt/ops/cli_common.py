@@ -10,7 +10,7 @@ from ..storage.durable import commit_path
 from ..storage.durable_object import is_object_url
 from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
 from ..storage.manifest import ShardManifest
-from ..storage.rollback_fence import hidden, merged, read_fence
+from ..storage.rollback_fence import hidden, merged, read_done, read_fence, unfinished
 from ..storage.shard_reader import parse_manifest_file
 
 
@@ -62,4 +62,5 @@ def unfenced_shards(roots: Sequence[Path], session: str) -> dict[Path, list[Shar
         if (held := read_fence(session_dir(root, session))) is not None:
             fence = merged(fence, held)
     return {root: [s for s in list_shards(root, session, fenced=False)
-                   if not hidden(fence, s.iteration, s.world_size)] for root in roots}
+                   if not hidden(unfinished(fence, read_done(session_dir(root, session))),
+                                 s.iteration, s.world_size)] for root in roots}

@@ -27,7 +27,7 @@ from ..control.retention import KeepPolicy
 from ..errors import CorruptShardError
 from ..ops.faults import fault_point
 from ..storage.durable import DurableStore
-from ..storage.rollback_fence import hidden
+from ..storage.rollback_fence import hidden, unfinished
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,8 @@ class Persister:
         with ctx.timed("persist", iteration) as box:
             tier.mark_progress(ctx.rank, self.run, iteration)
             fault_point("persist_write", ctx.rank, iteration)
-            if hidden(ctx.store.fence(), iteration, ctx.world_size):
+            if hidden(unfinished(ctx.store.fence(), ctx.store.rollbacks_done()), iteration,
+                      ctx.world_size):
                 raise FileNotFoundError(f"iteration {iteration} was discarded by a rollback "
                                         "(its fence hides it): not persisted")
             manifest = ctx.store.read_manifest(ctx.store.ref(iteration, ctx.rank,

@@ -28,7 +28,13 @@ from replication import ExchangePlan, save_plan
 from replication.erasure import StripeLayout
 from replication.stripe_plans import parity_save_plan
 
-from ..control.coverage import check_capacity, decode_inventories, job_fence, validate_save
+from ..control.coverage import (
+    check_capacity,
+    decode_inventories,
+    job_fence,
+    job_unfinished,
+    validate_save,
+)
 from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from ..hollow import format_nodes
 from ..ops.faults import fault_point
@@ -226,7 +232,8 @@ class SaveAgreement:
         inventories = decode_inventories([g["inventory"] for g in gathered])
         fence = job_fence(inventories)
         if fence is not None:  # a rollback a failure interrupted: finished before any write
-            self._finish_rollback(group, fence)
+            self._finish_rollback(group, fence, job_unfinished(inventories))
+        ctx.note_rollbacks_done(inventories)  # before this save writes here
         validate_save([g["iteration"] for g in gathered], inventories, ctx.world_size,
                       self.any_world, ctx.erasure)
         self._check_replicas(group, [int(g["replicas"]) for g in gathered], staged.deduped)
@@ -253,20 +260,23 @@ class SaveAgreement:
         return AgreedSave(manifest, plan if plan.transfers else None, steps,
                           parity if parity is not None and parity.transfers else None, sizes)
 
-    def _finish_rollback(self, group: CheckpointGroup, fence: Fence) -> None:
-        """Every root deletes what ``fence`` (the job's) hides, rank 0 the durable tier's
-        newer iterations; then the fences go, once every rank deleted (a crash between leaves
-        some: they still hide the rest). OSError on every rank naming what failed: the save
-        is not written (its shards would be hidden by the fence, or land on a discarded
-        one); the next save tries again."""
+    def _finish_rollback(self, group: CheckpointGroup, fence: Fence,
+                         durable: Fence | None) -> None:
+        """Every root deletes what ``fence`` (the job's) hides, but on a root that finished
+        the rollback (what it holds newer was saved after); rank 0 the durable tier's newer
+        iterations, of the rollbacks no root finished (``durable``); then the fences go once
+        every rank deleted, each root recording its rollbacks finished (a crash between
+        leaves some fences: they still hide the rest). OSError on every rank naming what
+        failed: the save is not written (its shards would be hidden by the fence, or land on
+        a discarded one); the next save tries again."""
         ctx = self.ctx
         what = f"save: the rollback to iteration {lowest(fence)} is unfinished"
 
         def discard() -> list[str]:
             failed = ctx.store.discard_fenced(fence)
-            if self.discard_durable is not None and ctx.rank == 0:
+            if self.discard_durable is not None and ctx.rank == 0 and durable is not None:
                 try:
-                    self.discard_durable(fence)
+                    self.discard_durable(durable)
                 except Exception as exc:
                     failed.append(f"the durable tier: {exc}")
             return failed
@@ -275,7 +285,7 @@ class SaveAgreement:
         if failed:
             raise OSError(f"{what}: {'; '.join(failed[:3])}; no save is written until those "
                           "are gone")
-        group.exchange(f"{what}: lift the fences", ctx.store.cancel_rollback)
+        group.exchange(f"{what}: lift the fences", ctx.store.lift_fence)
         logger.warning("rank %d: the rollback to iteration %d a failure interrupted is "
                        "finished", ctx.rank, lowest(fence))
 

@@ -428,7 +428,7 @@ class DurableStore:
         """Rank 0, in a rollback to ``iteration``: remove every newer iteration, of any world
         size (commit records first; a job restarted with ``reshard=True`` would load them),
         and every newer uncommitted one."""
-        self.discard_hidden(((iteration, None),))
+        self.discard_hidden(((iteration, None, None),))
 
     def remove_trash(self) -> None:
         """Rank 0: what deletions a crash interrupted left hidden (a directory tier's)."""

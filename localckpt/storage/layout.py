@@ -26,7 +26,7 @@ from pathlib import Path
 from replication import parity_of_slot, parity_slot
 
 from ..errors import ConfigurationError
-from .rollback_fence import FENCE_NAME, hidden, read_fence
+from .rollback_fence import DONE_NAME, FENCE_NAME, hidden, read_done, read_fence, unfinished
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # ASCII digits only: \d and int() also take other scripts' digits, which would list a directory
@@ -112,6 +112,8 @@ def list_shards(root: Path, session_id: str, fenced: bool = True) -> list[ShardR
     out = []
     base = session_dir(root, session_id)
     fence = read_fence(base) if fenced else None
+    if fence is not None:  # not the shards saved after a rollback this root finished
+        fence = unfinished(fence, read_done(base))
     for it_entry in _scandir(base):
         m = _ITER_RE.fullmatch(it_entry.name)
         if not m or not it_entry.is_dir(follow_symlinks=False):
@@ -147,8 +149,8 @@ def _scandir(path: Path) -> Iterator[os.DirEntry[str]]:
 
 def holds_checkpoints(session_path: Path) -> bool:
     """Whether ``session_path`` holds anything localckpt writes: an iteration directory, a
-    rollback fence, a leftover of its own naming, or a pool of recycled files."""
-    return any(_ITER_RE.fullmatch(e.name) or e.name == FENCE_NAME
+    rollback fence or record, a leftover of its own naming, or a pool of recycled files."""
+    return any(_ITER_RE.fullmatch(e.name) or e.name in (FENCE_NAME, DONE_NAME)
                or _SESSION_TRASH_RE.fullmatch(e.name) or _QUARANTINE_RE.fullmatch(e.name)
                for e in _scandir(session_path)) or (
                    _real_dir(session_path / RECYCLE_DIR) and any(
@@ -174,8 +176,8 @@ def list_sessions(root: Path) -> list[str]:
 # deletion, a shard set aside. Only these names are ever removed there: an operator command
 # given the wrong directory must not take a Samba ``.recycle`` or someone's ``.trash-old``.
 _SESSION_TRASH_RE = re.compile(
-    r"\.trash-(?:iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}|fence-w[0-9]{5}-[0-9a-f]{32}"
-    r"|durable-[0-9a-f]{32})")
+    r"\.trash-(?:iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}"
+    r"|(?:fence|done)-w[0-9]{5}-[0-9a-f]{32}|durable-[0-9a-f]{32})")
 _WRITER_RE = re.compile(r"-w([0-9]{5})-")
 _QUARANTINE_RE = re.compile(r"\.quarantine-iter_[0-9]{10}-.+-w[0-9]{5}-[0-9a-f]{12}")
 _POOL_FILE_RE = re.compile(r"[0-9]{20}-[0-9a-f]{12}|\.part-[0-9a-f]{32}")

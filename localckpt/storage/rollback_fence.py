@@ -11,6 +11,11 @@ rollback stopped half way therefore shows no newer shard, whatever happened to t
 
 The fence is a small JSON file written atomically (temporary file, fsync, rename, fsync of the
 directory); one that cannot be read back is an error naming it, never a fence ignored.
+
+A stale fence: a node away while the rest of the job finished the rollback and saved newer
+iterations comes back with its fence. Each rollback has an id, in its fence's entries; a root
+that finished it records the id (:data:`DONE_NAME`, the newest :data:`DONE_KEPT`), and a fence
+never hides the shards of a root that finished its rollback: they were saved after it.
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ from ..errors import CorruptShardError
 from .fsutil import fsync_dir
 
 FENCE_NAME = "rollback-fence.json"  # no iteration, leftover or session directory looks so
+DONE_NAME = "rollbacks-done.json"  # ids of the rollbacks this root finished
+DONE_KEPT = 8  # ids kept (every inventory carries them): a fence of an older rollback
+# hides as if no root finished it
 
-# One (N, W) per world size a rollback ran at, W None for every world size (a resharding job's
-# lineage): a shard of (iteration, world size) is hidden when one entry hides it. Sorted, one
-# entry per W (the lowest N): fences of rollbacks at different world sizes never widen.
-Fence = tuple[tuple[int, int | None], ...]
+# One (N, W, id) per world size and rollback, W None for every world size (a resharding job's
+# lineage), id None for a fence written before rollbacks had ids: a shard of (iteration, world
+# size) is hidden when one entry hides it. Sorted, one entry per (W, id) (the lowest N): fences
+# of rollbacks at different world sizes never widen.
+Fence = tuple[tuple[int, int | None, str | None], ...]
 
 
 def read_fence(session_path: Path) -> Fence | None:
@@ -47,7 +56,7 @@ def read_fence(session_path: Path) -> Fence | None:
                                 f"({exc}); until it is, no listing of this root is safe") from exc
     try:
         doc = json.loads(data)
-        if type(doc) is not dict or doc.get("version") != 1:
+        if type(doc) is not dict or doc.get("version") not in (1, 2):
             raise ValueError(f"unexpected document {str(doc)[:200]}")
         return fence_of(doc["rollback_to"])
     except (ValueError, KeyError, TypeError) as exc:
@@ -57,12 +66,15 @@ def read_fence(session_path: Path) -> Fence | None:
 
 
 def fence_of(entries: Any) -> Fence:
-    """The fence of JSON ``[[N, W or null], ...]`` (ValueError, TypeError otherwise)."""
-    out: list[tuple[int, int | None]] = []
-    for n, w in entries:
-        if type(n) is not int or n < 0 or not (w is None or (type(w) is int and w >= 1)):
-            raise ValueError(f"fence entry {[n, w]!r}")
-        out.append((n, w))
+    """The fence of JSON ``[[N, W or null, id or null], ...]`` (or ``[N, W]``, written before
+    rollbacks had ids; ValueError, TypeError otherwise)."""
+    out: list[tuple[int, int | None, str | None]] = []
+    for entry in entries:
+        n, w, rid = (*entry, None) if len(entry) == 2 else entry
+        if type(n) is not int or n < 0 or not (w is None or (type(w) is int and w >= 1)) \
+                or not (rid is None or (type(rid) is str and 0 < len(rid) <= 64)):
+            raise ValueError(f"fence entry {entry!r}")
+        out.append((n, w, rid))
     if not out:
         raise ValueError("a fence with no entry")
     return merged(None, tuple(out))
@@ -71,20 +83,35 @@ def fence_of(entries: Any) -> Fence:
 def hidden(fence: Fence | None, iteration: int, world_size: int) -> bool:
     """Whether ``fence`` hides a shard of (iteration, world size)."""
     return fence is not None and any(iteration > n and w in (None, world_size)
-                                     for n, w in fence)
+                                     for n, w, _ in fence)
 
 
 def merged(a: Fence | None, b: Fence) -> Fence:
     """One fence hiding exactly what ``a`` or ``b`` hides."""
-    lowest: dict[int | None, int] = {}
-    for n, w in (*(a or ()), *b):
-        lowest[w] = min(n, lowest.get(w, n))
-    return tuple(sorted(((n, w) for w, n in lowest.items()), key=lambda e: (e[1] or 0, e[0])))
+    lowest: dict[tuple[int | None, str | None], int] = {}
+    for n, w, rid in (*(a or ()), *b):
+        lowest[(w, rid)] = min(n, lowest.get((w, rid), n))
+    return tuple(sorted(((n, w, rid) for (w, rid), n in lowest.items()),
+                        key=lambda e: (e[1] or 0, e[0], e[2] or "")))
+
+
+def unfinished(fence: Fence | None, done: frozenset[str]) -> Fence | None:
+    """``fence`` without the entries of rollbacks in ``done`` (finished on the root whose
+    shards are looked at: what it holds above N was saved after), or None."""
+    if fence is None:
+        return None
+    left = tuple(e for e in fence if e[2] is None or e[2] not in done)
+    return left or None
+
+
+def ids_of(fence: Fence | None) -> list[str]:
+    """The ids of the rollbacks ``fence`` holds."""
+    return sorted({rid for _, _, rid in fence or () if rid is not None})
 
 
 def lowest(fence: Fence) -> int:
     """The iteration of the oldest rollback ``fence`` holds (for messages)."""
-    return min(n for n, _ in fence)
+    return min(n for n, _, _ in fence)
 
 
 def write_fence(session_path: Path, fence: Fence, tag: str, merge: bool = True) -> None:
@@ -94,16 +121,22 @@ def write_fence(session_path: Path, fence: Fence, tag: str, merge: bool = True) 
     session_path.mkdir(parents=True, exist_ok=True)
     if merge:
         fence = merged(read_fence(session_path), fence)
+    version = 2 if ids_of(fence) else 1  # as an older reader expects, where it can
+    entries = [list(e) if e[2] is not None else list(e[:2]) for e in fence]
+    _write_atomically(session_path, FENCE_NAME, {"version": version, "rollback_to": entries},
+                      f"fence-{tag}")
+
+
+def _write_atomically(session_path: Path, name: str, doc: dict[str, Any], tag: str) -> None:
     # a writer's crash leftover (find_leftovers), if it is killed before the rename
-    tmp = session_path / f".trash-fence-{tag}-{uuid.uuid4().hex}"
-    body = json.dumps({"version": 1, "rollback_to": [list(e) for e in fence]})
+    tmp = session_path / f".trash-{tag}-{uuid.uuid4().hex}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, body.encode())
+        os.write(fd, json.dumps(doc).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, session_path / FENCE_NAME)
+    os.rename(tmp, session_path / name)
     fsync_dir(session_path)
 
 
@@ -112,3 +145,32 @@ def remove_fence(session_path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(session_path / FENCE_NAME)
         fsync_dir(session_path)
+
+
+def read_done(session_path: Path) -> frozenset[str]:
+    """The ids of the rollbacks finished on this root (empty when none, or when the record
+    cannot be read: every fence then hides as before ids, never less)."""
+    try:
+        with open(os.open(session_path / DONE_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+        ids = doc["done"] if type(doc) is dict and doc.get("version") == 1 else []
+        return frozenset(i for i in ids if type(i) is str)
+    except (OSError, ValueError, KeyError, TypeError):
+        return frozenset()
+
+
+def record_done(session_path: Path, ids: list[str], tag: str) -> None:
+    """Add ``ids`` to this root's finished rollbacks (the newest :data:`DONE_KEPT`), durably.
+    OSError when it cannot be written."""
+    try:
+        with open(os.open(session_path / DONE_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            doc = json.loads(f.read(1 << 16))
+        kept = [i for i in doc["done"] if type(i) is str]
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = []
+    new = [i for i in ids if i not in kept]
+    if not new:
+        return
+    session_path.mkdir(parents=True, exist_ok=True)
+    _write_atomically(session_path, DONE_NAME, {"version": 1, "done": (kept + new)[-DONE_KEPT:]},
+                      f"done-{tag}")

@@ -59,9 +59,13 @@ from .rollback_fence import (
     FENCE_NAME,
     Fence,
     hidden,
+    ids_of,
     merged,
+    read_done,
     read_fence,
+    record_done,
     remove_fence,
+    unfinished,
     write_fence,
 )
 from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
@@ -232,18 +236,29 @@ class ShardStore:
         """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
         return read_fence(self.session_path)
 
+    def rollbacks_done(self) -> frozenset[str]:
+        """The ids of the rollbacks finished on this root: a fence of one of them hides none
+        of its shards (see :mod:`.rollback_fence`)."""
+        return read_done(self.session_path)
+
+    def record_rollbacks_done(self, ids: list[str]) -> None:
+        """Record ``ids`` as finished on this root (OSError when that fails)."""
+        record_done(self.session_path, ids, self._tag)
+
     def fence_rollback(self, iteration: int, world_size: int | None,
-                       before: Fence | None) -> None:
+                       before: Fence | None, rollback_id: str) -> None:
         """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
         every world size) from every listing, durably, until :meth:`finish_rollback` deleted
         them. ``before``: the fence already there (:meth:`fence`), read by every rank sharing
-        this root before any of them wrote (what :meth:`cancel_rollback` puts back)."""
-        write_fence(self.session_path, merged(before, ((iteration, world_size),)), self._tag,
+        this root before any of them wrote (what :meth:`cancel_rollback` puts back);
+        ``rollback_id``: the same on every rank."""
+        write_fence(self.session_path,
+                    merged(before, ((iteration, world_size, rollback_id),)), self._tag,
                     merge=False)
 
     def cancel_rollback(self, before: Fence | None = None) -> None:
         """Put back this root's fence as it was ``before`` a rollback that deleted nothing
-        (None: remove it, as when a rollback finished on every root)."""
+        (None: remove it)."""
         if before is None:
             remove_fence(self.session_path)
         else:
@@ -251,12 +266,13 @@ class ShardStore:
 
     def discard_fenced(self, fence: Fence | None = None) -> list[str]:
         """Delete the shards this root's fence hides (and those ``fence`` hides, the job's:
-        adopted as this root's first); what failed, as text. Never raises (ranks must not
-        part here). The space is freed in the background."""
+        adopted as this root's first), but for rollbacks this root finished (what it holds
+        above their iteration was saved after them); what failed, as text. Never raises
+        (ranks must not part here). The space is freed in the background."""
         try:
             if fence is not None:
                 write_fence(self.session_path, fence, self._tag)
-            mine = read_fence(self.session_path)
+            mine = unfinished(read_fence(self.session_path), self.rollbacks_done())
         except OSError as exc:
             return [str(exc)]
         failed = []
@@ -268,13 +284,21 @@ class ShardStore:
                     failed.append(f"{ref.path}: {exc}")
         return failed
 
+    def lift_fence(self) -> None:
+        """Once the rollbacks of this root's fence are finished on every root: record them as
+        finished here, then remove the fence (OSError when either fails)."""
+        ids = ids_of(read_fence(self.session_path))
+        if ids:
+            record_done(self.session_path, ids, self._tag)
+        remove_fence(self.session_path)
+
     def finish_rollback(self) -> list[str]:
         """:meth:`discard_fenced`, then the fence goes (kept if a deletion failed: those
         shards stay hidden). What failed, as text; never raises."""
         failed = self.discard_fenced()
         if not failed:
             try:
-                remove_fence(self.session_path)
+                self.lift_fence()
             except OSError as exc:
                 failed.append(f"{self.session_path / FENCE_NAME}: {exc}")
         return failed
