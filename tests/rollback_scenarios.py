@@ -312,17 +312,29 @@ def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
         return {"latest": mgr.find_latest(), "iterations": mgr.iterations()}
 
 
-def on_nodes(rank: int, world: int, base: str, nodes: list[str], saves: list[int]
-             ) -> dict[str, Any]:
+def on_nodes(rank: int, world: int, base: str, nodes: list[str], saves: list[int],
+             strategy: str | None = "node_spread", offset: int = 0) -> dict[str, Any]:
     """A job whose rank r runs on node ``nodes[r]`` (its root base/<node>): load the newest,
-    save ``saves``; what it loaded (and whether the state is that iteration's) and then
-    lists."""
-    with LocalCheckpointManager(Path(base) / nodes[rank], "job", "node_spread", keep_last=3,
+    save ``saves`` (states of iteration + ``offset``); what it loaded (and whether the state
+    is that iteration's, or which iteration + offset it is) and then lists."""
+    with LocalCheckpointManager(Path(base) / nodes[rank], "job", strategy, keep_last=3,
                                 timeout=30, node_id=nodes[rank]) as mgr:
         state, ckpt_id = mgr.load()
         mgr.wait_for_write_back()
         for it in saves:
+            mgr.save(make_state(rank, it + offset), it)
+        out = {"loaded": ckpt_id[0],
+               "identical": digest(state) == digest(make_state(rank, ckpt_id[0])),
+               "then": mgr.iterations()}
+        if not out["identical"]:
+            out["is"] = next((v for v in range(ckpt_id[0], ckpt_id[0] + 3000, 1000)
+                              if digest(state) == digest(make_state(rank, v))), None)
+        return out
+
+
+def on_nodes_first_save(rank: int, world: int, base: str, nodes: list[str]) -> None:
+    """Saves 10 with replicas, then (a job without them) 20, rank r on node ``nodes[r]``."""
+    for strategy, it in (("node_spread", 10), (None, 20)):
+        with LocalCheckpointManager(Path(base) / nodes[rank], "job", strategy, keep_last=3,
+                                    timeout=30, node_id=nodes[rank]) as mgr:
             mgr.save(make_state(rank, it), it)
-        return {"loaded": ckpt_id[0],
-                "identical": digest(state) == digest(make_state(rank, ckpt_id[0])),
-                "then": mgr.iterations()}

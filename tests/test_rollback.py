@@ -448,3 +448,27 @@ def test_a_node_that_joined_after_a_rollback_keeps_what_it_was_given_from_a_stal
     for r in run_ranks(sc.on_nodes, 2, tmp_path, base, ["node3", "node1"], [60]):
         assert r.ok, r.message
         assert r.value == {"loaded": 50, "identical": True, "then": [20, 50, 60]}, r.value
+
+
+def test_an_iteration_saved_again_on_other_nodes_loads_the_newer_save(tmp_path: Path) -> None:
+    """Iteration 20 saved by a job without replicas on nodes 0-2, then again (states + 1000)
+    by a job on nodes 1, 3 and 0 (node 2 away, ranks placed otherwise: 20 was incomplete
+    there), whose copies all landed on nodes 0, 1 and 3. Back on nodes 0-2, each rank's own
+    copy was the first save's (node 0 and node 1 kept theirs beside the new copies), so the
+    ranks agreed on the older save: it loaded without a word, and the write-back set the
+    newer save's copies aside. A save now removes the copies of its iteration on its nodes
+    that it does not replace: the first save's copies are then on node 2 only, a load sees
+    two saves, and the newer one, whose copies cover every rank, is loaded (attacker
+    review)."""
+    base = str(tmp_path / "roots")
+    first = ["node0", "node1", "node2"]
+    for r in run_ranks(sc.on_nodes_first_save, 3, tmp_path, base, first):
+        assert r.ok, r.message
+    for r in run_ranks(sc.on_nodes, 3, tmp_path, base, ["node1", "node3", "node0"], [20],
+                       "node_spread", 1000):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 10, r.value
+    shutil.rmtree(Path(base) / "node3")
+    for r in run_ranks(sc.on_nodes, 3, tmp_path, base, first, []):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 20 and r.value.get("is") == 1020, r.value

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -244,6 +245,12 @@ class SaveAgreement:
             parity = parity_save_plan(ctx.erasure, staged.iteration)
         self._check_capacity(group, bytes_written(gathered, plan, ctx.erasure,
                                                   ctx.store.chunk_nbytes), gathered)
+        it, world = staged.iteration, ctx.world_size
+        if (it, world) in ctx.unloadable or any(
+                s[0] == it and s[2] == world for inv in inventories for s in inv.shards):
+            # agreed (the same inventories everywhere), and over before any rank writes
+            group.exchange(f"save: the older copies of iteration {it} removed",
+                           partial(self._remove_older_copies, it, plan))
         # A rank writes its chunks, then takes part in the replica (or parity) rounds, each as
         # long as the longest transfer in it: the bound of what a fast rank may wait for in
         # finalize.
@@ -259,6 +266,32 @@ class SaveAgreement:
         manifest = replace(staged.manifest, metadata=metadata)
         return AgreedSave(manifest, plan if plan.transfers else None, steps,
                           parity if parity is not None and parity.transfers else None, sizes)
+
+    def _remove_older_copies(self, iteration: int, plan: ExchangePlan) -> None:
+        """On this rank's node (its first rank), the copies of ``iteration`` this save will
+        not replace: an older save of that number (a run resumed from an older iteration) left
+        them, and beside this save's copies they could give every rank of a later job its own
+        shard of the older save, which would then load (a load sees two saves only where the
+        ranks' own copies differ). What is not removed is logged."""
+        ctx = self.ctx
+        node = ctx.topology.node_of[ctx.rank]
+        members = ctx.topology.nodes[node]
+        if members[0] != ctx.rank:
+            return
+        written = set(members) | {t.owner for t in plan.transfers
+                                  if ctx.topology.node_of[t.dst] == node}
+        for ref in ctx.store.committed():
+            if ref.iteration == iteration and ref.world_size == ctx.world_size \
+                    and ref.owner_rank >= 0 and ref.owner_rank not in written:
+                try:
+                    ctx.store.delete(ref, background=True)
+                    logger.warning("rank %d: %s is a copy of an older save of iteration %d, "
+                                   "which this save replaces: removed", ctx.rank, ref.path,
+                                   iteration)
+                except OSError as exc:
+                    logger.warning("rank %d: %s, a copy of an older save of iteration %d, "
+                                   "could not be removed (%s)", ctx.rank, ref.path, iteration,
+                                   exc)
 
     def _finish_rollback(self, group: CheckpointGroup, fence: Fence,
                          durable: Fence | None) -> None:
