@@ -180,12 +180,12 @@ def test_a_fence_hides_nothing_on_a_root_that_finished_its_rollback() -> None:
     stale = Inventory(0, "s", frozenset({(20, 0, 2), (20, 1, 2), (30, 0, 2), (30, 1, 2)}),
                       ((20, 2, "r"),))
     finished = Inventory(1, "s", frozenset({(20, 0, 2), (50, 0, 2), (50, 1, 2)}), None,
-                         frozenset({"r"}))
+                         frozenset({("r", 20, 2)}))
     docs = [inv.to_json() for inv in (stale, finished)]
-    assert docs[1]["done"] == ["r"] and "done" not in docs[0]
+    assert docs[1]["done"] == [["r", 20, 2]] and "done" not in docs[0]
     out = decode_inventories(docs)
     assert out[0].shards == {(20, 0, 2), (20, 1, 2)}
-    assert out[1].shards == finished.shards and out[1].done == {"r"}
+    assert out[1].shards == finished.shards and out[1].done == {("r", 20, 2)}
     assert choose_latest(out, 2) == 50
     assert job_unfinished(out) is None  # "r" finished somewhere: the durable tier is free
     legacy = [{**docs[0], "fence": [[20, 2]]}, docs[1]]

@@ -15,8 +15,8 @@ from typing import Any
 from replication import Placement, StripeLayout, Topology
 
 from ..ops.metrics import Metrics
+from ..storage.layout import list_shards
 from ..storage.peer_io import PieceRing
-from ..storage.rollback_fence import ids_of
 from ..storage.store import ShardStore
 from .collectives import CheckpointGroup
 from .coverage import Inventory, decode_inventories, job_done
@@ -65,21 +65,28 @@ class Context:
 
     def note_rollbacks_done(self, inventories: list[Inventory]) -> None:
         """Record on this rank's root the rollbacks another root of the job finished (see
-        storage/rollback_fence.py), before anything is written here: a node that joined
-        after a rollback holds only shards saved after it, which a fence of that rollback
-        (on a node away then, back later) must not hide. Not one whose fence this root
-        holds: it is finished here by deleting what it hides (the next save). Local; what
-        fails is logged."""
+        storage/rollback_fence.py), before anything is written here: a node that joined after
+        a rollback holds only shards saved after it, which a fence of that rollback (on a node
+        away then, back later) must not hide. Not one whose fence this root holds, nor one
+        that would hide a shard this root holds (a node away during that rollback, back with
+        what it discarded): those are finished here by deleting what they hide (the next
+        save). Local; what fails is logged."""
         mine = inventories[self.rank]
-        missing = sorted(job_done(inventories) - mine.done - set(ids_of(mine.fence)))
+        have = {d[0] for d in mine.done} | {rid for _, _, rid in mine.fence or ()}
+        missing = [d for d in sorted(job_done(inventories)) if d[0] not in have]
+        if not missing:
+            return
+        held = list_shards(self.store.root, self.session_id, fenced=False)
+        missing = [(rid, n, w) for rid, n, w in missing
+                   if not any(s.iteration > n and w in (None, s.world_size) for s in held)]
         if missing:
             try:
                 self.store.record_rollbacks_done(missing)
             except OSError as exc:
                 logger.warning("rank %d: could not record the rollbacks %s as finished in %s "
                                "(%s): a node back with one of their fences would hide what "
-                               "is written there", self.rank, missing, self.store.session_path,
-                               exc)
+                               "is written there", self.rank, [d[0] for d in missing],
+                               self.store.session_path, exc)
 
     def gather_inventories(self, step: str) -> list[Inventory]:
         """Every rank's :meth:`inventory`. Collective (on ``group``)."""

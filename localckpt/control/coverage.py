@@ -16,7 +16,7 @@ from replication.erasure import rebuildable
 
 from ..errors import ConfigurationError, InsufficientSpaceError, InvalidIterationError
 from ..storage.layout import MAX_ITERATION
-from ..storage.rollback_fence import Fence, fence_of, hidden, merged, unfinished
+from ..storage.rollback_fence import Done, Fence, fence_of, hidden, merged, unfinished
 from .retention import KeepPolicy
 
 ShardKey = tuple[int, int, int]  # (iteration, owner rank, world size)
@@ -31,9 +31,9 @@ class Inventory:
     shards: frozenset[ShardKey]
     # the fence of a rollback not finished on this rank's root (storage/rollback_fence.py);
     # it hides the shards it names on every rank's root, but those of a root that finished
-    # the rollback: ``done``, the ids of the rollbacks this rank's root finished
+    # the rollback: ``done``, the rollbacks this rank's root finished (id, N, W)
     fence: Fence | None = None
-    done: frozenset[str] = frozenset()
+    done: frozenset[Done] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
         """``{"session", "shards": [[iteration, world size, [[first owner, last owner + 1],
@@ -58,7 +58,7 @@ class Inventory:
         if self.fence is not None:
             doc["fence"] = [list(e) for e in self.fence]
         if self.done:
-            doc["done"] = sorted(self.done)
+            doc["done"] = [list(d) for d in sorted(self.done)]
         return doc
 
     @classmethod
@@ -76,8 +76,9 @@ def _fence_of(doc: dict[str, Any]) -> Fence | None:
     return None if fence is None else fence_of(fence)
 
 
-def _done_of(doc: dict[str, Any]) -> frozenset[str]:
-    return frozenset(map(str, doc.get("done") or ()))
+def _done_of(doc: dict[str, Any]) -> frozenset[Done]:
+    return frozenset((str(i), int(n), None if w is None else int(w))
+                     for i, n, w in doc.get("done") or ())
 
 
 def decode_inventories(docs: Sequence[dict[str, Any]]) -> list[Inventory]:
@@ -106,8 +107,8 @@ def job_fence(inventories: Sequence[Inventory]) -> Fence | None:
     return fence
 
 
-def job_done(inventories: Sequence[Inventory]) -> frozenset[str]:
-    """The ids of the rollbacks some rank's root finished."""
+def job_done(inventories: Sequence[Inventory]) -> frozenset[Done]:
+    """The rollbacks some rank's root finished."""
     return frozenset().union(*(inv.done for inv in inventories))
 
 
@@ -126,7 +127,7 @@ def apply_fence(inventories: list[Inventory]) -> list[Inventory]:
     fence = job_fence(inventories)
     if fence is None:
         return inventories
-    kept: dict[tuple[int, frozenset[str]], frozenset[ShardKey]] = {}
+    kept: dict[tuple[int, frozenset[Done]], frozenset[ShardKey]] = {}
     out = []
     for inv in inventories:
         key = (id(inv.shards), inv.done)

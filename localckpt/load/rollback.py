@@ -6,13 +6,12 @@ agreed step before any rank deletes, and the durable tier's newer iterations go 
 from __future__ import annotations
 
 import logging
-import uuid
 
 from ..control.context import Context
 from ..errors import CollectiveError, error_from_failures
 from ..save.persist import Persister
 from ..storage.durable import DurableStore
-from ..storage.rollback_fence import FENCE_NAME, Fence
+from ..storage.rollback_fence import FENCE_NAME, Fence, new_rollback_id
 from .from_durable import within
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
 
     def as_it_was() -> str:
         before.append(ctx.store.fence())
-        return uuid.uuid4().hex[:12]
+        return new_rollback_id()
 
     # rank 0's id names this rollback in every fence (a root that finishes it records it)
     rollback_id = ctx.group.exchange(f"{step} as it was", as_it_was)[0]

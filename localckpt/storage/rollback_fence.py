@@ -13,9 +13,10 @@ The fence is a small JSON file written atomically (temporary file, fsync, rename
 directory); one that cannot be read back is an error naming it, never a fence ignored.
 
 A stale fence: a node away while the rest of the job finished the rollback and saved newer
-iterations comes back with its fence. Each rollback has an id, in its fence's entries; a root
-that finished it records the id (:data:`DONE_NAME`, the newest :data:`DONE_KEPT`), and a fence
-never hides the shards of a root that finished its rollback: they were saved after it.
+iterations comes back with its fence. Each rollback has an id (its time first: ids sort by
+age), in its fence's entries; a root that finished it records it with its N and W
+(:data:`DONE_NAME`, the newest :data:`DONE_KEPT`), and a fence never hides the shards of a
+root that finished its rollback: they were saved after it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,14 @@ DONE_KEPT = 8  # ids kept (every inventory carries them): a fence of an older ro
 # size) is hidden when one entry hides it. Sorted, one entry per (W, id) (the lowest N): fences
 # of rollbacks at different world sizes never widen.
 Fence = tuple[tuple[int, int | None, str | None], ...]
+# A rollback a root finished: (id, N, W).
+Done = tuple[str, int, int | None]
+
+
+def new_rollback_id() -> str:
+    """A rollback's id: milliseconds since the epoch (fixed width: ids sort by age), then
+    random hex."""
+    return f"{int(time.time() * 1000):012x}{uuid.uuid4().hex[:8]}"
 
 
 def read_fence(session_path: Path) -> Fence | None:
@@ -95,12 +106,13 @@ def merged(a: Fence | None, b: Fence) -> Fence:
                         key=lambda e: (e[1] or 0, e[0], e[2] or "")))
 
 
-def unfinished(fence: Fence | None, done: frozenset[str]) -> Fence | None:
+def unfinished(fence: Fence | None, done: Iterable[Done]) -> Fence | None:
     """``fence`` without the entries of rollbacks in ``done`` (finished on the root whose
     shards are looked at: what it holds above N was saved after), or None."""
     if fence is None:
         return None
-    left = tuple(e for e in fence if e[2] is None or e[2] not in done)
+    finished = {d[0] for d in done}
+    left = tuple(e for e in fence if e[2] is None or e[2] not in finished)
     return left or None
 
 
@@ -147,30 +159,39 @@ def remove_fence(session_path: Path) -> None:
         fsync_dir(session_path)
 
 
-def read_done(session_path: Path) -> frozenset[str]:
-    """The ids of the rollbacks finished on this root (empty when none, or when the record
-    cannot be read: every fence then hides as before ids, never less)."""
+def _done_entries(doc: Any) -> list[Done]:
+    if type(doc) is not dict or doc.get("version") != 1 or type(doc.get("done")) is not list:
+        return []
+    return [(e[0], e[1], e[2]) for e in doc["done"]
+            if type(e) is list and len(e) == 3 and type(e[0]) is str and 0 < len(e[0]) <= 64
+            and type(e[1]) is int and e[1] >= 0
+            and (e[2] is None or (type(e[2]) is int and e[2] >= 1))]
+
+
+def read_done(session_path: Path) -> frozenset[Done]:
+    """The rollbacks finished on this root (none when the record cannot be read: every
+    fence then hides as if no root finished it, never less)."""
     try:
         with open(os.open(session_path / DONE_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            doc = json.loads(f.read(1 << 16))
-        ids = doc["done"] if type(doc) is dict and doc.get("version") == 1 else []
-        return frozenset(i for i in ids if type(i) is str)
-    except (OSError, ValueError, KeyError, TypeError):
+            return frozenset(_done_entries(json.loads(f.read(1 << 16))))
+    except (OSError, ValueError):
         return frozenset()
 
 
-def record_done(session_path: Path, ids: list[str], tag: str) -> None:
-    """Add ``ids`` to this root's finished rollbacks (the newest :data:`DONE_KEPT`), durably.
-    OSError when it cannot be written."""
-    try:
-        with open(os.open(session_path / DONE_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            doc = json.loads(f.read(1 << 16))
-        kept = [i for i in doc["done"] if type(i) is str]
-    except (OSError, ValueError, KeyError, TypeError):
-        kept = []
-    new = [i for i in ids if i not in kept]
-    if not new:
+def record_done(session_path: Path, done: Iterable[Done], tag: str) -> None:
+    """Add ``done`` to this root's finished rollbacks, keeping the newest :data:`DONE_KEPT`
+    (by id: by age), durably; nothing is written when that changes nothing (an older one
+    than those kept included). OSError when it cannot be written."""
+    before = read_done(session_path)
+    by_id = {d[0]: d for d in (*before, *done)}
+    kept = frozenset(by_id[i] for i in sorted(by_id)[-DONE_KEPT:])
+    if kept == before:
         return
     session_path.mkdir(parents=True, exist_ok=True)
-    _write_atomically(session_path, DONE_NAME, {"version": 1, "done": (kept + new)[-DONE_KEPT:]},
-                      f"done-{tag}")
+    _write_atomically(session_path, DONE_NAME,
+                      {"version": 1, "done": [list(d) for d in sorted(kept)]}, f"done-{tag}")
+
+
+def finished_by(fence: Fence | None) -> list[Done]:
+    """What finishing the rollbacks of ``fence`` records."""
+    return sorted({(rid, n, w) for n, w, rid in fence or () if rid is not None})

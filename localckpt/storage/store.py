@@ -57,9 +57,10 @@ from .manifest import ShardManifest
 from .recycle import FilePool
 from .rollback_fence import (
     FENCE_NAME,
+    Done,
     Fence,
+    finished_by,
     hidden,
-    ids_of,
     merged,
     read_done,
     read_fence,
@@ -236,14 +237,14 @@ class ShardStore:
         """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
         return read_fence(self.session_path)
 
-    def rollbacks_done(self) -> frozenset[str]:
-        """The ids of the rollbacks finished on this root: a fence of one of them hides none
-        of its shards (see :mod:`.rollback_fence`)."""
+    def rollbacks_done(self) -> frozenset[Done]:
+        """The rollbacks finished on this root: a fence of one of them hides none of its
+        shards (see :mod:`.rollback_fence`)."""
         return read_done(self.session_path)
 
-    def record_rollbacks_done(self, ids: list[str]) -> None:
-        """Record ``ids`` as finished on this root (OSError when that fails)."""
-        record_done(self.session_path, ids, self._tag)
+    def record_rollbacks_done(self, done: list[Done]) -> None:
+        """Record ``done`` as finished on this root (OSError when that fails)."""
+        record_done(self.session_path, done, self._tag)
 
     def fence_rollback(self, iteration: int, world_size: int | None,
                        before: Fence | None, rollback_id: str) -> None:
@@ -287,9 +288,9 @@ class ShardStore:
     def lift_fence(self) -> None:
         """Once the rollbacks of this root's fence are finished on every root: record them as
         finished here, then remove the fence (OSError when either fails)."""
-        ids = ids_of(read_fence(self.session_path))
-        if ids:
-            record_done(self.session_path, ids, self._tag)
+        done = finished_by(read_fence(self.session_path))
+        if done:
+            record_done(self.session_path, done, self._tag)
         remove_fence(self.session_path)
 
     def finish_rollback(self) -> list[str]:
