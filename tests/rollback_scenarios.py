@@ -313,12 +313,18 @@ def listed_on_a_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 def on_nodes(rank: int, world: int, base: str, nodes: list[str], saves: list[int],
-             strategy: str | None = "node_spread", offset: int = 0) -> dict[str, Any]:
-    """A job whose rank r runs on node ``nodes[r]`` (its root base/<node>): load the newest,
-    save ``saves`` (states of iteration + ``offset``); what it loaded (and whether the state
-    is that iteration's, or which iteration + offset it is) and then lists."""
+             strategy: str | None = "node_spread", offset: int = 0, load: bool = True
+             ) -> dict[str, Any]:
+    """A job whose rank r runs on node ``nodes[r]`` (its root base/<node>): load the newest
+    (unless not ``load``), save ``saves`` (states of iteration + ``offset``); what it loaded
+    (and whether the state is that iteration's, or which iteration + offset it is) and then
+    lists."""
     with LocalCheckpointManager(Path(base) / nodes[rank], "job", strategy, keep_last=3,
                                 timeout=30, node_id=nodes[rank]) as mgr:
+        if not load:
+            for it in saves:
+                mgr.save(make_state(rank, it + offset), it)
+            return {"then": mgr.iterations()}
         state, ckpt_id = mgr.load()
         mgr.wait_for_write_back()
         for it in saves:

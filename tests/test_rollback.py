@@ -374,6 +374,23 @@ def test_the_save_loaded_is_the_newest_and_only_when_it_covers_every_rank() -> N
     assert covering_save([[[0, None, 3.0], [1, "A", 1.0]], [[0, "A", 1.0]]], 2) == ("A", "")
 
 
+def test_copies_of_two_saves_are_seen_though_every_rank_read_one() -> None:
+    """Pure: every rank's own shard (or the copy it was served) comes from save A, but a
+    node holds copies of save B: the iteration is mixed (resolved by the saves' manifests),
+    where only the ranks' own saves were compared before."""
+    from localckpt.load.rounds import note_mixed
+
+    mixed: dict[int, str] = {}
+    agree = [{"save": "A", "copies": {"A": [[0, 2]]}}, {"save": "A", "copies": {}},
+             {"save": None, "copies": {"B": [[0, 1], [2, 4]]}}, {"save": "A"}]
+    assert note_mixed(mixed, 20, agree)
+    assert mixed[20] == ("its copies come from different saves: save A has copies of ranks "
+                         "[0, 1]; save B has copies of ranks [0, 2, 3]")
+    assert not note_mixed(mixed, 30, [{"save": "A", "copies": {"A": [[0, 4]]}},
+                                      {"save": None, "copies": {}}])
+    assert 30 not in mixed
+
+
 def test_an_only_iteration_of_two_saves_is_never_reported_as_nothing_saved(
         tmp_path: Path, root: Path) -> None:
     """Iteration 30 is the only one, and its shards come from two saves: every load in the
@@ -470,5 +487,25 @@ def test_an_iteration_saved_again_on_other_nodes_loads_the_newer_save(tmp_path: 
         assert r.value["loaded"] == 10, r.value
     shutil.rmtree(Path(base) / "node3")
     for r in run_ranks(sc.on_nodes, 3, tmp_path, base, first, []):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 20 and r.value.get("is") == 1020, r.value
+
+
+def test_an_older_save_served_by_peers_is_not_loaded_over_a_newer_one(tmp_path: Path) -> None:
+    """Iteration 20 saved on nodes Y and Z (every shard on both), then again (states + 1000,
+    no replicas) on nodes X1 and X2, which Y and Z were away from. Ranks 0 and 1 back on Y, 2
+    on X1 and 3 on X2: ranks 2 and 3 hold no copy of their own shard, and the plan had them
+    receive it from Y (the fewest bytes to serve), so every rank got the older save, agreed
+    on it, and loaded it, though the newer one has a copy of every rank's shard on X1 and
+    X2. The ranks now compare the saves of every copy of the iteration their nodes hold
+    (each shard records its save in its directory) (attacker review)."""
+    base = str(tmp_path / "roots")
+    for nodes, saves, strategy, offset, load in (
+            (["Y", "Y", "X1", "X1"], [10], "node_spread", 0, False),
+            (["Y", "Y", "Z", "Z"], [20], "node_spread", 0, True),
+            (["X1", "X1", "X2", "X1"], [20], None, 1000, True)):
+        assert all(r.ok for r in run_ranks(sc.on_nodes, 4, tmp_path, base, nodes, saves,
+                                           strategy, offset, load))
+    for r in run_ranks(sc.on_nodes, 4, tmp_path, base, ["Y", "Y", "X1", "X2"], [], None):
         assert r.ok, r.message
         assert r.value["loaded"] == 20 and r.value.get("is") == 1020, r.value

@@ -66,6 +66,7 @@ from .rebuild import needs_rebuild, parity_repair, rebuild_lost
 from .rounds import (
     Loaded,
     Round,
+    copies_held,
     not_loadable,
     note_mixed,
     nothing_left,
@@ -172,7 +173,8 @@ def _verify_sources(ctx: Context, rnd: Round,
             bad.append(quarantine(ctx, shard, exc))
     if built is not None and not bad:
         _build(ctx, rnd, built)
-    return {"bad": bad, "pieces": pieces, "reads": reads, "save": save_of(rnd)}
+    return {"bad": bad, "pieces": pieces, "reads": reads, "save": save_of(rnd),
+            "copies": copies_held(ctx, rnd.iteration)}
 
 
 def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
@@ -291,7 +293,8 @@ def restore(ctx: Context, iteration: int,
     resolved: set[int] = set()  # iterations whose copies of other saves were set aside once
 
     def unmixed(reports: list[dict[str, Any]]) -> bool:
-        """Whether the ranks' own shards come from one save; when not, the copies of the save
+        """Whether the ranks' own shards (and the copies their nodes hold) come from one save;
+        when not, the copies of the save
         that covers every rank are kept and the others set aside (plan again), or the
         iteration is left out from now on (every rank alike: the reports are the same)."""
         if not note_mixed(mixed, iteration, reports):

@@ -16,7 +16,7 @@ from ..control.context import Context
 from ..control.coverage import Inventory
 from ..errors import CorruptShardError, NoCheckpointError
 from ..storage.device_reader import cuda_destination
-from ..storage.layout import ShardRef
+from ..storage.layout import ShardRef, saves_marked
 from ..storage.manifest import ShardManifest, dtype_from_name
 from .destinations import Destinations, Into, check_layouts, match
 
@@ -102,6 +102,31 @@ def save_of(rnd: Round) -> Any:
     return rnd.own[0].metadata.get("save_id") if rnd.own is not None else None
 
 
+def copies_held(ctx: Context, iteration: int) -> dict[str, list[list[int]]]:
+    """The owners of the copies of ``iteration`` (this job's world size) this rank's node
+    holds, by the save marked in their directories, as runs ``[first, last + 1]`` (the node's
+    first rank lists them, the others nothing): what shows an iteration saved twice that a
+    load would otherwise take from the older save's copies alone (its own shards on nodes the
+    newer save never reached, the others served from them)."""
+    if ctx.topology.nodes[ctx.topology.node_of[ctx.rank]][0] != ctx.rank:
+        return {}
+    owners: dict[str, list[int]] = {}
+    for ref in ctx.store.committed():
+        if ref.iteration == iteration and ref.world_size == ctx.world_size \
+                and ref.owner_rank >= 0:
+            for save in saves_marked(ref.path):
+                owners.setdefault(save, []).append(ref.owner_rank)
+    out: dict[str, list[list[int]]] = {}
+    for save, held in owners.items():
+        runs = out[save] = []
+        for owner in sorted(set(held)):
+            if runs and runs[-1][1] == owner:
+                runs[-1][1] = owner + 1
+            else:
+                runs.append([owner, owner + 1])
+    return out
+
+
 def mixed_saves(reports: list[dict[str, Any]]) -> dict[Any, list[int]] | None:
     """Ranks by the save their own shard comes from, when they are not all one save's: an
     iteration number saved twice (a later run resumed from an older iteration) whose shards
@@ -114,14 +139,24 @@ def mixed_saves(reports: list[dict[str, Any]]) -> dict[Any, list[int]] | None:
 
 
 def note_mixed(mixed: dict[int, str], iteration: int, reports: list[dict[str, Any]]) -> bool:
-    """Whether the ranks' own shards of ``iteration`` come from different saves (then it is
-    recorded in ``mixed``, with why, and never loaded: the same verdict on every rank, from the
+    """Whether the ranks' own shards of ``iteration``, or the copies of it their nodes hold
+    (``copies``, see :func:`copies_held`), come from different saves (then it is recorded in
+    ``mixed``, with why, and never loaded as it is: the same verdict on every rank, from the
     same gathered reports)."""
     by_save = mixed_saves(reports)
-    if by_save is None:
+    if by_save is not None:
+        mixed[iteration] = ("its shards come from different saves: " + "; ".join(
+            f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
+        return True
+    owners: dict[str, set[int]] = {}
+    for report in reports:
+        for save, runs in report.get("copies", {}).items():
+            owners.setdefault(save, set()).update(o for a, b in runs for o in range(a, b))
+    if len(owners) < 2:
         return False
-    mixed[iteration] = ("its shards come from different saves: " + "; ".join(
-        f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
+    mixed[iteration] = ("its copies come from different saves: " + "; ".join(
+        f"save {save} has copies of ranks {sorted(held)[:8]}"
+        for save, held in sorted(owners.items())))
     return True
 
 

@@ -73,6 +73,25 @@ def session_dir(root: Path, session_id: str) -> Path:
     return root / session_id
 
 
+# An empty file in a committed shard's data directory naming the save that wrote it (its
+# manifest's save_id): a load compares the saves of every copy without parsing manifests.
+_SAVE_MARKER_RE = re.compile(r"save-([0-9a-f]{1,64})")
+
+
+def save_marker(save_id: object) -> str | None:
+    """The name of the marker of save ``save_id`` (None for one that cannot name a file)."""
+    if type(save_id) is str and _SAVE_MARKER_RE.fullmatch(f"save-{save_id}"):
+        return f"save-{save_id}"
+    return None
+
+
+def saves_marked(shard: Path) -> list[str]:
+    """The saves the markers in the directory of ``shard`` name (none for a shard written
+    before markers, or gone)."""
+    return sorted(m[1] for e in _scandir(shard / "data")
+                  if (m := _SAVE_MARKER_RE.fullmatch(e.name)))
+
+
 def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
     """Where shard (iteration, owner, world_size) lives, or the parity block whose slot
     ``owner`` is; raises ValueError for numbers that do not fit the fixed-width names (a

@@ -25,7 +25,7 @@ from ..ops.faults import fault_point
 from . import fsutil
 from .checksum import crc32c
 from .fsutil import DIR_MODE, FILE_MODE, fsync_dir, make_private_dirs
-from .layout import trash_name
+from .layout import save_marker, trash_name
 from .manifest import GROUP_PREFIX, GROUP_SUFFIX, ShardManifest
 from .recycle import FilePool
 
@@ -198,6 +198,11 @@ class ShardWriter:
                         json.dumps(array_metadata(manifest.chunk_nbytes,
                                                   manifest.chunk_count)).encode())
             _write_file(tmp / "zarr.json", group_metadata(manifest))
+            if (marker := save_marker(manifest.metadata.get("save_id"))) is not None:
+                # empty: the directory's fsync below makes its name durable; in the array's
+                # directory, which zarr never lists (in the group's, a reader would warn)
+                os.close(os.open(tmp / "data" / marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 FILE_MODE))
             for d in (tmp / "data" / "c", tmp / "data", tmp):
                 fsync_dir(d)
             if manifest.owner_rank == self._writer_rank and self._fault_points:
