@@ -344,3 +344,17 @@ def on_nodes_first_save(rank: int, world: int, base: str, nodes: list[str]) -> N
         with LocalCheckpointManager(Path(base) / nodes[rank], "job", strategy, keep_last=3,
                                     timeout=30, node_id=nodes[rank]) as mgr:
             mgr.save(make_state(rank, it), it)
+
+
+def reshard_on_nodes(rank: int, world: int, base: str, nodes: list[str], offset: int,
+                     load: bool) -> Any:
+    """node_spread, rank r on node ``nodes[r]``: save 20 (states + ``offset``), or load with
+    reshard=True (plain state: old rank ``rank % 2``'s); what it loaded and whose it is."""
+    with LocalCheckpointManager(Path(base) / nodes[rank], "job", "node_spread", keep_last=3,
+                                timeout=30, node_id=nodes[rank], reshard=load) as mgr:
+        if not load:
+            mgr.save(make_state(rank, 20 + offset), 20)
+            return mgr.iterations()
+        state, ckpt_id = mgr.load()
+        return {"loaded": ckpt_id[0], "is": next(
+            (v for v in (20, 1020) if digest(state) == digest(make_state(rank % 2, v))), None)}

@@ -509,3 +509,67 @@ def test_an_older_save_served_by_peers_is_not_loaded_over_a_newer_one(tmp_path: 
     for r in run_ranks(sc.on_nodes, 4, tmp_path, base, ["Y", "Y", "X1", "X2"], [], None):
         assert r.ok, r.message
         assert r.value["loaded"] == 20 and r.value.get("is") == 1020, r.value
+
+
+def test_a_damaged_copy_of_an_older_save_does_not_block_the_newer_one(tmp_path: Path) -> None:
+    """Iteration 20 saved on nodes P and Q (every shard on both), then again (states + 1000)
+    on nodes S and T while P and Q were away; one of P's copies of the first save is damaged
+    (a chunk file cut short). Loading on S, S, P, T: the resolution kept the newer save and
+    set aside P's readable copies of the older one, but left the damaged one (no manifest, no
+    vote), whose marker showed two saves again: the iteration was given up, though the newer
+    save is whole. A copy that cannot be read is set aside too when its marker names another
+    save (review of the save markers)."""
+    base = str(tmp_path / "roots")
+    for nodes, offset in ((["P", "P", "Q", "Q"], 0), (["S", "S", "T", "T"], 1000)):
+        assert all(r.ok for r in run_ranks(sc.on_nodes, 4, tmp_path, base, nodes, [20],
+                                           "node_spread", offset, False))
+    chunk = Path(base) / "P" / "job" / "iter_0000000020" / "rank_00000_of_00004" / "data" / "c"
+    first = chunk / "0"
+    first.write_bytes(first.read_bytes()[:-1])
+    for r in run_ranks(sc.on_nodes, 4, tmp_path, base, ["S", "S", "P", "T"], [], None):
+        assert r.ok, r.message
+        assert r.value["loaded"] == 20 and r.value.get("is") == 1020, r.value
+
+
+def test_copies_of_an_erasure_coded_iteration_are_not_compared(tmp_path: Path) -> None:
+    """An erasure-coded iteration saved twice is never resolved (its parity belongs to a
+    save): a node's leftover copies of the older save, which no rank reads, made a whole newer
+    save unloadable. Copies are compared only without erasure coding (review of the save
+    markers)."""
+    import types
+
+    import torch
+
+    from localckpt.load.rounds import copies_held
+    from localckpt.storage.manifest import ShardManifest
+    from localckpt.storage.store import ShardStore, chunking
+    from replication import Topology
+
+    store = ShardStore(tmp_path / "root", "job", writer_rank=0)
+    try:
+        chunk_nbytes, count = chunking(100, store.chunk_nbytes)
+        store.write(ShardManifest("job", 20, 1, 2, (), {"dict": []}, "plain", 100,
+                                  chunk_nbytes, count, (), metadata={"save_id": "ab12"}),
+                    torch.zeros(chunk_nbytes * count, dtype=torch.uint8))
+        ctx = types.SimpleNamespace(rank=0, world_size=2, store=store, erasure=None,
+                                    topology=Topology(("a", "a")))
+        assert copies_held(ctx, 20) == {"ab12": [[1, 2]]}  # type: ignore[arg-type]
+        ctx.erasure = object()
+        assert copies_held(ctx, 20) == {}  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def test_a_resharding_load_does_not_take_an_older_save_served_by_peers(tmp_path: Path) -> None:
+    """Iteration 20 saved by 2 ranks on nodes Y and Z, then again (states + 1000) on X1 and
+    X2 while Y and Z were away. A 4-rank resharding job on Y, Y, Y, X1: the servers chosen by
+    load were on Y, every manifest read said the older save, and it loaded, though X1 holds
+    the newer save whole. The resharding load compares the saves of every copy too (review of
+    the save markers)."""
+    base = str(tmp_path / "roots")
+    for nodes, offset in ((["Y", "Z"], 0), (["X1", "X2"], 1000)):
+        assert all(r.ok for r in run_ranks(sc.reshard_on_nodes, 2, tmp_path, base, nodes,
+                                           offset, False))
+    for r in run_ranks(sc.reshard_on_nodes, 4, tmp_path, base, ["Y", "Y", "Y", "X1"], 0, True):
+        assert r.ok, r.message
+        assert r.value == {"loaded": 20, "is": 1020}, r.value

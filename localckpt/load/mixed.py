@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..control.context import Context
-from ..storage.layout import ShardRef
+from ..storage.layout import ShardRef, saves_marked
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
     if ctx.erasure is not None and world == ctx.world_size:
         return "erasure-coded iterations saved twice are not resolved"
     held: list[tuple[ShardRef, Any]] = []
+    unread: list[ShardRef] = []
 
     def mine() -> list[list[Any]]:  # inside the exchange: a rank's failure is every rank's
         for ref in ctx.store.committed():
@@ -62,6 +63,7 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
                 try:
                     held.append((ref, ctx.store.read_manifest(ref).metadata))
                 except Exception as exc:  # left out: a copy that cannot be read is no vote
+                    unread.append(ref)
                     logger.warning("rank %d: %s: %s left out: %s", ctx.rank, where, ref.path,
                                    exc)
         return [[ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")]
@@ -73,7 +75,11 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
         return why
 
     def set_aside() -> None:
-        for ref, meta in held:
+        # A copy that cannot be read goes too when its marker names another save: left, it
+        # would show two saves to every later load of the iteration.
+        marked = [(ref, {"save_id": saves[0]}) for ref in unread
+                  if (saves := saves_marked(ref.path)) and chosen not in saves]
+        for ref, meta in held + marked:
             save = meta.get("save_id")
             if save is not None and save != chosen:
                 moved = ctx.store.quarantine(ref)

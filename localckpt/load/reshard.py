@@ -44,6 +44,7 @@ from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
 from ..storage.views import distinct_elements, first_read_only, refuse_past_storage
 from .destinations import Destinations, Into, Rewrap, Target, read_only_error
+from .rounds import copies_held
 from .tied import split_tied
 
 logger = logging.getLogger(__name__)
@@ -123,18 +124,26 @@ def _box(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torc
     return t
 
 
-def _check_one_save(manifests: dict[int, ShardManifest], step: str) -> None:
-    """CorruptShardError (on every rank: the manifests are gathered) when the old shards come
-    from different saves of the iteration (one put back from a backup after it was re-saved):
-    never a state dict mixed from two saves."""
-    saves: dict[Any, list[int]] = {}
+def _check_one_save(manifests: dict[int, ShardManifest], step: str,
+                    copies: list[dict[str, list[list[int]]]]) -> None:
+    """MixedSavesError (on every rank: the manifests are gathered) when the old shards read,
+    or the copies of the iteration the job's nodes hold (``copies``: see
+    :func:`.rounds.copies_held`), come from different saves of the iteration (one put back
+    from a backup after it was re-saved; the older save's copies alone read by servers
+    chosen by load): never a state dict mixed from two saves, nor an older save loaded over a
+    newer one (the caller resolves)."""
+    saves: dict[Any, set[int]] = {}
     for owner, manifest in sorted(manifests.items()):
         save = manifest.metadata.get("save_id")
         if save is not None:
-            saves.setdefault(save, []).append(owner)
+            saves.setdefault(save, set()).add(owner)
+    for held in copies:
+        for save, runs in held.items():
+            saves.setdefault(save, set()).update(o for a, b in runs for o in range(a, b))
     if len(saves) > 1:
         raise MixedSavesError(f"{step}: its shards come from different saves: " + "; ".join(
-            f"old ranks {owners[:8]} hold save {save}" for save, owners in saves.items()))
+            f"old ranks {sorted(owners)[:8]} have copies of save {save}"
+            for save, owners in sorted(saves.items())))
 
 
 def not_a_block(path: str, layout: DTensorLayout, whose: str) -> ConfigurationError:
@@ -178,14 +187,15 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         # As the verified bytes, not a dict: no rank encodes a manifest again to check it.
         manifests = {str(o): checked(o, ctx.store.read_manifest).encoded.decode()
                      for o, server in servers.items() if server == rank}
-        return {"wants": wants, "manifests": manifests}
+        return {"wants": wants, "manifests": manifests,
+                "copies": copies_held(ctx, iteration, old_world)}
 
     started = time.monotonic()
     described = ctx.group.exchange(f"{step}: layouts", describe)
     laid_out = time.monotonic()
     manifests = {int(o): ShardManifest.from_json_bytes(text.encode(), f"shard {o} of {step}")
                  for d in described for o, text in d["manifests"].items()}
-    _check_one_save(manifests, step)
+    _check_one_save(manifests, step, [d["copies"] for d in described])
     old: dict[str, list[OldShard]] = defaultdict(list)
     for o, m in sorted(manifests.items()):
         paths = [m.tensors[i].key_path for i in m.layouts]

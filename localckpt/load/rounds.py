@@ -102,17 +102,23 @@ def save_of(rnd: Round) -> Any:
     return rnd.own[0].metadata.get("save_id") if rnd.own is not None else None
 
 
-def copies_held(ctx: Context, iteration: int) -> dict[str, list[list[int]]]:
-    """The owners of the copies of ``iteration`` (this job's world size) this rank's node
+def copies_held(ctx: Context, iteration: int, world_size: int | None = None
+                ) -> dict[str, list[list[int]]]:
+    """The owners of the copies of ``iteration`` (of ``world_size``, default this job's; a
+    resharding load names another) this rank's node
     holds, by the save marked in their directories, as runs ``[first, last + 1]`` (the node's
     first rank lists them, the others nothing): what shows an iteration saved twice that a
     load would otherwise take from the older save's copies alone (its own shards on nodes the
     newer save never reached, the others served from them)."""
-    if ctx.topology.nodes[ctx.topology.node_of[ctx.rank]][0] != ctx.rank:
+    if ctx.erasure is not None or ctx.topology.nodes[ctx.topology.node_of[ctx.rank]][0] \
+            != ctx.rank:
+        # An erasure-coded iteration saved twice is never resolved (its parity belongs to a
+        # save): copies no rank reads must not make a whole one unloadable.
         return {}
     owners: dict[str, list[int]] = {}
+    world = ctx.world_size if world_size is None else world_size
     for ref in ctx.store.committed():
-        if ref.iteration == iteration and ref.world_size == ctx.world_size \
+        if ref.iteration == iteration and ref.world_size == world \
                 and ref.owner_rank >= 0:
             for save in saves_marked(ref.path):
                 owners.setdefault(save, []).append(ref.owner_rank)
