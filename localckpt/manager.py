@@ -332,16 +332,18 @@ class LocalCheckpointManager:
         """Whether to save at ``step``, by ``save_policy`` (ConfigurationError without one), or
         because a preemption was noticed: True on every rank alike. Collective when the policy
         has ``every_seconds`` or preemption signals are handled (one small exchange: rank 0's
-        clock, every rank's flag); otherwise local and free."""
+        clock, every rank's flag, after waiting for a save's finalize another thread is
+        running); otherwise local and free."""
         return self._schedule.should_save(step)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption signal reached any rank: True on every rank at the same call,
         after finalizing an async save in flight (its failure is logged, not raised: the loop
         must still save), so the loop saves ``step`` (``save(..., force=True)``) and exits.
-        Collective (one exchange of a flag: about a millisecond on a few ranks; call it every
-        step, or every few when the job has thousands of ranks); False at once, and not
-        collective, without ``preemption_signals``."""
+        Collective (one exchange of a flag: about a millisecond on a few ranks, after waiting
+        for a save's finalize another thread is running; call it every step, or every few when
+        the job has thousands of ranks); False at once, and not collective, without
+        ``preemption_signals``."""
         if self._schedule.reached_preemption(step):
             try:
                 self._save.settle()

@@ -385,10 +385,14 @@ def test_copies_of_two_saves_are_seen_though_every_rank_read_one() -> None:
              {"save": None, "copies": {"B": [[0, 1], [2, 4]]}}, {"save": "A"}]
     assert note_mixed(mixed, 20, agree)
     assert mixed[20] == ("its copies come from different saves: save A has copies of ranks "
-                         "[0, 1]; save B has copies of ranks [0, 2, 3]")
+                         "[0, 1, 3]; save B has copies of ranks [0, 2, 3]")
     assert not note_mixed(mixed, 30, [{"save": "A", "copies": {"A": [[0, 4]]}},
                                       {"save": None, "copies": {}}])
     assert 30 not in mixed
+    # the older save written before markers, read by every rank as its own; the newer marked
+    assert note_mixed(mixed, 40, [{"save": "A", "copies": {"B": [[0, 2]]}},
+                                  {"save": "A", "copies": {}}])
+    assert "save A has copies of ranks [0, 1]" in mixed[40]
 
 
 def test_an_only_iteration_of_two_saves_is_never_reported_as_nothing_saved(

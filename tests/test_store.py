@@ -633,9 +633,17 @@ def test_a_root_that_finished_a_rollback_shows_what_it_saved_after_it(store: Sha
     rollback_fence.write_fence(store.session_path, ((20, 1, None), (30, 1, "r9")), "w00000")
     assert listed() == [10, 20]
     store.cancel_rollback()
-    # an unreadable record is no record
+    # a record that cannot be read is an error naming it, never taken for no record (a
+    # fence would then hide, and the next save delete, what this root saved after it)
     (store.session_path / rollback_fence.DONE_NAME).write_text("{")
-    assert store.rollbacks_done() == frozenset()
+    with pytest.raises(CorruptShardError, match=r"rollbacks-done\.json: malformed record"):
+        store.rollbacks_done()
+    store.fence_rollback(20, 1, store.fence(), "r2")
+    with pytest.raises(CorruptShardError, match=r"rollbacks-done\.json: malformed record"):
+        store.committed()  # this root holds a fence: its listing reads the record
+    assert store.discard_fenced() != []  # refused: 40 (saved after r1) is not deleted
+    store.wait_for_deletions()
+    assert (store.session_path / "iter_0000000040").is_dir()
 
 
 def test_a_fence_that_cannot_be_read_is_an_error_not_ignored(store: ShardStore) -> None:

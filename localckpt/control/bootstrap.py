@@ -195,7 +195,9 @@ def place_replicas(strategy: ReplicationStrategy | None, topology: Topology,
     (rank 0 logs a warning) or, with ``strict``, raises ConfigurationError on every rank. So is
     one whose replication factor needs more nodes than the job has (one machine, a job shrunk
     to fewer nodes): without ``strict`` each shard then gets a copy on every other node (none on
-    a single node), placed as node_spread places them."""
+    a single node), placed as node_spread places them. So are node names the roots contradict
+    (ranks reporting one node with different roots: a copy on another node name may share its
+    owner's machine), with replicas or erasure stripes."""
     hint = shared_roots_hint(topology, roots)
 
     def names_untrusted() -> None:

@@ -31,12 +31,12 @@ def discard_newer(ctx: Context, iteration: int, world: int | None, tier: Durable
     # rollback's back).
     before: list[Fence | None] = []
 
-    def as_it_was() -> str:
+    def as_it_was() -> str | None:
         before.append(ctx.store.fence())
-        return new_rollback_id()
+        return new_rollback_id() if ctx.rank == 0 else None
 
     # rank 0's id names this rollback in every fence (a root that finishes it records it)
-    rollback_id = ctx.group.exchange(f"{step} as it was", as_it_was)[0]
+    rollback_id = str(ctx.group.exchange(f"{step} as it was", as_it_was)[0])
     tried = []
 
     def fence() -> None:

@@ -155,9 +155,11 @@ def note_mixed(mixed: dict[int, str], iteration: int, reports: list[dict[str, An
             f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
         return True
     owners: dict[str, set[int]] = {}
-    for report in reports:
+    for rank, report in enumerate(reports):
         for save, runs in report.get("copies", {}).items():
             owners.setdefault(save, set()).update(o for a, b in runs for o in range(a, b))
+        if report.get("save") is not None:  # read as its own (a copy without a marker too)
+            owners.setdefault(report["save"], set()).add(rank)
     if len(owners) < 2:
         return False
     mixed[iteration] = ("its copies come from different saves: " + "; ".join(

@@ -56,11 +56,14 @@ def committed_as_job(roots: Sequence[Path], session: str, iterations: set[int],
 
 def unfenced_shards(roots: Sequence[Path], session: str) -> dict[Path, list[ShardRef]]:
     """Each root's committed shards of ``session`` but those a rollback's fence on any of the
-    roots hides (the job hides them on every root)."""
+    roots hides (the job hides them on every root, but on one that finished that rollback)."""
     fence = None
     for root in roots:
         if (held := read_fence(session_dir(root, session))) is not None:
             fence = merged(fence, held)
-    return {root: [s for s in list_shards(root, session, fenced=False)
-                   if not hidden(unfinished(fence, read_done(session_dir(root, session))),
-                                 s.iteration, s.world_size)] for root in roots}
+    out = {}
+    for root in roots:  # a root that finished a rollback shows what it saved after it
+        left = unfinished(fence, read_done(session_dir(root, session))) if fence else None
+        out[root] = [s for s in list_shards(root, session, fenced=False)
+                     if not hidden(left, s.iteration, s.world_size)]
+    return out

@@ -160,22 +160,38 @@ def remove_fence(session_path: Path) -> None:
 
 
 def _done_entries(doc: Any) -> list[Done]:
+    """The entries of a record (ValueError for anything else)."""
     if type(doc) is not dict or doc.get("version") != 1 or type(doc.get("done")) is not list:
-        return []
-    return [(e[0], e[1], e[2]) for e in doc["done"]
-            if type(e) is list and len(e) == 3 and type(e[0]) is str and 0 < len(e[0]) <= 64
-            and type(e[1]) is int and e[1] >= 0
-            and (e[2] is None or (type(e[2]) is int and e[2] >= 1))]
+        raise ValueError(f"unexpected document {str(doc)[:200]}")
+    out = []
+    for e in doc["done"]:
+        if not (type(e) is list and len(e) == 3 and type(e[0]) is str and 0 < len(e[0]) <= 64
+                and type(e[1]) is int and e[1] >= 0
+                and (e[2] is None or (type(e[2]) is int and e[2] >= 1))):
+            raise ValueError(f"entry {str(e)[:100]}")
+        out.append((e[0], e[1], e[2]))
+    return out
 
 
 def read_done(session_path: Path) -> frozenset[Done]:
-    """The rollbacks finished on this root (none when the record cannot be read: every
-    fence then hides as if no root finished it, never less)."""
+    """The rollbacks finished on this root (none without a record). CorruptShardError naming
+    the file when it exists but cannot be read or is malformed: taken for no record, a fence
+    of one of them would hide, and the next save delete, what this root saved after it."""
+    path = session_path / DONE_NAME
     try:
-        with open(os.open(session_path / DONE_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            return frozenset(_done_entries(json.loads(f.read(1 << 16))))
-    except (OSError, ValueError):
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            data = f.read(1 << 16)
+    except FileNotFoundError:
         return frozenset()
+    except OSError as exc:
+        raise CorruptShardError(f"{path}: the record of the rollbacks this root finished "
+                                f"cannot be read ({exc})") from exc
+    try:
+        return frozenset(_done_entries(json.loads(data)))
+    except ValueError as exc:
+        raise CorruptShardError(
+            f"{path}: malformed record of the rollbacks this root finished ({exc}); remove "
+            "it only once no node holds a rollback fence of this session") from None
 
 
 def record_done(session_path: Path, done: Iterable[Done], tag: str) -> None:

@@ -294,8 +294,9 @@ class ShardStore:
         remove_fence(self.session_path)
 
     def finish_rollback(self) -> list[str]:
-        """:meth:`discard_fenced`, then the fence goes (kept if a deletion failed: those
-        shards stay hidden). What failed, as text; never raises."""
+        """:meth:`discard_fenced`, then :meth:`lift_fence` (the rollbacks recorded as
+        finished here, then the fence goes; kept if a deletion failed: those shards stay
+        hidden). What failed, as text; never raises."""
         failed = self.discard_fenced()
         if not failed:
             try:
