@@ -557,9 +557,9 @@ def test_copies_of_an_erasure_coded_iteration_are_not_compared(tmp_path: Path) -
                     torch.zeros(chunk_nbytes * count, dtype=torch.uint8))
         ctx = types.SimpleNamespace(rank=0, world_size=2, store=store, erasure=None,
                                     topology=Topology(("a", "a")))
-        assert copies_held(ctx, 20) == {"ab12": [[1, 2]]}  # type: ignore[arg-type]
+        assert copies_held(ctx, 20, [0, 1]) == {"ab12": [[1, 2]]}  # type: ignore[arg-type]
         ctx.erasure = object()
-        assert copies_held(ctx, 20) == {}  # type: ignore[arg-type]
+        assert copies_held(ctx, 20, [0, 1]) == {}  # type: ignore[arg-type]
     finally:
         store.close()
 

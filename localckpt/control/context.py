@@ -17,6 +17,7 @@ from replication import Placement, StripeLayout, Topology
 from ..ops.metrics import Metrics
 from ..storage.layout import list_shards
 from ..storage.peer_io import PieceRing
+from ..storage.rollback_fence import ids_of
 from ..storage.store import ShardStore
 from .collectives import CheckpointGroup
 from .coverage import Inventory, decode_inventories, job_done
@@ -72,7 +73,7 @@ class Context:
         what it discarded): those are finished here by deleting what they hide (the next
         save). Local; what fails is logged."""
         mine = inventories[self.rank]
-        have = {d[0] for d in mine.done} | {rid for _, _, rid in mine.fence or ()}
+        have = {d[0] for d in mine.done} | set(ids_of(mine.fence))
         missing = [d for d in sorted(job_done(inventories)) if d[0] not in have]
         if not missing:
             return

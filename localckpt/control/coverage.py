@@ -7,7 +7,7 @@ them on the same gathered input and so reaches the same answer without further c
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,16 +44,8 @@ class Inventory:
         by_key: dict[tuple[int, int], list[int]] = defaultdict(list)
         for it, owner, world in self.shards:
             by_key[(it, world)].append(owner)
-        listing = []
-        for (it, world), owners in sorted(by_key.items()):
-            owners.sort()
-            runs = [[owners[0], owners[0] + 1]]
-            for owner in owners[1:]:
-                if owner == runs[-1][1]:
-                    runs[-1][1] = owner + 1
-                else:
-                    runs.append([owner, owner + 1])
-            listing.append([it, world, runs])
+        listing = [[it, world, owner_runs(owners)]
+                   for (it, world), owners in sorted(by_key.items())]
         doc: dict[str, Any] = {"session": self.session_id, "shards": listing}
         if self.fence is not None:
             doc["fence"] = [list(e) for e in self.fence]
@@ -69,6 +61,22 @@ class Inventory:
         shards = frozenset((it, o, w) for it, w, runs in doc["shards"] for a, b in runs
                            for o in range(a, b))
         return cls(rank, str(doc["session"]), shards, _fence_of(doc), _done_of(doc))
+
+
+def owner_runs(owners: Iterable[int]) -> list[list[int]]:
+    """``owners`` as sorted runs ``[first, last + 1]`` (:func:`owners_in` reads them)."""
+    runs: list[list[int]] = []
+    for owner in sorted(set(owners)):
+        if runs and runs[-1][1] == owner:
+            runs[-1][1] = owner + 1
+        else:
+            runs.append([owner, owner + 1])
+    return runs
+
+
+def owners_in(runs: Iterable[Sequence[int]]) -> Iterator[int]:
+    """The owners of :func:`owner_runs`' runs."""
+    return (owner for first, end in runs for owner in range(first, end))
 
 
 def _fence_of(doc: dict[str, Any]) -> Fence | None:

@@ -44,7 +44,7 @@ from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
 from ..storage.views import distinct_elements, first_read_only, refuse_past_storage
 from .destinations import Destinations, Into, Rewrap, Target, read_only_error
-from .rounds import copies_held
+from .rounds import copies_held, saves_held
 from .tied import split_tied
 
 logger = logging.getLogger(__name__)
@@ -132,14 +132,11 @@ def _check_one_save(manifests: dict[int, ShardManifest], step: str,
     from a backup after it was re-saved; the older save's copies alone read by servers
     chosen by load): never a state dict mixed from two saves, nor an older save loaded over a
     newer one (the caller resolves)."""
-    saves: dict[Any, set[int]] = {}
+    saves: dict[Any, set[int]] = saves_held(copies)
     for owner, manifest in sorted(manifests.items()):
         save = manifest.metadata.get("save_id")
         if save is not None:
             saves.setdefault(save, set()).add(owner)
-    for held in copies:
-        for save, runs in held.items():
-            saves.setdefault(save, set()).update(o for a, b in runs for o in range(a, b))
     if len(saves) > 1:
         raise MixedSavesError(f"{step}: its shards come from different saves: " + "; ".join(
             f"old ranks {sorted(owners)[:8]} have copies of save {save}"
@@ -162,7 +159,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     the failing rank's error while reading (CorruptShardError) or building, CollectiveError."""
     rank, world = ctx.rank, ctx.world_size
     step = f"load of iteration {iteration} (saved by {old_world} ranks)"
-    servers = choose_servers(holders_of(inventories, iteration, old_world), old_world)
+    holders = holders_of(inventories, iteration, old_world)
+    servers = choose_servers(holders, old_world)
     target = Into(into)
 
     def checked(owner: int, read: Any) -> Any:
@@ -188,7 +186,9 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         manifests = {str(o): checked(o, ctx.store.read_manifest).encoded.decode()
                      for o, server in servers.items() if server == rank}
         return {"wants": wants, "manifests": manifests,
-                "copies": copies_held(ctx, iteration, old_world)}
+                "copies": copies_held(ctx, iteration,
+                                      [o for o, ranks in holders.items() if rank in ranks],
+                                      old_world)}
 
     started = time.monotonic()
     described = ctx.group.exchange(f"{step}: layouts", describe)

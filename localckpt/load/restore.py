@@ -174,7 +174,8 @@ def _verify_sources(ctx: Context, rnd: Round,
     if built is not None and not bad:
         _build(ctx, rnd, built)
     return {"bad": bad, "pieces": pieces, "reads": reads, "save": save_of(rnd),
-            "copies": copies_held(ctx, rnd.iteration)}
+            "copies": copies_held(ctx, rnd.iteration, [
+                owner for (_, owner), ranks in rnd.holders.items() if ctx.rank in ranks])}
 
 
 def _fetch(ctx: Context, rnd: Round, built: list[tuple[ShardManifest, Any]],
@@ -293,10 +294,10 @@ def restore(ctx: Context, iteration: int,
     resolved: set[int] = set()  # iterations whose copies of other saves were set aside once
 
     def unmixed(reports: list[dict[str, Any]]) -> bool:
-        """Whether the ranks' own shards (and the copies their nodes hold) come from one save;
-        when not, the copies of the save
-        that covers every rank are kept and the others set aside (plan again), or the
-        iteration is left out from now on (every rank alike: the reports are the same)."""
+        """Whether the ranks' own shards (and the copies their nodes hold) come from one
+        save; when not, the copies of the save that covers every rank are kept and the others
+        set aside (plan again), or the iteration is left out from now on (every rank alike:
+        the reports are the same)."""
         if not note_mixed(mixed, iteration, reports):
             return True
         if iteration not in resolved:

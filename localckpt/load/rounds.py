@@ -5,6 +5,7 @@ an iteration that cannot be loaded."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from replication import ExchangePlan, RetrievalPlan, retrieval_plan, schedule, wanted_shards
 
 from ..control.context import Context
-from ..control.coverage import Inventory
+from ..control.coverage import Inventory, owner_runs, owners_in
 from ..errors import CorruptShardError, NoCheckpointError
 from ..storage.device_reader import cuda_destination
 from ..storage.layout import ShardRef, saves_marked
@@ -102,34 +103,35 @@ def save_of(rnd: Round) -> Any:
     return rnd.own[0].metadata.get("save_id") if rnd.own is not None else None
 
 
-def copies_held(ctx: Context, iteration: int, world_size: int | None = None
-                ) -> dict[str, list[list[int]]]:
-    """The owners of the copies of ``iteration`` (of ``world_size``, default this job's; a
-    resharding load names another) this rank's node
-    holds, by the save marked in their directories, as runs ``[first, last + 1]`` (the node's
-    first rank lists them, the others nothing): what shows an iteration saved twice that a
-    load would otherwise take from the older save's copies alone (its own shards on nodes the
-    newer save never reached, the others served from them)."""
+def copies_held(ctx: Context, iteration: int, owners: Iterable[int],
+                world_size: int | None = None) -> dict[str, list[list[int]]]:
+    """The saves marked in the directories of the copies of ``iteration`` (of ``world_size``,
+    default this job's; a resharding load names another) of ``owners`` this rank's node
+    holds (as the gathered inventories say), each with its owners as runs
+    (:func:`owner_runs`); only the node's first rank reports, the others nothing. What shows
+    an iteration saved twice that a load would otherwise take from the older save's copies
+    alone (its own shards on nodes the newer save never reached, the others served from
+    them)."""
     if ctx.erasure is not None or ctx.topology.nodes[ctx.topology.node_of[ctx.rank]][0] \
             != ctx.rank:
         # An erasure-coded iteration saved twice is never resolved (its parity belongs to a
         # save): copies no rank reads must not make a whole one unloadable.
         return {}
-    owners: dict[str, list[int]] = {}
     world = ctx.world_size if world_size is None else world_size
-    for ref in ctx.store.committed():
-        if ref.iteration == iteration and ref.world_size == world \
-                and ref.owner_rank >= 0:
-            for save in saves_marked(ref.path):
-                owners.setdefault(save, []).append(ref.owner_rank)
-    out: dict[str, list[list[int]]] = {}
-    for save, held in owners.items():
-        runs = out[save] = []
-        for owner in sorted(set(held)):
-            if runs and runs[-1][1] == owner:
-                runs[-1][1] = owner + 1
-            else:
-                runs.append([owner, owner + 1])
+    by_save: dict[str, list[int]] = {}
+    for owner in owners:
+        if owner >= 0:  # not a parity block
+            for save in saves_marked(ctx.store.ref(iteration, owner, world).path):
+                by_save.setdefault(save, []).append(owner)
+    return {save: owner_runs(held) for save, held in by_save.items()}
+
+
+def saves_held(copies: Iterable[dict[str, list[list[int]]]]) -> dict[str, set[int]]:
+    """The owners each save has copies of, over every node's :func:`copies_held`."""
+    out: dict[str, set[int]] = {}
+    for held in copies:
+        for save, runs in held.items():
+            out.setdefault(save, set()).update(owners_in(runs))
     return out
 
 
@@ -154,10 +156,8 @@ def note_mixed(mixed: dict[int, str], iteration: int, reports: list[dict[str, An
         mixed[iteration] = ("its shards come from different saves: " + "; ".join(
             f"ranks {ranks[:8]} hold save {save}" for save, ranks in by_save.items()))
         return True
-    owners: dict[str, set[int]] = {}
+    owners = saves_held(report.get("copies", {}) for report in reports)
     for rank, report in enumerate(reports):
-        for save, runs in report.get("copies", {}).items():
-            owners.setdefault(save, set()).update(o for a, b in runs for o in range(a, b))
         if report.get("save") is not None:  # read as its own (a copy without a marker too)
             owners.setdefault(report["save"], set()).add(rank)
     if len(owners) < 2:

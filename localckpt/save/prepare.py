@@ -32,6 +32,7 @@ from replication.stripe_plans import parity_save_plan
 from ..control.coverage import (
     check_capacity,
     decode_inventories,
+    holders_of,
     job_fence,
     job_unfinished,
     validate_save,
@@ -246,8 +247,7 @@ class SaveAgreement:
         self._check_capacity(group, bytes_written(gathered, plan, ctx.erasure,
                                                   ctx.store.chunk_nbytes), gathered)
         it, world = staged.iteration, ctx.world_size
-        if (it, world) in ctx.unloadable or any(
-                s[0] == it and s[2] == world for inv in inventories for s in inv.shards):
+        if (it, world) in ctx.unloadable or holders_of(inventories, it, world):
             # agreed (the same inventories everywhere), and over before any rank writes
             group.exchange(f"save: the older copies of iteration {it} removed",
                            partial(self._remove_older_copies, it, plan))
