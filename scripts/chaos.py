@@ -22,8 +22,9 @@ scenario says so). Then it checks the invariants (scripts/chaos_checks.py):
 - every node again holds every shard the placement puts on it (losing F-1 nodes is recovered).
 
 Usage:
-    python scripts/chaos.py                 # the CI set: kill and raise at every point, every kind
-    python scripts/chaos.py --full          # and the variants left out of CI for time
+    python scripts/chaos.py                 # the CI set: every fault point and kind at least once
+    python scripts/chaos.py --set points    # a kill and a raise at every fault point
+    python scripts/chaos.py --full          # and variants whose point and kind another tries
     python scripts/chaos.py --soak 50 --seed 7   # 50 random scenarios
     python scripts/chaos.py --only kill_node     # scenarios whose name contains the text
 Prints a table and writes JSON (--json, default docs/chaos.json); exit status 1 on a violation.
@@ -79,42 +80,54 @@ class Scenario:
     expect_failed: tuple[int, ...] | None = None  # saves that must fail alike (no restart)
     expect_resume: int | None = None  # after a first run: default its last save
     during: str = ""  # "gc": an operator runs localckpt gc while the job trains
-    ci: bool = True  # False: only with --full (another CI scenario covers its point and kind)
+    # "ci": the short form CI runs (every point and every kind at least once); "points": a
+    # kill and a raise at every fault point; "full": variants whose point and kind another
+    # scenario already tries. Each set holds the ones before it.
+    tier: str = "points"
 
 
-def ci_scenarios(full: bool = False) -> list[Scenario]:
-    """Kill and raise at every fault point, and every other kind at least once; ``full``: also
-    the variants (``ci=False``) whose point and kind another scenario already tries, left out
-    of CI for its time (run them with --full after a change to the save or load path)."""
+SETS = ("ci", "points", "full")
+
+
+def scenario_set(name: str = "ci") -> list[Scenario]:
+    """The scenarios of a set (``SETS``), each holding the ones before it:
+
+    - ``ci``: the short form CI runs: every fault point and every fault kind at least once;
+    - ``points``: a kill and a raise at every fault point, and every other kind at least once
+      (run it after a change to the save or load path);
+    - ``full``: also the variants whose point and kind another scenario already tries.
+    """
+    if name not in SETS:
+        raise ValueError(f"chaos set: expected one of {SETS}, got {name!r}")
     k = "kill_rank"
     kills = [
         Scenario("kill rank during staging", "staging", k, "staging:kill:rank=1:iteration=19"),
         Scenario("kill rank during local write", "local_write", k,
                  "local_write:kill:rank=0:iteration=19"),
         Scenario("crash before commit leaves leftovers", "before_commit", "leftovers",
-                 "before_commit:kill:rank=1:iteration=29"),
+                 "before_commit:kill:rank=1:iteration=29", tier="ci"),
         Scenario("kill sender during replica send", "replica_send", k,
                  "replica_send:kill:rank=0:iteration=19"),
         Scenario("kill receiver during replica receive", "replica_receive", k,
-                 "replica_receive:kill:rank=1:iteration=29", ci=False),
+                 "replica_receive:kill:rank=1:iteration=29", tier="full"),
         Scenario("kill rank after commit before finalize", "after_commit", k,
                  "after_commit:kill:rank=1:iteration=19"),
         Scenario("kill rank during finalize cleanup", "finalize", k,
                  "finalize:kill:rank=0:iteration=29"),
         Scenario("kill rank in find_latest after a restart", "find_latest", k,
-                 "staging:kill:rank=1:iteration=29;find_latest:kill:rank=1:attempt=1"),
+                 "staging:kill:rank=1:iteration=29;find_latest:kill:rank=1:attempt=1", tier="ci"),
         Scenario("kill rank during load retrieval", "load_retrieval", k,
                  "staging:kill:rank=1:iteration=29;load_retrieval:kill:rank=1:attempt=1"),
         Scenario("kill node during staging", "staging", "kill_node",
-                 "staging:kill_node:rank=1:iteration=19", ci=False),
+                 "staging:kill_node:rank=1:iteration=19", tier="full"),
         Scenario("kill node during replica send", "replica_send", "kill_node",
-                 "replica_send:kill_node:rank=1:iteration=29"),
+                 "replica_send:kill_node:rank=1:iteration=29", tier="ci"),
         Scenario("wipe node lost during local write", "local_write", "wipe_node",
-                 "local_write:kill_node:rank=1:iteration=29", wipe=True, ci=False),
+                 "local_write:kill_node:rank=1:iteration=29", wipe=True, tier="full"),
         Scenario("wipe node lost during replica receive", "replica_receive", "wipe_node",
-                 "replica_receive:kill_node:rank=0:iteration=19", wipe=True),
+                 "replica_receive:kill_node:rank=0:iteration=19", wipe=True, tier="ci"),
         Scenario("wipe node lost after commit", "after_commit", "wipe_node",
-                 "after_commit:kill_node:rank=0:iteration=29", wipe=True, ci=False),
+                 "after_commit:kill_node:rank=0:iteration=29", wipe=True, tier="full"),
         Scenario("wipe node lost during finalize", "finalize", "wipe_node",
                  "finalize:kill_node:rank=1:iteration=19", wipe=True),
         # rank 1's node is replaced empty; the survivor dies sending the shards back after the
@@ -122,7 +135,7 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         # after the restart, so the survivor (the only sender) is the one armed process.
         Scenario("kill sender during the write-back after node loss", "load_write_back",
                  "wipe_node", "local_write:kill_node:rank=1:iteration=29;"
-                 "load_write_back:kill:attempt=*", wipe=True),
+                 "load_write_back:kill:attempt=*", wipe=True, tier="ci"),
     ]
     # A raise on one rank must fail that save on every rank alike, and training goes on. One in
     # retention (finalize) fails nothing: the save had already been agreed complete.
@@ -131,7 +144,8 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
     raises = [Scenario(f"raise on one rank at {', '.join(p for p, _, _ in group)}", group[0][0],
                        "raise", ";".join(f"{p}:raise:rank={r}:iteration={it}"
                                          for p, r, it in group), expect_restart=False,
-                       expect_failed=tuple(it for p, _, it in group if p != "finalize"))
+                       expect_failed=tuple(it for p, _, it in group if p != "finalize"),
+                       tier="ci")
               for group in ((("staging", 1, 9), ("local_write", 0, 19), ("before_commit", 1, 29)),
                             (("replica_send", 0, 9), ("replica_receive", 1, 19),
                              ("after_commit", 0, 29), ("finalize", 1, 39)))]
@@ -139,7 +153,8 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         Scenario("raise in find_latest after a restart", "find_latest", "raise",
                  "staging:kill:rank=1:iteration=29;find_latest:raise:rank=1:attempt=1"),
         Scenario("raise in load retrieval after a restart", "load_retrieval", "raise",
-                 "staging:kill:rank=1:iteration=29;load_retrieval:raise:rank=1:attempt=1"),
+                 "staging:kill:rank=1:iteration=29;load_retrieval:raise:rank=1:attempt=1",
+                 tier="ci"),
         # fails one transfer of the write-back, which is tried again; the load never sees it
         Scenario("raise in the write-back after node loss", "load_write_back", "raise",
                  "local_write:kill_node:rank=1:iteration=29;"
@@ -151,9 +166,9 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
     recycled = ("--recycle-files",)
     kills += [
         Scenario("kill rank writing over recycled files", "local_write", k,
-                 "local_write:kill:rank=0:iteration=29", args=recycled, ci=False),
+                 "local_write:kill:rank=0:iteration=29", args=recycled, tier="full"),
         Scenario("crash before commit over recycled files", "before_commit", "leftovers",
-                 "before_commit:kill:rank=1:iteration=29", args=recycled),
+                 "before_commit:kill:rank=1:iteration=29", args=recycled, tier="ci"),
     ]
     raises += [Scenario("raise on one rank writing over recycled files", "local_write", "raise",
                         "local_write:raise:rank=1:iteration=29", expect_restart=False,
@@ -166,6 +181,10 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         Scenario("whole job lost, restarted on empty nodes from the durable tier", "staging",
                  "job_lost", "staging:kill_node:rank=0:iteration=29;"
                  "staging:kill_node:rank=1:iteration=29", wipe=True, args=durable),
+        # both kills in one job: the tier must end committed and clean of either's leftovers
+        Scenario("kill rank while persisting, then rank 0 before the durable commit",
+                 "persist_write", k, "persist_write:kill:rank=1:iteration=19:attempt=*;"
+                 "persist_commit:kill:rank=0:iteration=29:attempt=*", args=durable, tier="ci"),
         Scenario("kill rank while persisting to the durable tier", "persist_write", k,
                  "persist_write:kill:rank=1:iteration=19", args=durable),
         Scenario("kill rank 0 before the durable commit", "persist_commit", k,
@@ -173,7 +192,7 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
         # a first run ends at 29 (persisted), then every node root is lost at rest
         Scenario("kill rank fetching from the durable tier after the job was lost",
                  "durable_fetch", "job_lost", "durable_fetch:kill:rank=1", damage="job_lost",
-                 args=durable),
+                 args=durable, tier="ci"),
         Scenario("job lost and the newest durable copy corrupt: the older one loads",
                  "at_rest", "job_lost", damage="job_lost:flip_durable", args=durable,
                  expect_resume=SAVED[1]),
@@ -183,14 +202,19 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
     kills += [
         Scenario("whole job lost, restarted on empty nodes from a bucket", "staging",
                  "job_lost", "staging:kill_node:rank=0:iteration=29;"
-                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=bucket, ci=False),
+                 "staging:kill_node:rank=1:iteration=29", wipe=True, args=bucket, tier="full"),
         Scenario("kill rank while persisting to a bucket", "persist_write", k,
-                 "persist_write:kill:rank=1:iteration=19", args=bucket, ci=False),
+                 "persist_write:kill:rank=1:iteration=19", args=bucket, tier="full"),
         Scenario("job lost and the newest copy in the bucket corrupt: the older one loads",
                  "at_rest", "job_lost", damage="job_lost:flip_bucket", args=bucket,
-                 expect_resume=SAVED[1], ci=False),
+                 expect_resume=SAVED[1], tier="full"),
     ]
     raises += [
+        # both durable raises in one job (each is logged, no save fails)
+        Scenario("raise while persisting, then before the durable commit", "persist_write",
+                 "raise", "persist_write:raise:rank=1:iteration=19;"
+                 "persist_commit:raise:rank=0:iteration=29", expect_restart=False,
+                 expect_failed=(), args=durable, tier="ci"),
         Scenario("raise while persisting on one rank", "persist_write", "raise",
                  "persist_write:raise:rank=1:iteration=19", expect_restart=False,
                  expect_failed=(), args=durable),
@@ -205,32 +229,35 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
     ]
     every = kills + raises + [
         Scenario("one rank in find_latest while the other saves", "staging", "reorder",
-                 args=("--desync-at-step", "29", "--desync-rank", "1")),
+                 args=("--desync-at-step", "29", "--desync-rank", "1"), tier="ci"),
         Scenario("manager closed before the queue with a save pending", "finalize", "reorder",
                  pre_args=("--close-order", "manager-first"), expect_resume=SAVED[-1]),
-        Scenario("flip a byte in a primary shard", "at_rest", "flip_byte", damage="flip:primary"),
+        Scenario("flip a byte in a primary shard", "at_rest", "flip_byte", damage="flip:primary",
+                 tier="ci"),
         Scenario("flip a byte in a replica", "at_rest", "flip_byte", damage="flip:replica",
-                 ci=False),
-        Scenario("truncate a primary shard", "at_rest", "truncate", damage="truncate:primary"),
+                 tier="full"),
+        Scenario("truncate a primary shard", "at_rest", "truncate", damage="truncate:primary",
+                 tier="ci"),
         Scenario("truncate a replica", "at_rest", "truncate", damage="truncate:replica",
-                 ci=False),
+                 tier="full"),
         Scenario("forged manifest in a primary shard", "at_rest", "forge_manifest",
-                 damage="forge:primary"),
+                 damage="forge:primary", tier="ci"),
         Scenario("corrupt primary without replication falls back", "at_rest", "no_replica",
                  damage="flip:primary", args=("--repl", "none", "--keep-last", "2"),
-                 expect_resume=SAVED[1]),
+                 expect_resume=SAVED[1], tier="ci"),
         Scenario("ENOSPC on local write, then a kill", "local_write", "enospc",
-                 "local_write:enospc:rank=1:iteration=19;staging:kill:rank=0:iteration=29"),
+                 "local_write:enospc:rank=1:iteration=19;staging:kill:rank=0:iteration=29",
+                 tier="ci"),
         Scenario("ENOSPC on replica receive, then a kill", "replica_receive", "enospc",
                  "replica_receive:enospc:rank=0:iteration=29;staging:kill:rank=1:iteration=39",
-                 ci=False),
+                 tier="full"),
         Scenario("rank slower than the timeout in local write", "local_write", "slow_rank",
-                 "local_write:sleep:rank=1:iteration=19:seconds=600"),
+                 "local_write:sleep:rank=1:iteration=19:seconds=600", tier="ci"),
         Scenario("crash leftovers at rest are cleaned", "at_rest", "leftovers",
                  damage="leftovers"),
         Scenario("wipe node lost during the parity fold (erasure)", "replica_receive",
                  "wipe_node", "replica_receive:kill_node:rank=0:iteration=19", wipe=True,
-                 args=erasure),
+                 args=erasure, tier="ci"),
         Scenario("kill rank sending its shard to its parity holder (erasure)", "replica_send",
                  k, "replica_send:kill:rank=1:iteration=29", args=erasure),
         Scenario("flip a byte in a primary shard (erasure: rebuilt from parity)", "at_rest",
@@ -239,9 +266,9 @@ def ci_scenarios(full: bool = False) -> list[Scenario]:
                  damage="gc", pre_args=("--keep-last", "3")),
         Scenario("localckpt gc while the job runs is refused", "finalize", "operator",
                  args=("--step-seconds", "0.5"), during="gc", expect_restart=False,
-                 expect_failed=()),
+                 expect_failed=(), tier="ci"),
     ]
-    return [s for s in every if full or s.ci]
+    return [s for s in every if SETS.index(s.tier) <= SETS.index(name)]
 
 
 def random_scenarios(n: int, seed: int) -> list[Scenario]:
@@ -331,8 +358,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--soak", type=int, default=0, help="run N random scenarios instead")
-    p.add_argument("--full", action="store_true",
-                   help="the CI set and the variants left out of CI (see ci_scenarios)")
+    p.add_argument("--set", default="ci", choices=SETS, dest="set_name",
+                   help="ci: every fault point and kind at least once (what CI runs); points: "
+                        "a kill and a raise at every fault point; full: and every variant "
+                        "(see scenario_set)")
+    p.add_argument("--full", action="store_true", help="the same as --set full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="scenarios whose name contains this text")
     p.add_argument("--jobs", type=int, default=1, help="scenarios run at once")
@@ -341,7 +371,8 @@ def main() -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=str(HERE.parent / "docs" / "chaos.json"))
     a = p.parse_args()
-    scenarios = random_scenarios(a.soak, a.seed) if a.soak else ci_scenarios(a.full)
+    scenarios = random_scenarios(a.soak, a.seed) if a.soak else scenario_set(
+        "full" if a.full else a.set_name)
     scenarios = [s for s in scenarios if a.only in s.name]
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     base = Path(a.workdir or tempfile.mkdtemp(prefix="localckpt-chaos-", dir=shm))
@@ -407,7 +438,9 @@ def main() -> int:
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({
         "scenarios": [asdict(o) for o in outcomes], "violations": len(bad),
-        "median_node_loss_recovery_s": median, "soak": a.soak, "seed": a.seed}, indent=1))
+        "median_node_loss_recovery_s": median, "soak": a.soak, "seed": a.seed,
+        "set": None if a.soak else ("full" if a.full else a.set_name),
+        "seconds": round(time.monotonic() - t0)}, indent=1))
     return 1 if bad else 0
 
 

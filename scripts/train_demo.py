@@ -63,6 +63,47 @@ def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :8].sin() + 0.1 * torch.randn(16, 8, generator=g)
 
 
+class Adam:
+    """Adam written out, with the state dict of ``torch.optim.Adam`` (a step and two moments per
+    parameter, one param group). ``torch.optim`` imports ``torch._dynamo`` at its first call,
+    about 2 s of CPU per process on a small machine, and the chaos harness starts this script
+    hundreds of times."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        self.params = list(params)
+        self.group = {"lr": lr, "betas": betas, "eps": eps,
+                      "params": list(range(len(self.params)))}
+        self.state = {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                          "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(self.params)}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        lr, (b1, b2), eps = self.group["lr"], self.group["betas"], self.group["eps"]
+        for i, p in enumerate(self.params):
+            s = self.state[i]
+            s["step"] += 1
+            t = float(s["step"])
+            s["exp_avg"].lerp_(p.grad, 1 - b1)
+            s["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            denom = (s["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(eps)
+            p.addcdiv_(s["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {i: dict(s) for i, s in self.state.items()},
+                "param_groups": [dict(self.group)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        (group,) = state["param_groups"]
+        self.group = {**group, "betas": tuple(group["betas"])}
+        self.state = {int(i): {k: v.clone() for k, v in s.items()}
+                      for i, s in state["state"].items()}
+
+
 def weights_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
@@ -132,7 +173,7 @@ def main() -> None:
     events("start")
 
     model = build_model(args.seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = Adam(model.parameters(), lr=1e-2)
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)  # dropout masks differ per rank, as in real jobs
 

@@ -72,7 +72,8 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "localckpt", "scenarios"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "localckpt",
+                                     "scenarios"])
     return _CTX
 
 
