@@ -84,13 +84,13 @@ def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def run_config(config: dict[str, Any], case_args: dict[str, Any], repeats: int
-               ) -> dict[str, Any]:
+def run_config(config: dict[str, Any], case_args: dict[str, Any], repeats: int,
+               start_method: str = "spawn") -> dict[str, Any]:
     t = time.perf_counter()
     measure = bench_fsdp2.measure if config["case"] == "fsdp2" else bench_rank.measure
     r = benchlib.spawn_ranks(measure, config["world"],
                              ({**config, "repeats": repeats, "case_args": case_args},),
-                             "localckpt-bench-")
+                             "localckpt-bench-", start_method)
     return {**config, "nbytes": r["nbytes"], "tensors": r["tensors"],
             "median_s": summarize(r["samples"]), "samples_s": r["samples"],
             "wall_s": time.perf_counter() - t}
@@ -178,7 +178,9 @@ def main() -> int:
         print(f"run  {label} ...", file=sys.stderr, flush=True)
         config.update(io_threads=a.io_threads, steps=a.steps, recycle_files=a.recycle_files)
         try:
-            rows.append(run_config(config, case_args, a.repeats))
+            # --quick (the smoke test): ranks forked from a server that imported torch once
+            rows.append(run_config(config, case_args, a.repeats,
+                                   "forkserver" if a.quick else "spawn"))
         except Exception as exc:  # e.g. a rank killed by the OOM killer: report, go on
             skipped.append({**config, "reason": f"failed: {type(exc).__name__}: {exc}"})
             print(f"     failed: {exc}", file=sys.stderr, flush=True)

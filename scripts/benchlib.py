@@ -37,6 +37,9 @@ def spawn_ranks(fn: Callable[..., None], nprocs: int, args: tuple[Any, ...],
     the JSON rank 0 wrote to ``result_path``."""
     import torch.multiprocessing as mp
 
+    if start_method == "forkserver":  # imported once by the server (its first use sets this)
+        mp.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch.distributed", "torch._dynamo", "localckpt", fn.__module__])
     work = scratch(prefix)
     try:
         result = work / "result.json"
