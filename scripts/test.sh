@@ -4,6 +4,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh" test
 cd "$REPO"
-# --maxschedchunk 1: xdist hands out tests one at a time, so the long ones tests/conftest.py
-# starts first go to every worker, not all to the first one's chunk.
-exec "$PY" -m pytest -n auto --maxschedchunk 1 "$@"
+exec "$PY" -m pytest -n auto "$@"

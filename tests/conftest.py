@@ -10,14 +10,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` (a torchrun job or a benchmark, a minute or more on 2 cores) start
-    first: a long one left for the end keeps one worker busy while the others wait. xdist hands
-    tests out in this order, in chunks of consecutive tests unless ``--maxschedchunk 1`` (as
-    scripts/test.sh runs it): then one at a time, to whichever worker is free."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
-
-
 @pytest.fixture
 def root(tmp_path: Path) -> Iterator[Path]:
     """A checkpoint root on /dev/shm when it is writable (the real target), else in tmp_path."""

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -17,7 +15,6 @@ def run_script(name: str, *args: str, timeout: int) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.long
 def test_bench_quick_writes_report(tmp_path: Path) -> None:
     proc = run_script("bench.py", "--quick", "--out", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

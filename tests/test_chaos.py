@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from localckpt.ops.faults import POINTS, parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +26,6 @@ KINDS = {"kill_rank", "kill_node", "wipe_node", "raise", "reorder", "flip_byte",
          "job_lost"}
 
 
-@pytest.mark.long
 def test_ci_chaos_set_has_no_violations(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
     # Three scenarios at once on 2 cores, as in CI; a scenario's deadline (hang detection) is

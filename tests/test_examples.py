@@ -42,7 +42,6 @@ def _resumes_after_a_node_loss(script: str, tmp_path: Path,
     assert any((tmp_path / "stopped" / "1").rglob("iter_0000000012"))
 
 
-@pytest.mark.long
 def test_megatron_example_resumes_after_a_node_loss_bit_identical(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core.dist_checkpointing", reason="needs megatron-core")
     _torchrun("megatron_example.py", tmp_path / "straight", tmp_path / "straight.jsonl")
@@ -50,7 +49,6 @@ def test_megatron_example_resumes_after_a_node_loss_bit_identical(tmp_path: Path
                                _losses(tmp_path / "straight.jsonl"))
 
 
-@pytest.mark.long
 def test_ddp_example_resumes_after_a_node_loss_and_rolls_back_bit_identical(
         tmp_path: Path) -> None:
     """The node loss as above; and after the straight run of 12 steps, --rollback-to 6 (kept

@@ -106,7 +106,6 @@ def _example(tmp: Path, epochs: int, *extra: str) -> dict[str, object]:
     return json.loads(report.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.long
 def test_ddp_job_resumes_after_a_node_loss_bit_identical(tmp_path: Path) -> None:
     """scripts/lightning_example.py under torchrun (2 ranks on 2 simulated nodes, async saves):
     a job stopped after 2 epochs whose node 1 is then wiped resumes from the markers' "last"

@@ -19,7 +19,6 @@ import megatron_scenarios as sc
 from dist_harness import run_ranks
 
 
-@pytest.mark.long
 def test_megatrons_queue_finalizes_our_saves_and_a_wiped_node_restores(tmp_path: Path) -> None:
     """Megatron's AsyncCallsQueue (persistent=False, its default: a process forked per save
     runs the request's async_fn) schedules and finalizes three async saves; node 1 is then

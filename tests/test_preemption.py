@@ -150,7 +150,6 @@ def _torchrun(root: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.long
 def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from_it(
         tmp_path: Path) -> None:
     straight = _torchrun(tmp_path / "straight", tmp_path / "straight.jsonl")

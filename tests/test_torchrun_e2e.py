@@ -9,12 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.long
 def test_node_loss_demo_resumes_bit_identical(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     proc = subprocess.run(
@@ -40,7 +37,6 @@ def _losses(path: Path) -> list[tuple[int, float]]:
     return [(d["step"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
 
 
-@pytest.mark.long
 def test_fsdp2_example_resumes_with_the_same_loss_curve(tmp_path: Path) -> None:
     """scripts/fsdp2_example.py under torchrun (4 ranks, a 2-D mesh, 2 simulated nodes): a job
     stopped after step 5 and started again resumes from its step-4 checkpoint, and its losses
