@@ -653,6 +653,26 @@ def test_a_fence_that_cannot_be_read_is_an_error_not_ignored(store: ShardStore) 
         store.committed()
 
 
+@pytest.mark.parametrize("name", ["rollback-fence.json", "rollbacks-done.json"])
+def test_a_deeply_nested_fence_or_record_is_corrupt_not_a_recursion_error(
+        store: ShardStore, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """json.loads raises RecursionError on 70,000 nested brackets: the listing, and with it
+    `localckpt ls`, `gc` and `verify`, died with a traceback (from the attacker review)."""
+    from localckpt.ops.cli import main
+    from localckpt.storage import rollback_fence
+
+    _write(store, 10)
+    if name == "rollbacks-done.json":  # the record is read where the root holds a fence
+        rollback_fence.write_fence(store.session_path, ((50, 1, "r1"),), "w00000")
+    (store.session_path / name).write_text("[" * 70000)
+    with pytest.raises(CorruptShardError, match=name.replace(".", r"\.") + ": malformed"):
+        store.committed()
+    for command in (["ls"], ["gc", "--dry-run"], ["verify"]):
+        assert main([*command, str(store.root)]) == 2, command
+        err = capsys.readouterr().err
+        assert name in err and len(err.strip().splitlines()) == 1, (command, err)
+
+
 def test_fences_of_rollbacks_at_two_world_sizes_hide_what_each_hid_and_no_more() -> None:
     """Merged into one entry, (10, world 1) and (40, world 2) became (10, every world size):
     world 2's 40 itself, the second rollback's target, was hidden and deleted."""

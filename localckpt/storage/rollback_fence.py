@@ -70,7 +70,7 @@ def read_fence(session_path: Path) -> Fence | None:
         if type(doc) is not dict or doc.get("version") not in (1, 2):
             raise ValueError(f"unexpected document {str(doc)[:200]}")
         return fence_of(doc["rollback_to"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # Recursion: deep nesting
         raise CorruptShardError(
             f"{path}: malformed fence of an unfinished rollback ({exc}); remove it only once "
             "every shard newer than the rollback's iteration is gone from this root") from None
@@ -188,7 +188,7 @@ def read_done(session_path: Path) -> frozenset[Done]:
                                 f"cannot be read ({exc})") from exc
     try:
         return frozenset(_done_entries(json.loads(data)))
-    except ValueError as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptShardError(
             f"{path}: malformed record of the rollbacks this root finished ({exc}); remove "
             "it only once no node holds a rollback fence of this session") from None
