@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import scenarios
+import torch
 from dist_harness import run_ranks
 from scenarios import make_state
 
@@ -632,3 +633,36 @@ def test_ls_hides_what_a_fence_on_any_root_hides(capsys: pytest.CaptureFixture[s
     write_fence(nodes[0] / "job", ((1, 2, None),), "w00000")
     rows = cli_json(capsys, "ls", *map(str, nodes))
     assert [(r["iteration"], r["complete"]) for r in rows] == [(1, True)], rows
+
+
+@pytest.mark.parametrize("order", ["A first", "B first"])
+def test_ls_and_gc_take_an_iteration_s_metrics_from_the_save_a_load_takes(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, order: str) -> None:
+    """Iteration 30 saved twice: node A (away during a rollback to 20) keeps its first save of
+    30 (a loss spike, 9.9); node B rolled back and saved 30 again (0.1), then 40. A load takes
+    B's 30 (the newest save covering every rank), but ls showed, and gc --keep-best kept by,
+    the metrics of whichever copy the roots' order met first: gc removed the best checkpoint
+    on both roots (from the attacker review of the CLI)."""
+    a, b = tmp_path / "nodeA", tmp_path / "nodeB"
+
+    def state(it: int) -> dict[str, Any]:
+        return {"w": torch.full((1000,), float(it))}
+
+    with LocalCheckpointManager(a, "job", keep_last=10) as m:
+        for it, loss in ((10, 0.5), (20, 0.4), (30, 9.9)):
+            m.save(state(it), it, metrics={"loss": loss})
+    shutil.copytree(a, b)  # node B held the same copies (replicas)
+    with LocalCheckpointManager(b, "job", keep_last=10) as m:  # node A away
+        m.load(iteration=20, discard_newer=True)
+        m.save(state(30), 30, metrics={"loss": 0.1})
+        m.save(state(40), 40, metrics={"loss": 0.3})
+    roots = [str(a), str(b)] if order == "A first" else [str(b), str(a)]
+    capsys.readouterr()
+    assert main(["ls", *roots, "--json"]) == 0
+    rows = {r["iteration"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[30]["metrics"] == {"loss": 0.1}, rows[30]
+    assert main(["gc", *roots, "--keep-last", "1", "--keep-best", "1", "--metric", "loss",
+                 "--dry-run", "--json"]) == 0
+    removed = json.loads(capsys.readouterr().out)["removed"]
+    assert not any("iter_0000000030" in p or "iter_0000000040" in p for p in removed), removed
+    assert any("iter_0000000020" in p for p in removed), removed

@@ -42,6 +42,7 @@ from . import cli_object
 from .cli_common import (
     UsageError,
     committed_as_job,
+    loaded_saves,
     object_root,
     read_manifest,
     sessions_under,
@@ -98,14 +99,15 @@ def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
     Key = tuple[str, int, int]
     groups: dict[Key, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     sizes: dict[tuple[str, int, int], int] = defaultdict(int)
-    metrics: dict[Key, Any] = {}
     for root, session, ref in shards:
         key = (session, ref.iteration, ref.world_size)
         groups[key][ref.owner_rank].append(str(root))
         sizes[key] += _size(ref.path)
-        if key not in metrics:  # rank 0's, in every shard of the iteration
-            with contextlib.suppress(UsageError, CheckpointingError):
-                metrics[key] = read_manifest(ref.path).metadata.get("metrics")
+    # of an iteration saved twice, what a load takes: its metrics, and no iteration is
+    # complete whose copies no one save covers
+    saves = {(session, world): loaded_saves((r for _, sess, r in shards if sess == session),
+                                            world)
+             for session, world in {(k[0], k[2]) for k in groups}}
     listings: dict[tuple[str, Path], set[tuple[int, int, int]]] = defaultdict(set)
     for root, session, ref in shards:
         listings[(session, root)].add((ref.iteration, ref.owner_rank, ref.world_size))
@@ -114,7 +116,9 @@ def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
                 | rebuildable_iterations((r for _, sess, r in shards if sess == session), world,
                                          read_manifest)
                 for session, world in {(k[0], k[2]) for k in groups}}
-    for (session, world), its in complete.items():  # a durable tier: once committed as a job
+    for (session, world), its in complete.items():
+        its -= {it for it, (_, covered) in saves[(session, world)].items() if not covered}
+        # a durable tier: complete once committed as a job
         committed = committed_as_job(roots, session,
                                      {k[1] for k in groups if k[0] == session}, world)
         if committed is not None:
@@ -128,7 +132,8 @@ def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
                      "copies_min": min(copies), "copies_max": max(copies),
                      "bytes": sizes[(session, it, world)],
                      "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())},
-                     "metrics": metrics.get((session, it, world)),
+                     "metrics": (saves[(session, world)].get(it, (None, True))[0]
+                                 or {}).get("metrics"),
                      # roots holding the iteration as a durable tier does: committed as a job
                      "durable_committed": [str(r) for r in roots
                                            if commit_path(r, session, it, world).is_file()]})

@@ -3,9 +3,13 @@ sessions and a shard's manifest as a load does, and telling an object-storage ro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
+from ..errors import CheckpointingError
+from ..load.mixed import covering_save
 from ..storage.durable import commit_path
 from ..storage.durable_object import is_object_url
 from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
@@ -33,6 +37,34 @@ def read_manifest(shard: Path) -> ShardManifest:
     except OSError as exc:
         raise UsageError(f"{shard}: not a localckpt shard (no readable zarr.json: {exc})") from exc
     return parse_manifest_file(data, str(path))
+
+
+def loaded_saves(refs: Iterable[ShardRef], world: int
+                 ) -> dict[int, tuple[dict[str, Any] | None, bool]]:
+    """Iteration of ``world`` -> (the manifest metadata of the save a load takes, whether one
+    save covers every rank), as a load decides (:func:`covering_save`) from the copies of
+    ``refs`` it can read: where they name more than one save (one iteration saved twice), the
+    newest that has a copy of every rank's shard, or (None, False) when none has; else the
+    first readable copy's metadata (rank 0's, in every shard). A copy that cannot be read has
+    no say; parity blocks count only where no copy of a rank's shard is readable."""
+    copies: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for ref in refs:
+        if ref.world_size == world:
+            with contextlib.suppress(UsageError, CheckpointingError):
+                metadata = read_manifest(ref.path).metadata
+                copies.setdefault(ref.iteration, []).append((ref.owner_rank, metadata))
+    out: dict[int, tuple[dict[str, Any] | None, bool]] = {}
+    for it, held in copies.items():
+        held = [c for c in held if c[0] >= 0] or held
+        saves = {m.get("save_id") for _, m in held} - {None}
+        if len(saves) <= 1:
+            out[it] = (held[0][1], True)
+            continue
+        save, _ = covering_save([[[o, m.get("save_id"), m.get("saved_unix")]
+                                  for o, m in held]], world)
+        out[it] = (next(m for _, m in held if m.get("save_id") == save), True) \
+            if save is not None else (None, False)
+    return out
 
 
 def object_root(roots: Sequence[str]) -> str | None:

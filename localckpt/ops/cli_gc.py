@@ -14,7 +14,6 @@ from typing import Any
 from ..control.coverage import complete_from_listings
 from ..control.retention import KeepPolicy
 from ..errors import CheckpointingError, ConfigurationError, SessionInUseError
-from ..load.mixed import covering_save
 from ..storage.durable import commit_path
 from ..storage.layout import (
     ShardRef,
@@ -31,6 +30,7 @@ from . import cli_object
 from .cli_common import (
     UsageError,
     committed_as_job,
+    loaded_saves,
     object_root,
     read_manifest,
     sessions_under,
@@ -126,7 +126,12 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
     unless ``partial``."""
     shards = unfenced_shards(roots, session)
     worlds = sorted({s.world_size for refs in shards.values() for s in refs})
-    complete_of = {world: _complete(roots, session, shards, world) for world in worlds}
+    # what a load takes of each iteration (one save of an iteration saved twice): its
+    # metadata is what keep policies judge it by
+    saves_of = {world: loaded_saves((s for refs in shards.values() for s in refs), world)
+                for world in worlds}
+    complete_of = {world: _complete(roots, session, shards, world, saves_of[world])
+                   for world in worlds}
     doomed: list[tuple[Path, ShardRef]] = []
     if world_size is not None:
         newest = max(complete_of.get(world_size, []), default=None)
@@ -144,7 +149,7 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         complete = complete_of[world]
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
-            meta = _metadata(shards, world) if policy.needs_metadata else {}
+            meta = {it: m for it, (m, _) in saves_of[world].items() if m is not None}
             keep = policy.keep(complete, unsure=seen - set(complete),
                                metrics={it: m["metrics"] for it, m in meta.items()
                                         if m.get("metrics") is not None},
@@ -180,50 +185,20 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
 
 
 def _complete(roots: list[Path], session: str, shards: dict[Path, list[ShardRef]],
-              world: int) -> list[int]:
+              world: int, saves: dict[int, tuple[Any, bool]]) -> list[int]:
     """The iterations of ``world`` complete across ``roots`` (held or rebuildable from parity
-    blocks; with a durable tier, committed there too), newest first."""
+    blocks; with a durable tier, committed there too), newest first; ``saves``: loaded_saves."""
     listings = [frozenset((s.iteration, s.owner_rank, s.world_size) for s in refs)
                 for refs in shards.values()]
     complete = sorted(set(complete_from_listings(listings, world)) | rebuildable_iterations(
         (s for refs in shards.values() for s in refs), world, read_manifest), reverse=True)
     # an iteration saved twice whose copies no one save covers: the job falls back past it
-    complete = [it for it in complete if _one_save_covers(shards, it, world)]
+    complete = [it for it in complete if saves.get(it, (None, True))[1]]
     seen_its = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
     committed = committed_as_job(roots, session, seen_its, world)
     if committed is not None:  # a durable tier: complete only once committed as a job
         complete = [it for it in complete if it in committed]
     return complete
-
-
-def _metadata(shards: dict[Path, list[ShardRef]], world: int) -> dict[int, Any]:
-    """Iteration -> its manifest's metadata (metrics, save time; from the first readable shard
-    of it: rank 0's, in every shard)."""
-    out: dict[int, Any] = {}
-    for refs in shards.values():
-        for ref in refs:
-            if ref.world_size == world and ref.iteration not in out:
-                try:
-                    out[ref.iteration] = read_manifest(ref.path).metadata
-                except (UsageError, CheckpointingError):
-                    continue
-    return out
-
-
-def _one_save_covers(shards: dict[Path, list[ShardRef]], iteration: int, world: int) -> bool:
-    """Whether one save has a copy of every shard of ``iteration`` in view, as a load decides
-    (:func:`covering_save`); True when its copies name at most one save (or none: written
-    before save ids). A copy that cannot be read has no say."""
-    copies = []
-    for refs in shards.values():
-        for ref in refs:
-            if ref.iteration == iteration and ref.world_size == world and ref.owner_rank >= 0:
-                with contextlib.suppress(UsageError, CheckpointingError):
-                    meta = read_manifest(ref.path).metadata
-                    copies.append([ref.owner_rank, meta.get("save_id"), meta.get("saved_unix")])
-    if len({save for _, save, _ in copies if save is not None}) <= 1:
-        return True
-    return covering_save([copies], world)[0] is not None
 
 
 def _nodes_unseen(roots: list[Path], session: str,
