@@ -666,3 +666,20 @@ def test_ls_and_gc_take_an_iteration_s_metrics_from_the_save_a_load_takes(
     removed = json.loads(capsys.readouterr().out)["removed"]
     assert not any("iter_0000000030" in p or "iter_0000000040" in p for p in removed), removed
     assert any("iter_0000000020" in p for p in removed), removed
+
+
+def test_verify_reports_a_shard_marked_as_another_save_too(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A copy restored by hand over a copy of another save of its iteration (cp -a into the
+    directory) keeps both saves' markers: every load then sees two saves of the iteration and
+    gives it up, while verify said ok (from the attacker review of the CLI)."""
+    root = tmp_path / "node0"
+    shard = _shard(root, 1, 0, 1, save=("00aa11", 1.0))
+    _shard(root, 2, 0, 1)  # written before markers (no save id): nothing to compare
+    (marked,) = list((shard / "data").glob("save-*"))
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 0 and "0 corrupt" in out, out
+    (shard / "data" / "save-0123abcd").touch()
+    code, out, _ = run_cli(capsys, "verify", str(root))
+    assert code == 1 and f"CORRUPT {shard}" in out and "save-0123abcd" in out, out
+    assert out.count("CORRUPT") == 1 and marked.name in out

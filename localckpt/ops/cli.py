@@ -34,7 +34,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage.durable import commit_path
-from ..storage.layout import ShardRef
+from ..storage.layout import ShardRef, save_marker, saves_marked
 from ..storage.manifest import ShardManifest
 from ..storage.shard_writer import array_metadata, chunk_files_off
 from ..storage.store import ShardStore
@@ -227,8 +227,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _check_as_zarr(shard: Path, manifest: ShardManifest) -> None:
     """What a plain zarr reader needs beyond what a load checks: the array's metadata as the
-    manifest describes it, and nothing in the chunk directory but the chunks. Raises
-    CorruptShardError."""
+    manifest describes it, and nothing in the chunk directory but the chunks; and what a load
+    compares besides: no marker of a save other than the manifest's (a copy merged by hand
+    with another save's shows two saves of the iteration to every load, which gives it up).
+    Raises CorruptShardError."""
     where = shard / "data" / "zarr.json"
     try:
         doc = json.loads(where.read_bytes())
@@ -241,6 +243,12 @@ def _check_as_zarr(shard: Path, manifest: ShardManifest) -> None:
     if extra:
         raise CorruptShardError(f"{shard / 'data' / 'c'}: entries that are no chunk of the "
                                 f"shard: {extra[:8]}")
+    own = save_marker(manifest.metadata.get("save_id"))
+    marked = [f"save-{save}" for save in saves_marked(shard)]
+    if own is not None and marked and marked != [own]:
+        raise CorruptShardError(f"{shard / 'data'}: markers {marked[:8]}, its manifest is "
+                                f"{own}: a copy merged with another save's (every load sees "
+                                "two saves of this iteration)")
 
 
 def build_parser() -> argparse.ArgumentParser:
