@@ -683,3 +683,18 @@ def test_verify_reports_a_shard_marked_as_another_save_too(
     code, out, _ = run_cli(capsys, "verify", str(root))
     assert code == 1 and f"CORRUPT {shard}" in out and "save-0123abcd" in out, out
     assert out.count("CORRUPT") == 1 and marked.name in out
+
+
+def test_an_iteration_no_save_covers_in_view_keeps_its_newest_save_s_metadata(
+        tmp_path: Path) -> None:
+    """With some nodes' roots only (gc --partial), no save may cover the view while one covers
+    the job: the iteration lost its metrics and save time, and --keep-interval or
+    --drop-without-metric removed it (from the review of loaded_saves)."""
+    from localckpt.ops.cli_common import loaded_saves
+    from localckpt.storage.layout import list_shards
+
+    root = tmp_path / "node0"
+    _shard(root, 30, 0, 2, save=("bb", 2.0))  # the newer save's copy of rank 0's shard
+    _shard(root, 30, 1, 2, save=("aa", 1.0))  # a leftover of the first save
+    (meta, covered), = loaded_saves(list_shards(root, "job"), 2).values()
+    assert not covered and meta is not None and meta["save_id"] == "bb", meta

@@ -43,10 +43,11 @@ def loaded_saves(refs: Iterable[ShardRef], world: int
                  ) -> dict[int, tuple[dict[str, Any] | None, bool]]:
     """Iteration of ``world`` -> (the manifest metadata of the save a load takes, whether one
     save covers every rank), as a load decides (:func:`covering_save`) from the copies of
-    ``refs`` it can read: where they name more than one save (one iteration saved twice), the
-    newest that has a copy of every rank's shard, or (None, False) when none has; else the
-    first readable copy's metadata (rank 0's, in every shard). A copy that cannot be read has
-    no say; parity blocks count only where no copy of a rank's shard is readable."""
+    ``refs`` it can read. Copies of one save: the first readable one's metadata (rank 0's, in
+    every shard), True. Copies of several (an iteration saved twice): the newest save's, and
+    whether it has a copy of every rank's shard (with some nodes' roots only, a save that does
+    not cover the view may still cover the job). A copy that cannot be read has no say; parity
+    blocks count only where no copy of a rank's shard is readable."""
     copies: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for ref in refs:
         if ref.world_size == world:
@@ -62,9 +63,18 @@ def loaded_saves(refs: Iterable[ShardRef], world: int
             continue
         save, _ = covering_save([[[o, m.get("save_id"), m.get("saved_unix")]
                                   for o, m in held]], world)
-        out[it] = (next(m for _, m in held if m.get("save_id") == save), True) \
-            if save is not None else (None, False)
+        if save is not None:
+            out[it] = (next(m for _, m in held if m.get("save_id") == save), True)
+        else:  # the newest save's, as covering_save orders them
+            newest = max((m for _, m in held if m.get("save_id") is not None),
+                         key=lambda m: (_clock(m), str(m["save_id"])))
+            out[it] = (newest, False)
     return out
+
+
+def _clock(metadata: dict[str, Any]) -> float:
+    saved = metadata.get("saved_unix")
+    return float(saved) if isinstance(saved, (int, float)) else float("-inf")
 
 
 def object_root(roots: Sequence[str]) -> str | None:
