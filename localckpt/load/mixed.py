@@ -21,12 +21,10 @@ from ..storage.layout import ShardRef, saves_marked
 logger = logging.getLogger(__name__)
 
 
-def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
-                  ) -> tuple[str | None, str]:
-    """The save to load, from each rank's ``[owner, save id, saved_unix]`` of the copies its
-    node holds (pure): the newest save (by rank 0's clock at the save, then by id), when it has
-    a copy of every owner's shard: (save id, ""); else (None, why). Copies written before save
-    ids (None) count for no save."""
+def newest_save(copies: Sequence[Sequence[Sequence[Any]]]) -> tuple[str | None, set[int]]:
+    """The newest save each rank's ``[owner, save id, saved_unix]`` copies name (by rank 0's
+    clock at the save, then by id) and the owners it has copies of (pure); (None, empty) when no
+    copy names its save (written before save ids)."""
     owners: dict[str, set[int]] = {}
     when: dict[str, float] = {}
     for listed in copies:
@@ -36,11 +34,23 @@ def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
                 if isinstance(saved, (int, float)):
                     when[str(save)] = max(when.get(str(save), float("-inf")), float(saved))
     if not owners:
-        return None, "no copy names its save"
+        return None, set()
     newest = max(owners, key=lambda s: (when.get(s, float("-inf")), s))
-    if owners[newest] >= set(range(world_size)):
+    return newest, owners[newest]
+
+
+def covering_save(copies: Sequence[Sequence[Sequence[Any]]], world_size: int
+                  ) -> tuple[str | None, str]:
+    """The save to load, from each rank's ``[owner, save id, saved_unix]`` of the copies its
+    node holds (pure): the newest save (:func:`newest_save`), when it has a copy of every
+    owner's shard: (save id, ""); else (None, why). Copies written before save ids (None)
+    count for no save."""
+    newest, owners = newest_save(copies)
+    if newest is None:
+        return None, "no copy names its save"
+    if owners >= set(range(world_size)):
         return newest, ""
-    return None, (f"its newest save ({newest}) has copies of {len(owners[newest])} of "
+    return None, (f"its newest save ({newest}) has copies of {len(owners)} of "
                   f"{world_size} ranks' shards")
 
 

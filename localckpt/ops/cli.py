@@ -132,8 +132,7 @@ def _dir_rows(roots: list[Path]) -> list[dict[str, Any]]:
                      "copies_min": min(copies), "copies_max": max(copies),
                      "bytes": sizes[(session, it, world)],
                      "holders": {str(o): roots_ for o, roots_ in sorted(owners.items())},
-                     "metrics": (saves[(session, world)].get(it, (None, True))[0]
-                                 or {}).get("metrics"),
+                     "metrics": saves[(session, world)].get(it, ({}, True))[0].get("metrics"),
                      # roots holding the iteration as a durable tier does: committed as a job
                      "durable_committed": [str(r) for r in roots
                                            if commit_path(r, session, it, world).is_file()]})

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointingError
-from ..load.mixed import covering_save
+from ..load.mixed import newest_save
 from ..storage.durable import commit_path
 from ..storage.durable_object import is_object_url
 from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
@@ -40,9 +40,9 @@ def read_manifest(shard: Path) -> ShardManifest:
 
 
 def loaded_saves(refs: Iterable[ShardRef], world: int
-                 ) -> dict[int, tuple[dict[str, Any] | None, bool]]:
+                 ) -> dict[int, tuple[dict[str, Any], bool]]:
     """Iteration of ``world`` -> (the manifest metadata of the save a load takes, whether one
-    save covers every rank), as a load decides (:func:`covering_save`) from the copies of
+    save covers every rank), as a load decides (:func:`newest_save`) from the copies of
     ``refs`` it can read. Copies of one save: the first readable one's metadata (rank 0's, in
     every shard), True. Copies of several (an iteration saved twice): the newest save's, and
     whether it has a copy of every rank's shard (with some nodes' roots only, a save that does
@@ -54,27 +54,18 @@ def loaded_saves(refs: Iterable[ShardRef], world: int
             with contextlib.suppress(UsageError, CheckpointingError):
                 metadata = read_manifest(ref.path).metadata
                 copies.setdefault(ref.iteration, []).append((ref.owner_rank, metadata))
-    out: dict[int, tuple[dict[str, Any] | None, bool]] = {}
+    out: dict[int, tuple[dict[str, Any], bool]] = {}
     for it, held in copies.items():
         held = [c for c in held if c[0] >= 0] or held
         saves = {m.get("save_id") for _, m in held} - {None}
         if len(saves) <= 1:
             out[it] = (held[0][1], True)
             continue
-        save, _ = covering_save([[[o, m.get("save_id"), m.get("saved_unix")]
-                                  for o, m in held]], world)
-        if save is not None:
-            out[it] = (next(m for _, m in held if m.get("save_id") == save), True)
-        else:  # the newest save's, as covering_save orders them
-            newest = max((m for _, m in held if m.get("save_id") is not None),
-                         key=lambda m: (_clock(m), str(m["save_id"])))
-            out[it] = (newest, False)
+        save, owners = newest_save([[[o, m.get("save_id"), m.get("saved_unix")]
+                                     for o, m in held]])
+        out[it] = (next(m for _, m in held if str(m.get("save_id")) == save),
+                   owners >= set(range(world)))
     return out
-
-
-def _clock(metadata: dict[str, Any]) -> float:
-    saved = metadata.get("saved_unix")
-    return float(saved) if isinstance(saved, (int, float)) else float("-inf")
 
 
 def object_root(roots: Sequence[str]) -> str | None:

@@ -149,7 +149,7 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         complete = complete_of[world]
         if complete:  # the same function as a save's retention, unsure of what it cannot see
             seen = {s.iteration for refs in shards.values() for s in refs if s.world_size == world}
-            meta = {it: m for it, (m, _) in saves_of[world].items() if m is not None}
+            meta = {it: m for it, (m, _) in saves_of[world].items()}
             keep = policy.keep(complete, unsure=seen - set(complete),
                                metrics={it: m["metrics"] for it, m in meta.items()
                                         if m.get("metrics") is not None},
