@@ -83,6 +83,23 @@ def test_bad_arguments_are_clear_errors(root: Path) -> None:
     io.teardown()
 
 
+@pytest.mark.parametrize("text", ["{", "\udcff", "[" * 100_000, "1" * 5_000, "[]"])
+def test_a_file_that_is_no_marker_loads_the_newest_as_a_missing_one_does(
+        root: Path, tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A resume from a path whose file is no marker (a Lightning .ckpt, a truncated or nested
+    JSON file) loads the newest iteration with a warning, as a path this rank cannot see does
+    (before: a deeply nested document or an over-long integer raised out of the marker's
+    exchange instead)."""
+    io = LocalCkptIO(root, "job")
+    io.save_checkpoint(_checkpoint(4), tmp_path / "a.ckpt")
+    bad = tmp_path / "b.ckpt"
+    bad.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with caplog.at_level(logging.WARNING, logger=pl_io.__name__):
+        assert io.load_checkpoint(bad)["global_step"] == 4
+    assert "is not a localckpt marker" in caplog.text
+    io.teardown()
+
+
 def test_lightnings_ddp_strategy_is_refused_before_any_collective(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's DDPStrategy calls the plugin on rank 0 alone: a collective save there would

@@ -240,6 +240,33 @@ def test_an_iteration_saved_twice_loads_the_save_whose_copies_cover_every_rank(
     assert len(list((root / "node1" / "job").glob(".quarantine-*"))) == 1
 
 
+def test_a_copy_restored_over_another_save_s_copy_loads_and_loses_the_stray_marker(
+        tmp_path: Path, root: Path) -> None:
+    """Rank 1's copy of the second save of 30 restored by hand with ``cp -a`` into a directory
+    that held the first save's copy: the manifest and data are the second save's, but the
+    first save's marker stays beside its own. Every copy's manifest names the second save,
+    which covers every rank: the load takes it (before: every load saw two saves, gave 30 up
+    and fell back to 20, while gc counted 30 complete and could remove 20) and drops the
+    stray marker, so later loads and verify see one save."""
+    backup = _saved_twice(tmp_path, root)
+    first = root / "node1" / "job" / "iter_0000000030" / "rank_00001_of_00002"
+    second = tmp_path / "second-save-30"
+    shutil.copytree(first, second)
+    shutil.rmtree(first)
+    shutil.copytree(backup, first)
+    shutil.copytree(second, first, dirs_exist_ok=True)  # cp -a second/. first/
+    stray = {p.name for p in (backup / "data").glob("save-*")}
+    own = {p.name for p in (second / "data").glob("save-*")}
+    assert len(stray) == len(own) == 1 and stray != own
+    assert {p.name for p in (first / "data").glob("save-*")} == stray | own
+    for _ in range(2):
+        for r in run_ranks(sc.load_newest, 2, tmp_path, str(root), None):
+            assert r.ok, r.message
+            assert r.value == {"loaded": 30, "error": None, "is": 1030}, r.value
+        assert {p.name for p in (first / "data").glob("save-*")} == own
+    assert not list((root / "node1" / "job").glob(".quarantine-*"))
+
+
 def test_an_iteration_saved_twice_with_no_save_covering_every_rank_is_never_loaded(
         tmp_path: Path, root: Path) -> None:
     """The same without replicas: no save of 30 has a copy of every rank's shard. Every rank

@@ -346,7 +346,7 @@ def _read_marker(path: Path) -> tuple[int, str] | None:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: also int digits
         logger.warning("LocalCkptIO: %r is not a localckpt marker (%s)", str(path), exc)
         return None
     if type(doc) is not dict or doc.get("format") != MARKER_FORMAT or \

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..control.context import Context
-from ..storage.layout import ShardRef, saves_marked
+from ..storage.layout import ShardRef, drop_other_markers, saves_marked
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,9 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
     """Collective. Every rank reports the save of each copy of ``iteration`` (saved by a job
     of ``world_size`` ranks, default this job's: a resharding load may name another) its node
     holds; when the newest save covers every old rank, every rank sets its node's copies of
-    other saves aside (quarantine) and None is returned (plan again). Else why the iteration
-    cannot be loaded."""
+    other saves aside (quarantine), removes other saves' markers from copies of that save (a
+    copy restored by hand over another's) and None is returned (plan again). Else why the
+    iteration cannot be loaded."""
     where = f"load of iteration {iteration}"
     world = ctx.world_size if world_size is None else world_size
     if ctx.erasure is not None and world == ctx.world_size:
@@ -91,7 +92,18 @@ def resolve_mixed(ctx: Context, iteration: int, world_size: int | None = None) -
                   if (saves := saves_marked(ref.path)) and chosen not in saves]
         for ref, meta in held + marked:
             save = meta.get("save_id")
-            if save is not None and save != chosen:
+            if save == chosen:
+                # the chosen save's copy, restored by hand over another save's: that save's
+                # marker, left, would show two saves to every load of the iteration
+                try:
+                    if dropped := drop_other_markers(ref.path, chosen):
+                        logger.warning("rank %d: %s: %s is a copy of save %s also marked as "
+                                       "%s (restored over another copy?); those markers "
+                                       "removed", ctx.rank, where, ref.path, chosen, dropped)
+                except OSError as exc:
+                    logger.warning("rank %d: %s: %s: a stray save marker cannot be removed: "
+                                   "%s", ctx.rank, where, ref.path, exc)
+            elif save is not None:
                 moved = ctx.store.quarantine(ref)
                 if moved is not None:
                     logger.warning("rank %d: %s: %s is a copy of an older save of that number "

@@ -246,8 +246,9 @@ def _check_as_zarr(shard: Path, manifest: ShardManifest) -> None:
     marked = [f"save-{save}" for save in saves_marked(shard)]
     if own is not None and marked and marked != [own]:
         raise CorruptShardError(f"{shard / 'data'}: markers {marked[:8]}, its manifest is "
-                                f"{own}: a copy merged with another save's (every load sees "
-                                "two saves of this iteration)")
+                                f"{own}: a copy merged with another save's (a load drops the "
+                                "other markers when its manifest's save is the one loaded, "
+                                "else gives the iteration up)")
 
 
 def build_parser() -> argparse.ArgumentParser:

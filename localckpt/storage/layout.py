@@ -92,6 +92,17 @@ def saves_marked(shard: Path) -> list[str]:
                   if (m := _SAVE_MARKER_RE.fullmatch(e.name)))
 
 
+def drop_other_markers(shard: Path, save_id: str) -> list[str]:
+    """Remove from the directory of ``shard`` the markers of saves other than ``save_id`` (its
+    manifest's): what a copy restored by hand into a directory that held another save's copy
+    leaves (``cp -a``). Returns the saves whose markers went; raises OSError when one cannot
+    be removed."""
+    dropped = [s for s in saves_marked(shard) if s != save_id]
+    for save in dropped:
+        (shard / "data" / f"save-{save}").unlink(missing_ok=True)
+    return dropped
+
+
 def shard_path(root: Path, session_id: str, iteration: int, owner: int, world_size: int) -> Path:
     """Where shard (iteration, owner, world_size) lives, or the parity block whose slot
     ``owner`` is; raises ValueError for numbers that do not fit the fixed-width names (a
