@@ -698,3 +698,74 @@ def test_an_iteration_no_save_covers_in_view_keeps_its_newest_save_s_metadata(
     _shard(root, 30, 1, 2, save=("aa", 1.0))  # a leftover of the first save
     (meta, covered), = loaded_saves(list_shards(root, "job"), 2).values()
     assert not covered and meta is not None and meta["save_id"] == "bb", meta
+
+
+def test_gc_reports_what_it_removed_before_a_later_session_failed(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """gc removed session a's old iteration, then failed on session b's damaged fence: it
+    printed the error alone (empty --json output), so what it had deleted went unreported
+    (from an attacker review). Now every session's removals are reported, the failure after
+    them, exit 2; sessions after the failing one are still collected."""
+    root = tmp_path / "node0"
+    for session in ("a", "c"):
+        _shard(root, 1, 0, 1, session=session)
+        _shard(root, 2, 0, 1, session=session)
+    _shard(root, 1, 0, 1, session="b")
+    (root / "b" / "rollback-fence.json").write_text("{")  # damaged
+    gone = [root / s / "iter_0000000001" / "rank_00000_of_00001" for s in ("a", "c")]
+    for dry in (["--dry-run"], []):
+        code, out, err = run_cli(capsys, "gc", str(root), "--json", *dry)
+        assert code == 2 and "rollback-fence.json" in err and "'b'" in err, (code, err)
+        assert sorted(json.loads(out)["removed"]) == sorted(map(str, gone)), out
+        assert all(p.exists() == bool(dry) for p in gone)
+
+
+def test_a_malformed_record_of_finished_rollbacks_fails_the_cli_as_it_fails_the_job(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """With no fence on any root, ls, gc and verify never read the root's record of finished
+    rollbacks: a malformed one passed them (verify: 0 corrupt) while every find_latest, load
+    and save of the job raised naming it (from an attacker review). They fail alike now, as
+    for a damaged fence: exit 2, naming the file."""
+    root = tmp_path / "node0"
+    with LocalCheckpointManager(root, "job") as mgr:
+        mgr.save(make_state(0, 1), 1)
+    record = root / "job" / "rollbacks-done.json"
+    record.write_text("{")
+    with LocalCheckpointManager(root, "job") as mgr, pytest.raises(Exception, match="rollbacks"):
+        mgr.find_latest()
+    for argv in (["ls"], ["gc", "--dry-run"], ["verify"]):
+        code, out, err = run_cli(capsys, *argv, str(root))
+        assert code == 2 and str(record) in err, (argv, code, out, err)
+
+
+def test_a_stale_fence_does_not_hide_the_durable_tier_s_iterations_after_a_finished_rollback(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """2 ranks, a node each, durable tier D. A rollback to 10: node 0 finished it; node 1 died
+    with its fence (and the discarded 20). The job went on, saved 30 and 40 and committed
+    them to D; node 1 came back. The job hides nothing of D (a root finished the rollback),
+    but D has no record of its own, so ls showed 30 and 40 incomplete and gc --keep-last 1
+    removed nothing (from an attacker review). D counts the rollbacks any root finished."""
+    from localckpt.storage.durable import commit_path
+    from localckpt.storage.rollback_fence import record_done, write_fence
+    n0, n1, d = tmp_path / "node0", tmp_path / "node1", tmp_path / "durable"
+    for it in (10, 30, 40):
+        _shard(n0, it, 0, 2)
+        for owner in (0, 1):
+            _shard(d, it, owner, 2)
+        commit_path(d, "job", it, 2).write_text("{}")
+    _shard(n1, 10, 1, 2)
+    _shard(n1, 20, 1, 2)
+    rollback = "0190000000aadeadbeef"
+    write_fence(n1 / "job", ((10, 2, rollback),), "w00001")
+    record_done(n0 / "job", [(rollback, 10, 2)], "w00000")
+    rows = {r["iteration"]: r for r in cli_json(capsys, "ls", str(n0), str(n1), str(d))}
+    assert sorted(rows) == [10, 30, 40] and all(r["complete"] for r in rows.values()), rows
+    assert str(d) in rows[30]["holders"]["1"], rows[30]
+    removed = cli_json(capsys, "gc", str(n0), str(n1), str(d), "--keep-last", "1",
+                       "--dry-run")["removed"]
+    assert sorted(Path(p).parent.name for p in removed) == ["iter_0000000010"] * 4 + [
+        "iter_0000000030"] * 3, removed
+    # without node 0's record, the rollback is unfinished: D's 30 and 40 stay hidden
+    (n0 / "job" / "rollbacks-done.json").unlink()
+    rows = {r["iteration"]: r for r in cli_json(capsys, "ls", str(n0), str(n1), str(d))}
+    assert sorted(rows) == [10], rows

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CheckpointingError
 from ..load.mixed import newest_save
-from ..storage.durable import commit_path
+from ..storage.durable import PROGRESS_DIR, commit_path
 from ..storage.durable_object import is_object_url
 from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
 from ..storage.manifest import ShardManifest
@@ -89,14 +89,29 @@ def committed_as_job(roots: Sequence[Path], session: str, iterations: set[int],
 
 def unfenced_shards(roots: Sequence[Path], session: str) -> dict[Path, list[ShardRef]]:
     """Each root's committed shards of ``session`` but those a rollback's fence on any of the
-    roots hides (the job hides them on every root, but on one that finished that rollback)."""
+    roots hides (the job hides them on every root, but on one that finished that rollback, and
+    on a durable tier once any root finished it). CorruptShardError naming the file when a
+    fence or a record of finished rollbacks cannot be read (every job call fails then too)."""
     fence = None
     for root in roots:
         if (held := read_fence(session_dir(root, session))) is not None:
             fence = merged(fence, held)
+    # read with or without a fence, as the job reads them: a malformed one fails every call
+    done = {root: read_done(session_dir(root, session)) for root in roots}
+    anywhere = frozenset().union(*done.values())
     out = {}
     for root in roots:  # a root that finished a rollback shows what it saved after it
-        left = unfinished(fence, read_done(session_dir(root, session))) if fence else None
+        # a durable tier keeps no record: the job hides its iterations until any node's root
+        # finished the rollback (coverage.job_unfinished)
+        left = unfinished(fence, anywhere if _is_durable(root, session) else done[root]) \
+            if fence else None
         out[root] = [s for s in list_shards(root, session, fenced=False)
                      if not hidden(left, s.iteration, s.world_size)]
     return out
+
+
+def _is_durable(root: Path, session: str) -> bool:
+    """Whether ``root`` is a durable tier's directory for ``session`` (a job's commit file of
+    an iteration, or the ranks' progress records)."""
+    path = session_dir(root, session)
+    return (path / PROGRESS_DIR).is_dir() or any(path.glob("iter_*/COMMITTED-*"))

@@ -87,7 +87,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                              f"{', '.join(map(str, roots))} (sessions: "
                              f"{', '.join(repr(s) for s in sessions)})")
         sessions = [args.session]
-    in_use: list[str] = []
+    failed: list[str] = []  # the other sessions are still collected, and all reported
     for session in sessions:
         with contextlib.ExitStack() as locks:
             try:
@@ -96,15 +96,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
                         if session_dir(root, session).is_dir():
                             locks.enter_context(SessionLock(session_dir(root, session),
                                                             exclusive=True))
-            except SessionInUseError as exc:  # the other sessions are still collected
-                in_use.append(str(exc))
+            except SessionInUseError as exc:
+                failed.append(str(exc))
                 continue
-            removed += _collect(roots, session, policy, args.world_size, args.dry_run,
-                                args.partial)
+            try:
+                _collect(roots, session, policy, args.world_size, args.dry_run, removed,
+                         args.partial)
+            except (UsageError, CheckpointingError, OSError) as exc:
+                failed.append(f"error: session {session!r}: {exc}")
     _report_gc(args, [str(p) for p in removed])
-    for message in in_use:
+    for message in failed:
         print(f"localckpt gc: {message}", file=sys.stderr)
-    return 2 if in_use else 0
+    return 2 if failed else 0
 
 
 def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
@@ -118,8 +121,9 @@ def _report_gc(args: argparse.Namespace, removed: list[str]) -> None:
 
 
 def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: int | None,
-             dry_run: bool, partial: bool = False) -> list[Path]:
-    """What gc removes in ``session`` of ``roots`` (and removes it unless ``dry_run``). A
+             dry_run: bool, removed: list[Path], partial: bool = False) -> None:
+    """Adds to ``removed`` what gc removes in ``session`` of ``roots`` (removing it unless
+    ``dry_run``), each entry as it goes: an error part way leaves the list true. A
     rollback's fence on one root hides the newer shards on every root (as the job does): they
     are neither counted nor removed (the job's next save finishes that rollback). With fewer
     node roots than the job has nodes, a fence elsewhere cannot be seen: only leftovers go,
@@ -166,22 +170,25 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         doomed = []
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
                                                + find_quarantined(session_dir(root, session)))]
-    if not dry_run:
-        for root in roots:  # directories and files (a fence's temporary) alike
-            remove_paths(session_dir(root, session),
-                         [p for p in leftovers if p.is_relative_to(session_dir(root, session))])
-        for root in roots:
-            store = ShardStore(root, session, writer_rank=0, io_threads=1)
-            try:
-                for r, ref in doomed:
-                    if r == root:
-                        # a durable tier's iteration stops being complete before any shard goes
-                        commit_path(root, session, ref.iteration, ref.world_size).unlink(
-                            missing_ok=True)
-                        store.delete(ref)  # renamed out of sight first, then freed
-            finally:
-                store.close()
-    return leftovers + [ref.path for _, ref in doomed]
+    if dry_run:
+        removed += leftovers + [ref.path for _, ref in doomed]
+        return
+    for root in roots:  # directories and files (a fence's temporary) alike
+        mine = [p for p in leftovers if p.is_relative_to(session_dir(root, session))]
+        remove_paths(session_dir(root, session), mine)
+        removed += mine
+    for root in roots:
+        store = ShardStore(root, session, writer_rank=0, io_threads=1)
+        try:
+            for r, ref in doomed:
+                if r == root:
+                    # a durable tier's iteration stops being complete before any shard goes
+                    commit_path(root, session, ref.iteration, ref.world_size).unlink(
+                        missing_ok=True)
+                    store.delete(ref)  # renamed out of sight first, then freed
+                    removed.append(ref.path)
+        finally:
+            store.close()
 
 
 def _complete(roots: list[Path], session: str, shards: dict[Path, list[ShardRef]],
