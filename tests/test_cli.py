@@ -769,3 +769,70 @@ def test_a_stale_fence_does_not_hide_the_durable_tier_s_iterations_after_a_finis
     (n0 / "job" / "rollbacks-done.json").unlink()
     rows = {r["iteration"]: r for r in cli_json(capsys, "ls", str(n0), str(n1), str(d))}
     assert sorted(rows) == [10], rows
+
+
+def test_an_iteration_with_a_stray_save_marker_is_not_counted_complete(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A copy marked as another save too (restored with cp -a over another save's copy): a
+    load drops the stray marker and loads it, or, where the marker cannot be removed (a
+    read-only directory), gives the iteration up and falls back. ls and gc judged by
+    manifests alone and counted it complete: gc --keep-last 1 removed the iteration the load
+    falls back to (from an attacker review). Until a load removes the marker, it counts as
+    not complete."""
+    root = tmp_path / "node0"
+    for it in (1, 2):
+        shard = _shard(root, it, 0, 1, save=(f"00aa1{it}", float(it)))
+    (shard / "data" / "save-0123abcd").touch()
+    rows = cli_json(capsys, "ls", str(root))
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(1, True), (2, False)], rows
+    assert cli_json(capsys, "gc", str(root), "--keep-last", "1")["removed"] == []
+    (shard / "data" / "save-0123abcd").unlink()  # what the load does
+    assert cli_json(capsys, "gc", str(root), "--keep-last", "1")["removed"] == [
+        str(root / "job" / "iter_0000000001" / "rank_00000_of_00001")]
+
+
+def test_a_node_root_holding_a_progress_directory_is_not_taken_for_a_durable_tier(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A rollback to 10 finished on node 0; node 1, back with its fence, still holds the
+    discarded 20 (both shards): the job hides it. A ``.persisting`` directory in node 1's
+    session (a copied or reused directory) made the CLI take node 1 for a durable tier, count
+    the rollback finished there, and so 20 complete: gc --keep-last 1 removed 10 on both
+    nodes, the job's only loadable iteration (from an attacker review). A root with a fence
+    or a record of its own is a node's."""
+    from localckpt.storage.rollback_fence import record_done, write_fence
+    n0, n1 = tmp_path / "node0", tmp_path / "node1"
+    for owner in (0, 1):
+        _shard(n0, 10, owner, 2, nodes=2)
+        _shard(n1, 10, owner, 2, nodes=2)
+        _shard(n1, 20, owner, 2, nodes=2)
+    rollback = "0190000000aadeadbeef"
+    write_fence(n1 / "job", ((10, 2, rollback),), "w00001")
+    record_done(n0 / "job", [(rollback, 10, 2)], "w00000")
+    (n1 / "job" / ".persisting").mkdir()
+    rows = cli_json(capsys, "ls", str(n0), str(n1))
+    assert [(r["iteration"], r["complete"]) for r in rows] == [(10, True)], rows
+    assert cli_json(capsys, "gc", str(n0), str(n1), "--keep-last", "1")["removed"] == []
+
+
+def test_gc_reports_a_leftover_it_could_not_remove_as_an_error_and_lists_the_same_order_dry(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leftover whose deletion failed was reported removed, exit 0 (from an attacker
+    review); it is an error now, and not in the list. And a dry run lists what the real run
+    removes in the same order (2 world sizes over 2 roots)."""
+    n0, n1 = tmp_path / "node0", tmp_path / "node1"
+    for it in (1, 2, 3):
+        for world in (2, 3):
+            _shard(n0, it, 0, world)
+            _shard(n1, it, 1, world)
+        _shard(n1, it, 2, 3)
+    argv = ["gc", str(n0), str(n1), "--keep-last", "1", "--partial"]
+    plan = cli_json(capsys, *argv, "--dry-run")["removed"]
+    assert cli_json(capsys, *argv)["removed"] == plan and len(plan) == 10
+    trash = n0 / "job" / ".trash-iter_0000000003-rank_00000_of_00002-w00000-deadbeef0000"
+    (trash / "data").mkdir(parents=True)
+    import localckpt.storage.layout as layout
+    monkeypatch.setattr(layout.shutil, "rmtree", lambda *a, **k: None)
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 2 and str(trash) in err and json.loads(out)["removed"] == [], (out, err)
+    assert trash.exists()

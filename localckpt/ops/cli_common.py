@@ -12,9 +12,24 @@ from ..errors import CheckpointingError
 from ..load.mixed import newest_save
 from ..storage.durable import PROGRESS_DIR, commit_path
 from ..storage.durable_object import is_object_url
-from ..storage.layout import ShardRef, iteration_dir, list_sessions, list_shards, session_dir
+from ..storage.layout import (
+    ShardRef,
+    iteration_dir,
+    list_sessions,
+    list_shards,
+    saves_marked,
+    session_dir,
+)
 from ..storage.manifest import ShardManifest
-from ..storage.rollback_fence import hidden, merged, read_done, read_fence, unfinished
+from ..storage.rollback_fence import (
+    DONE_NAME,
+    FENCE_NAME,
+    hidden,
+    merged,
+    read_done,
+    read_fence,
+    unfinished,
+)
 from ..storage.shard_reader import parse_manifest_file
 
 
@@ -44,27 +59,33 @@ def loaded_saves(refs: Iterable[ShardRef], world: int
     """Iteration of ``world`` -> (the manifest metadata of the save a load takes, whether one
     save covers every rank), as a load decides (:func:`newest_save`) from the copies of
     ``refs`` it can read. Copies of one save: the first readable one's metadata (rank 0's, in
-    every shard), True. Copies of several (an iteration saved twice): the newest save's, and
-    whether it has a copy of every rank's shard (with some nodes' roots only, a save that does
-    not cover the view may still cover the job). A copy that cannot be read has no say; parity
-    blocks count only where no copy of a rank's shard is readable."""
+    every shard), True, but False where a copy is marked as another save too (restored by
+    hand over another save's copy: a load that cannot remove that marker gives the iteration
+    up, so until one has, it is not counted). Copies of several (an iteration saved twice):
+    the newest save's, and whether it has a copy of every rank's shard (with some nodes' roots
+    only, a save that does not cover the view may still cover the job). A copy that cannot be
+    read has no say; parity blocks count only where no copy of a rank's shard is readable."""
     copies: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    stray: set[int] = set()
     for ref in refs:
         if ref.world_size == world:
             with contextlib.suppress(UsageError, CheckpointingError):
                 metadata = read_manifest(ref.path).metadata
                 copies.setdefault(ref.iteration, []).append((ref.owner_rank, metadata))
+                if ref.owner_rank >= 0 and set(saves_marked(ref.path)) - {
+                        metadata.get("save_id")}:
+                    stray.add(ref.iteration)
     out: dict[int, tuple[dict[str, Any], bool]] = {}
     for it, held in copies.items():
         held = [c for c in held if c[0] >= 0] or held
         saves = {m.get("save_id") for _, m in held} - {None}
         if len(saves) <= 1:
-            out[it] = (held[0][1], True)
+            out[it] = (held[0][1], it not in stray)
             continue
         save, owners = newest_save([[[o, m.get("save_id"), m.get("saved_unix")]
                                      for o, m in held]])
         out[it] = (next(m for _, m in held if str(m.get("save_id")) == save),
-                   owners >= set(range(world)))
+                   owners >= set(range(world)) and it not in stray)
     return out
 
 
@@ -112,6 +133,9 @@ def unfenced_shards(roots: Sequence[Path], session: str) -> dict[Path, list[Shar
 
 def _is_durable(root: Path, session: str) -> bool:
     """Whether ``root`` is a durable tier's directory for ``session`` (a job's commit file of
-    an iteration, or the ranks' progress records)."""
+    an iteration, or the ranks' progress records) and no node's: only a node's store writes
+    a rollback's fence or record (a copied or reused directory may hold both kinds)."""
     path = session_dir(root, session)
+    if (path / FENCE_NAME).exists() or (path / DONE_NAME).exists():
+        return False
     return (path / PROGRESS_DIR).is_dir() or any(path.glob("iter_*/COMMITTED-*"))

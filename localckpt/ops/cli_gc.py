@@ -170,13 +170,17 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
         doomed = []
     leftovers = [p for root in roots for p in (find_leftovers(session_dir(root, session))
                                                + find_quarantined(session_dir(root, session)))]
+    # the order of the deletions, a dry run's too: each root's leftovers, then its shards
+    doomed = [(root, ref) for root in roots for r, ref in doomed if r == root]
     if dry_run:
         removed += leftovers + [ref.path for _, ref in doomed]
         return
+    stuck: list[Path] = []
     for root in roots:  # directories and files (a fence's temporary) alike
         mine = [p for p in leftovers if p.is_relative_to(session_dir(root, session))]
         remove_paths(session_dir(root, session), mine)
-        removed += mine
+        for p in mine:  # remove_paths goes on past what it cannot delete
+            (stuck if os.path.lexists(p) else removed).append(p)
     for root in roots:
         store = ShardStore(root, session, writer_rank=0, io_threads=1)
         try:
@@ -189,6 +193,9 @@ def _collect(roots: list[Path], session: str, policy: KeepPolicy, world_size: in
                     removed.append(ref.path)
         finally:
             store.close()
+    if stuck:
+        raise OSError(f"{len(stuck)} leftovers could not be removed (permissions? a read-only "
+                      f"file system?): {', '.join(map(str, stuck[:4]))}")
 
 
 def _complete(roots: list[Path], session: str, shards: dict[Path, list[ShardRef]],
