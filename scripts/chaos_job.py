@@ -2,25 +2,23 @@
 own local root, on 127.0.0.1, sharing a rendezvous hosted by the driver (so that no node's death
 takes the rendezvous with it). Used by scripts/chaos.py and scripts/run_demo.py.
 
-An agent is torchrun's own ``main`` in a process forked from a server that imported it once
-(``python -m torch.distributed.run`` imports torch first: 3-4 s of CPU per agent, a third of a
-chaos scenario's on 2 cores); its ranks are started by it as torchrun starts them.
+An agent is torchrun's own ``main`` forked from a server that imported it once
+(scripts/forked_torchrun.py: 3-4 s of CPU less per agent, a third of a chaos scenario's on 2
+cores); its ranks are started by it as torchrun starts them.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import signal
 import socket
-import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
+
+from forked_torchrun import Agent
 
 HERE = Path(__file__).resolve().parent
 STEPS, SAVE_EVERY, NODES = 40, 10, 2
@@ -31,65 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-_forkserver: Any = None
-_forkserver_lock = threading.Lock()
-
-
-def _agent_context() -> Any:
-    """A forkserver that imported torchrun's module once: each agent is forked from it rather
-    than importing torch again (3-4 s of CPU per agent, a third of a scenario's)."""
-    global _forkserver
-    with _forkserver_lock:
-        if _forkserver is None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch.distributed.run"])
-            _forkserver = ctx
-        return _forkserver
-
-
-def _agent_main(argv: list[str], env: dict[str, str], log: str) -> None:
-    """A torchrun agent, as ``python -m torch.distributed.run ARGV`` runs it: in a session of
-    its own (a node's death kills its process group), its output appended to ``log``."""
-    os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    code = 1
-    try:
-        from torch.distributed.run import main
-
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-class Agent:
-    """A forked torchrun agent, read like a Popen: ``pid`` (its process group), ``poll()``
-    (None while it runs, else its exit status, negative for a signal), ``wait()``."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self._proc = _agent_context().Process(target=_agent_main, args=(argv, env, str(log)))
-        self._proc.start()
-        self.pid: int = self._proc.pid
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode  # type: ignore[no-any-return]
-
-    def wait(self) -> int:
-        self._proc.join()
-        return self._proc.exitcode  # type: ignore[no-any-return]
 
 
 class Job:
@@ -128,7 +67,7 @@ class Job:
     def stop_all(self) -> None:
         for a in self.agents.values():
             if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
+                a.kill()
                 a.wait()
 
     def start_agent(self, node: int, with_faults: bool) -> None:
@@ -148,7 +87,7 @@ class Job:
                "--root", str(self.work / "node{node}"), "--out", str(self.work / "out"),
                "--steps", str(self.steps), "--save-every", str(SAVE_EVERY),
                "--timeout", str(self.timeout), *self.args]
-        self.agents[node] = Agent(argv, env, self.work / f"agent{node}-{len(self.replaced)}.log")
+        self.agents[node] = Agent(argv, self.work / f"agent{node}-{len(self.replaced)}.log", env)
 
     def run(self, deadline: float, wipe_lost: bool) -> str | None:
         """Run to the end, replacing nodes whose agent was killed, and relaunching the whole

@@ -12,14 +12,18 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from forked_torchrun import Agent
 
 
 @dataclass
@@ -73,8 +77,24 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "localckpt",
-                                     "scenarios"])
+                                     "scenarios", "torch.distributed.run"])
     return _CTX
+
+
+def start_torchrun(args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Agent:
+    """``torchrun ARGS`` started: torchrun's own main forked from this process's forkserver
+    (which imported torch once), not a new interpreter importing it again (3-4 s of CPU per
+    launch); it starts its ranks as torchrun does. Its output goes to ``log``."""
+    return Agent(list(args), log, {**os.environ, **(env or {})}, context=_context())
+
+
+def torchrun(args: Sequence[str], log: Path, timeout: float = 300.0) -> str:
+    """``torchrun ARGS`` run to the end (see :func:`start_torchrun`); its output. Fails the
+    test, with the end of the output, unless it exits 0 within ``timeout``."""
+    agent = start_torchrun(args, log)
+    code = agent.wait(timeout)
+    assert code == 0, f"torchrun exited with {code}; its output ends:\n{agent.output()[-6000:]}"
+    return agent.output()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any,

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from dist_harness import torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,11 +21,9 @@ def _losses(path: Path) -> list[tuple[int, float]]:
 
 
 def _torchrun(script: str, root: Path, log: Path, *extra: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(REPO / "scripts" / script), "--root", str(root / "{node}"), "--steps", "12",
-         "--loss-log", str(log), *extra], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(["--nproc-per-node", "2", "--standalone", str(REPO / "scripts" / script),
+              "--root", str(root / "{node}"), "--steps", "12", "--loss-log", str(log), *extra],
+             log.parent / f"torchrun-{uuid.uuid4().hex[:8]}.out")
 
 
 def _resumes_after_a_node_loss(script: str, tmp_path: Path,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from dist_harness import torchrun
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities.parsing import AttributeDict
 from torch.utils.data import DataLoader, TensorDataset
@@ -114,12 +115,11 @@ def test_lightnings_ddp_strategy_is_refused_before_any_collective(
 
 def _example(tmp: Path, epochs: int, *extra: str) -> dict[str, object]:
     report = tmp / f"report-{epochs}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(REPO / "scripts" / "lightning_example.py"), "--root", str(tmp / "node{node}"),
-         "--markers", str(tmp / "markers"), "--epochs", str(epochs), "--report", str(report),
-         *extra], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tmp.mkdir(parents=True, exist_ok=True)
+    torchrun(["--nproc-per-node", "2", "--standalone",
+              str(REPO / "scripts" / "lightning_example.py"), "--root", str(tmp / "node{node}"),
+              "--markers", str(tmp / "markers"), "--epochs", str(epochs), "--report",
+              str(report), *extra], tmp / f"torchrun-{epochs}.out")
     return json.loads(report.read_text())  # type: ignore[no-any-return]
 
 

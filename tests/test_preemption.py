@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import Agent, run_ranks, start_torchrun
 
 from localckpt import ConfigurationError, LocalCheckpointManager, SavePolicy
 
@@ -142,18 +143,17 @@ def _losses(path: Path) -> list[tuple[int, float]]:
     return [(d["step"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
 
 
-def _torchrun(root: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(REPO / "scripts" / "ddp_example.py"), "--root", str(root / "{node}"), "--steps",
-         "30", "--save-every", "100", "--loss-log", str(log), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _torchrun(root: Path, log: Path, *extra: str) -> Agent:
+    return start_torchrun(
+        ["--nproc-per-node", "2", "--standalone", str(REPO / "scripts" / "ddp_example.py"),
+         "--root", str(root / "{node}"), "--steps", "30", "--save-every", "100",
+         "--loss-log", str(log), *extra], log.parent / f"torchrun-{uuid.uuid4().hex[:8]}.out")
 
 
 def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from_it(
         tmp_path: Path) -> None:
     straight = _torchrun(tmp_path / "straight", tmp_path / "straight.jsonl")
-    assert straight.wait(300) == 0, straight.stdout.read() if straight.stdout else ""
+    assert straight.wait(300) == 0, straight.output()
     log = tmp_path / "preempted.jsonl"
     job = _torchrun(tmp_path / "preempted", log, "--preemption", "--step-seconds", "0.2")
     deadline = time.monotonic() + 120
@@ -161,14 +161,14 @@ def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from
         assert time.monotonic() < deadline and job.poll() is None
         time.sleep(0.05)
     os.kill(int(Path(f"{log}.pid1").read_text()), signal.SIGTERM)  # one rank of node 1
-    assert job.wait(120) == 0, job.stdout.read() if job.stdout else ""
+    assert job.wait(120) == 0, job.output()
     steps = [s for s, _ in _losses(log)]
     stopped = steps[-1] + 1
     assert 5 <= stopped < 30
     held = {p.name for p in (tmp_path / "preempted").rglob("iter_*")}
     assert held == {f"iter_{stopped:010d}"}  # the preempted step, on both nodes
     rest = _torchrun(tmp_path / "preempted", log)
-    assert rest.wait(300) == 0, rest.stdout.read() if rest.stdout else ""
+    assert rest.wait(300) == 0, rest.output()
     resumed = _losses(log)
     assert [s for s, _ in resumed] == list(range(stopped)) + list(range(stopped, 30))
     assert resumed == _losses(tmp_path / "straight.jsonl")

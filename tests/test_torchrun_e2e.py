@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dist_harness import torchrun
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -41,17 +43,15 @@ def test_fsdp2_example_resumes_with_the_same_loss_curve(tmp_path: Path) -> None:
     """scripts/fsdp2_example.py under torchrun (4 ranks, a 2-D mesh, 2 simulated nodes): a job
     stopped after step 5 and started again resumes from its step-4 checkpoint, and its losses
     from there are those of a job that never stopped, bit for bit."""
-    def torchrun(root: Path, log: Path, *extra: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-             "--standalone", str(REPO / "scripts" / "fsdp2_example.py"),
-             "--root", str(root / "{node}"), "--steps", "10", "--loss-log", str(log), *extra],
-            capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def run(root: Path, log: Path, *extra: str) -> None:
+        torchrun(["--nproc-per-node", "4", "--standalone",
+                  str(REPO / "scripts" / "fsdp2_example.py"), "--root", str(root / "{node}"),
+                  "--steps", "10", "--loss-log", str(log), *extra],
+                 log.with_suffix(f".{len(extra)}.out"), timeout=240)
 
-    torchrun(tmp_path / "straight", tmp_path / "straight.jsonl")
-    torchrun(tmp_path / "stopped", tmp_path / "stopped.jsonl", "--stop-after", "5")
-    torchrun(tmp_path / "stopped", tmp_path / "stopped.jsonl")
+    run(tmp_path / "straight", tmp_path / "straight.jsonl")
+    run(tmp_path / "stopped", tmp_path / "stopped.jsonl", "--stop-after", "5")
+    run(tmp_path / "stopped", tmp_path / "stopped.jsonl")
     straight, stopped = _losses(tmp_path / "straight.jsonl"), _losses(tmp_path / "stopped.jsonl")
     assert [s for s, _ in stopped] == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 9]  # resumed at 4
     assert stopped[6:] == straight[4:] and stopped[:6] == straight[:6]
