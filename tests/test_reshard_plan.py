@@ -48,11 +48,29 @@ def test_a_column_shard_onto_row_shards_cuts_both_dims() -> None:
         (1, 0, (2, 0), (0, 0), (2, 3)), (1, 1, (2, 0), (0, 3), (2, 3))]
 
 
-def test_replicated_boxes_are_read_once_from_the_lowest_owner() -> None:
+def test_a_replicated_box_is_read_once_from_the_copy_the_destination_serves() -> None:
     replicas = [OldShard(o, 0, (5,), "float32", (0,), (5,)) for o in (3, 1, 2)]
     pieces = plan_reshard({"b": replicas}, {1: 0, 2: 1, 3: 1},
                           [{"b": Want((5,), "float32", (0,), (5,))}])
     assert [(p.owner, p.src) for p in pieces] == [(1, 0)]
+
+
+def test_a_replicated_box_is_served_by_the_destination_itself_or_the_least_busy_holder(
+        ) -> None:
+    """Every holder of a replicated box (tensor parallel's norms, an embedding left whole)
+    served it from the lowest owner: on a (dp 2, tp 2) -> (dp 4) reshard, ranks 0 and 2 packed
+    and sent their whole shards while ranks 1 and 3 sent a fifth of theirs. A rank that serves
+    a copy itself takes its own; the others spread over the servers."""
+    replicas = [OldShard(o, 0, (5,), "float32", (0,), (5,)) for o in (0, 1)]
+    whole = Want((5,), "float32", (0,), (5,))
+    pieces = plan_reshard({"b": replicas}, {0: 0, 1: 1}, [{"b": whole}] * 4)
+    assert [(p.dst, p.owner, p.src) for p in pieces] == [(0, 0, 0), (1, 1, 1), (2, 0, 0),
+                                                         (3, 1, 1)]
+    # rows sharded over dp, replicated over tp (owners 2k, 2k+1 hold the same rows)
+    old = [OldShard(o, 0, (8, 2), "float32", (4 * (o // 2), 0), (4, 2)) for o in range(4)]
+    wants = [{"w": Want((8, 2), "float32", (2 * r, 0), (2, 2))} for r in range(4)]
+    pieces = plan_reshard({"w": old}, {o: o for o in range(4)}, wants)
+    assert [(p.dst, p.src) for p in pieces] == [(0, 0), (1, 1), (2, 2), (3, 3)]
 
 
 @pytest.mark.parametrize(("old", "want", "why"), [

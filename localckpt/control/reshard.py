@@ -4,8 +4,9 @@ gathered input (old shards' layouts, new ranks' wants), no processes needed to t
 
 A DTensor shard is a box of its global tensor: an offset and a shape per dim (as torch computes
 them for Shard, _StridedShard and Replicate placements). A new rank's shard is assembled from the
-intersections of its box with the old shards' boxes; boxes that repeat (Replicate placements:
-several old ranks hold the same one) are read once, from the lowest old owner. Only the
+intersections of its box with the old shards' boxes; a box that repeats (Replicate placements:
+several old ranks hold the same one) is sent once to each destination, from the destination's
+own copy when it serves one, else from the holder whose server sends the least so far. Only the
 intersections move: no rank ever holds a whole tensor.
 
 Plain (non-DTensor) state is per rank and cannot be split: new rank ``r`` takes that of old rank
@@ -107,6 +108,7 @@ def plan_reshard(old: Mapping[str, Sequence[OldShard]], servers: Mapping[int, in
     exactly once (a layout whose shards are not boxes)."""
     pieces: list[Piece] = []
     problems: list[str] = []
+    served: dict[int, int] = {}  # elements each server sends so far
     for dst, mine in enumerate(wants):
         for path in sorted(mine):
             want = mine[path]
@@ -120,18 +122,23 @@ def plan_reshard(old: Mapping[str, Sequence[OldShard]], servers: Mapping[int, in
                                 f"{list(first.global_shape)}, `into` has {want.dtype} of "
                                 f"{list(want.global_shape)}")
                 continue
-            distinct: dict[tuple[Shape, Shape], OldShard] = {}
+            copies: dict[tuple[Shape, Shape], list[OldShard]] = {}
             for s in sorted(shards, key=lambda s: s.owner):
-                distinct.setdefault((s.offset, s.shape), s)
+                copies.setdefault((s.offset, s.shape), []).append(s)
             covered = 0
             boxes: list[tuple[Shape, Shape]] = []
-            for s in distinct.values():
-                hit = _intersect(s.offset, s.shape, want.offset, want.shape)
+            for held in copies.values():
+                hit = _intersect(held[0].offset, held[0].shape, want.offset, want.shape)
                 if hit is None:
                     continue
+                # a box several old ranks hold (Replicate): the destination's own copy when it
+                # serves one (nothing crosses the wire), else the least busy server's
+                s = min(held, key=lambda s: (servers[s.owner] != dst,
+                                             served.get(servers[s.owner], 0), s.owner))
                 start, size = hit
                 boxes.append(hit)
                 covered += math.prod(size)
+                served[servers[s.owner]] = served.get(servers[s.owner], 0) + math.prod(size)
                 pieces.append(Piece(
                     servers[s.owner], dst, s.owner, s.entry, path,
                     tuple(a - o for a, o in zip(start, s.offset, strict=True)),

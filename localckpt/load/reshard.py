@@ -118,6 +118,13 @@ def _entry_tensor(manifest: ShardManifest, buffer: torch.Tensor, i: int) -> torc
     return buffer[e.offset:e.offset + e.nbytes].view(dtype_from_name(e.dtype)).view(e.shape)
 
 
+def _piece(manifest: ShardManifest, buffer: torch.Tensor, p: Piece) -> torch.Tensor:
+    """Piece ``p``'s elements in ``buffer``, the shard of old owner ``p.owner`` as read: its
+    box of a DTensor entry, or a plain entry whole."""
+    t = _entry_tensor(manifest, buffer, p.entry)
+    return _box(t, p.src_start, p.size) if p.entry in manifest.layouts else t
+
+
 def _box(t: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
     for dim, (s, n) in enumerate(zip(start, size, strict=True)):
         t = t.narrow(dim, s, n)
@@ -244,12 +251,16 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             outgoing[p.dst].append(p)
         if p.dst == rank:
             incoming[p.src].append(p)
-    send_splits = [sum(map(nbytes, outgoing[d])) for d in range(world)]
-    recv_splits = [sum(map(nbytes, incoming[s])) for s in range(world)]
+    # A rank's pieces from the shards it reads itself never enter the buffers: copied from
+    # what it read straight into its tensors (the plan makes most of a reshard's pieces so).
+    send_splits = [sum(map(nbytes, outgoing[d])) if d != rank else 0 for d in range(world)]
+    recv_splits = [sum(map(nbytes, incoming[s])) if s != rank else 0 for s in range(world)]
     pairs: dict[tuple[int, int], int] = defaultdict(int)
     for p in pieces:  # every rank's pairs: every rank agrees on the rounds
-        pairs[p.src, p.dst] += nbytes(p)
+        if p.src != p.dst:
+            pairs[p.src, p.dst] += nbytes(p)
     rounds = round_count(pairs, ROUND_NBYTES)
+    own: dict[int, torch.Tensor] = {}  # old owner -> its shard as this rank read it
     round_buffers: list[torch.Tensor] = []  # made in the agreed read step
     sent: list[torch.Tensor] = []
     group = ctx.data_group
@@ -261,6 +272,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         square of the world)."""
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
+        own.update({p.owner: buffers[p.owner] for p in outgoing[rank]})
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
         if group.group is not None:  # a failure here is agreed, not one rank's alone
             received.append(torch.empty(sum(recv_splits), dtype=torch.uint8))
@@ -271,10 +283,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             group.check_usable(f"{step}: transfer")
         pos = 0
         for dst in range(world):
-            for p in outgoing[dst]:
-                t = _entry_tensor(manifests[p.owner], buffers[p.owner], p.entry)
-                if p.entry in manifests[p.owner].layouts:
-                    t = _box(t, p.src_start, p.size)
+            for p in outgoing[dst] if dst != rank else ():
+                t = _piece(manifests[p.owner], buffers[p.owner], p)
                 # one copy, from the read shard straight into the send buffer
                 out[pos:pos + t.numel() * t.element_size()].view(t.dtype).view(
                     t.shape).copy_(t)
@@ -294,6 +304,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     read = time.monotonic()
     if group.group is None:
         received.append(sent[0])
+    elif not pairs:  # every piece is its reader's own (every rank knows: the same plan)
+        received.append(torch.empty(0, dtype=torch.uint8))
     else:
         clock: list[float] = []
         try:
@@ -322,7 +334,8 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             raise CorruptShardError(f"{step}: the bytes from ranks {damaged} arrived damaged "
                                     "(their checksum differs from the sender's)")
         built.append(_build(manifests[plain_owner(rank, old_world)], incoming, manifests,
-                            received[0], target, nbytes, old_world == world))
+                            received[0], own, rank, target, nbytes, old_world == world))
+        own.clear()
 
     ctx.group.exchange(f"{step}: build", build)
     logger.debug("rank %d: reshard layouts %.3fs, plan %.3fs, read %.3fs, transfer %.3fs, "
@@ -357,9 +370,11 @@ def _refuse_read_only(manifest: ShardManifest, targets: dict[str, Target]) -> No
 
 
 def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
-           manifests: dict[int, ShardManifest], received: torch.Tensor, target: Into,
-           nbytes: Any, same_world: bool) -> tuple[ShardManifest, Any]:
-    """Copy the received pieces into this rank's DTensors and plain tensors, then rebuild its
+           manifests: dict[int, ShardManifest], received: torch.Tensor,
+           own: dict[int, torch.Tensor], rank: int, target: Into, nbytes: Any,
+           same_world: bool) -> tuple[ShardManifest, Any]:
+    """Copy the received pieces, and those of the shards this rank read itself (``own``: old
+    owner -> its shard as read), into this rank's DTensors and plain tensors, then rebuild its
     state dict from ``manifest`` (its plain owner's). At the same world size a DTensor leaf
     ``into`` has none for is received into a fresh tensor and wrapped on ``into``'s mesh."""
     targets = target.paths() or {}
@@ -386,17 +401,21 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
     placed: dict[int, torch.Tensor] = {}
     fills: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # entry -> (into's, loaded)
     pos = 0
-    for src in sorted(incoming):  # the receive buffer holds each source's pieces in turn
+    for src in sorted(incoming):  # the receive buffer holds each other source's pieces in turn
         for p in incoming[src]:
             e = manifests[p.owner].tensors[p.entry]
             dtype = dtype_from_name(e.dtype)
-            if p.entry in manifests[p.owner].layouts:
-                data = received[pos:pos + dtype.itemsize * int(torch.Size(p.size).numel())]
-                with torch.no_grad():  # pieces start ALIGN-aligned: viewed in place
-                    _box(shards[p.path], p.dst_start, p.size).copy_(
-                        data.view(dtype).view(p.size))
-            else:  # into ``into``'s tensor at its path when it fits, else its own storage
+            if src == rank:
+                data = _piece(manifests[p.owner], own[p.owner], p)
+            elif p.entry in manifests[p.owner].layouts:  # pieces start ALIGN-aligned: viewed
+                data = received[pos:pos + dtype.itemsize * int(torch.Size(p.size).numel())
+                                ].view(dtype).view(p.size)
+            else:
                 data = received[pos:pos + e.nbytes].view(dtype).view(e.shape)
+            if p.entry in manifests[p.owner].layouts:
+                with torch.no_grad():
+                    _box(shards[p.path], p.dst_start, p.size).copy_(data)
+            else:  # into ``into``'s tensor at its path when it fits, else its own storage
                 mine = targets.get(e.key_path)
                 if mine is not None and mine.layout is None and mine.tensor.dtype == dtype \
                         and tuple(mine.tensor.shape) == tuple(e.shape) \
@@ -406,7 +425,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                     fills[p.entry] = (mine.tensor, data)
                 else:
                     plain[p.entry] = data.clone()
-            pos += nbytes(p)
+            pos += nbytes(p) if src != rank else 0
     # Tensors of ``into`` sharing memory (tied weights) are filled only with agreeing values.
     apart = split_tied(fills, {i: manifest.tensors[i].key_path for i in fills})
     with torch.no_grad():
