@@ -234,7 +234,7 @@ def _mixed_state(world: int) -> dict[str, Any]:
     mesh = _mesh1d(world)
     g = torch.Generator().manual_seed(5)
     full = {"w16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
-            "w32": torch.randn(7, generator=g), "w64": torch.randn(6, 2, generator=g).double(),
+            "w32": torch.randn(7000, generator=g), "w64": torch.randn(6, 2, generator=g).double(),
             "rep": torch.arange(3, dtype=torch.int32), "zero": torch.tensor(2.5)}
     state: dict[str, Any] = {k: distribute_tensor(v, mesh, [Replicate()] if k in ("rep", "zero")
                                                    else [Shard(0)]) for k, v in full.items()}
@@ -266,6 +266,7 @@ def mixed_load(rank: int, world: int, base: str, round_nbytes: int = 0) -> dict[
     from torch.distributed.tensor import DTensor
 
     import localckpt.load.reshard as reshard
+    from localckpt.storage.manifest import dtype_from_name
 
     if round_nbytes:
         reshard.ROUND_NBYTES = round_nbytes
@@ -276,6 +277,23 @@ def mixed_load(rank: int, world: int, base: str, round_nbytes: int = 0) -> dict[
             calls.append(1)
             return real(*args, **kwargs)
         reshard.dist.all_to_all_single = counted  # type: ignore[assignment]
+
+    held: list[tuple[int, int]] = []  # (bytes of memory kept for its own pieces, their bytes)
+    build = reshard._build
+
+    def spy(manifest: Any, incoming: Any, manifests: Any, received: Any, own: Any,
+            rank: int, *args: Any) -> Any:
+        mine = 0
+        for p in incoming.get(rank, []):  # padded as in the buffers
+            e = manifests[p.owner].tensors[p.entry]
+            n = e.nbytes if p.entry not in manifests[p.owner].layouts else \
+                torch.Size(p.size).numel() * dtype_from_name(e.dtype).itemsize
+            mine += -(-n // reshard.ALIGN) * reshard.ALIGN
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in own.values()}
+        held.append((sum(storages.values()), mine))
+        return build(manifest, incoming, manifests, received, own, rank, *args)
+    reshard._build = spy  # type: ignore[assignment]
 
     want = _mixed_state(world)
     into = {k: (DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
@@ -304,6 +322,7 @@ def mixed_load(rank: int, world: int, base: str, round_nbytes: int = 0) -> dict[
         out["after"] = mgr.find_latest()
     if round_nbytes:
         out["rounds"] = len(calls)
+    out["own_held"] = held
     return out
 
 

@@ -86,6 +86,10 @@ def test_mixed_dtypes_and_uneven_shards_reshard_byte_exactly(
         assert v["plain_from"] == rank % before
         assert v["older"].startswith("InvalidIterationError") and "newer than" in v["older"]
         assert v["after"] == 4
+        # a rank keeps what it read for its own pieces until it builds, but never a whole
+        # shard for a small share of it (its plain owner's few plain bytes): from a review
+        for kept, pieces in v["own_held"]:
+            assert kept <= 2 * pieces, v["own_held"]
 
 
 def test_a_reshard_larger_than_one_round_moves_in_rounds_byte_exactly(

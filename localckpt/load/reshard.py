@@ -18,7 +18,9 @@ Collective, in three agreed steps and one transfer, on the library's groups:
 A copy that fails its checks is quarantined by the rank that read it and the load raises
 CorruptShardError on every rank; the manager then lists again and retries (another holder's copy,
 or an older iteration). Not yet: a serving rank holds the old shards it serves in memory while it
-packs (the same-world load streams).
+packs (the same-world load streams). The pieces a rank reads for itself stay from its read to its
+build: views of the shard read when they are at least half of it, else copies (a whole shard
+is never kept for a few plain bytes).
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         if p.src != p.dst:
             pairs[p.src, p.dst] += nbytes(p)
     rounds = round_count(pairs, ROUND_NBYTES)
-    own: dict[int, torch.Tensor] = {}  # old owner -> its shard as this rank read it
+    own: dict[Piece, torch.Tensor] = {}  # this rank's own pieces, as read
     round_buffers: list[torch.Tensor] = []  # made in the agreed read step
     sent: list[torch.Tensor] = []
     group = ctx.data_group
@@ -272,7 +274,12 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
         square of the world)."""
         buffers = {o: checked(o, ctx.store.read)[1]
                    for o in sorted({p.owner for ps in outgoing.values() for p in ps})}
-        own.update({p.owner: buffers[p.owner] for p in outgoing[rank]})
+        mine: dict[int, int] = defaultdict(int)  # owner -> bytes of its pieces kept here
+        for p in outgoing[rank]:
+            mine[p.owner] += nbytes(p)
+        for p in outgoing[rank]:  # a view keeps the whole shard alive: only when worth it
+            t = _piece(manifests[p.owner], buffers[p.owner], p)
+            own[p] = t if 2 * mine[p.owner] >= buffers[p.owner].numel() else t.clone()
         out = torch.empty(sum(send_splits), dtype=torch.uint8)
         if group.group is not None:  # a failure here is agreed, not one rank's alone
             received.append(torch.empty(sum(recv_splits), dtype=torch.uint8))
@@ -371,10 +378,10 @@ def _refuse_read_only(manifest: ShardManifest, targets: dict[str, Target]) -> No
 
 def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
            manifests: dict[int, ShardManifest], received: torch.Tensor,
-           own: dict[int, torch.Tensor], rank: int, target: Into, nbytes: Any,
+           own: dict[Piece, torch.Tensor], rank: int, target: Into, nbytes: Any,
            same_world: bool) -> tuple[ShardManifest, Any]:
-    """Copy the received pieces, and those of the shards this rank read itself (``own``: old
-    owner -> its shard as read), into this rank's DTensors and plain tensors, then rebuild its
+    """Copy the received pieces, and those of the shards this rank read itself (``own``: each
+    such piece's elements as read), into this rank's DTensors and plain tensors, then rebuild its
     state dict from ``manifest`` (its plain owner's). At the same world size a DTensor leaf
     ``into`` has none for is received into a fresh tensor and wrapped on ``into``'s mesh."""
     targets = target.paths() or {}
@@ -406,7 +413,7 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
             e = manifests[p.owner].tensors[p.entry]
             dtype = dtype_from_name(e.dtype)
             if src == rank:
-                data = _piece(manifests[p.owner], own[p.owner], p)
+                data = own[p]
             elif p.entry in manifests[p.owner].layouts:  # pieces start ALIGN-aligned: viewed
                 data = received[pos:pos + dtype.itemsize * int(torch.Size(p.size).numel())
                                 ].view(dtype).view(p.size)
