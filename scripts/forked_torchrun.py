@@ -35,10 +35,9 @@ def agent_context() -> Any:
 
 
 def agent_main(argv: list[str], env: dict[str, str], log: str) -> None:
-    """A torchrun agent, as ``python -m torch.distributed.run ARGV`` runs it: in a session of
-    its own (killing its process group kills its ranks too), its output appended to ``log``;
-    exits with torchrun's exit status."""
-    os.setsid()
+    """A torchrun agent, as ``python -m torch.distributed.run ARGV`` runs it, its output
+    appended to ``log``; exits with torchrun's exit status. It stays in its caller's process
+    group (a CI job's kill of the group reaches it, and torchrun then stops its ranks)."""
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -61,16 +60,32 @@ def agent_main(argv: list[str], env: dict[str, str], log: str) -> None:
         os._exit(code)
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its children, theirs...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                out += kids
+                todo += kids
+    return out
+
+
 class Agent:
-    """A forked torchrun agent, read like a Popen: ``pid`` (also its process group), ``poll()``
-    (None while it runs, else its exit status, negative for a signal), ``wait(timeout)``
-    (kills its process group and raises TimeoutError past ``timeout``), ``output()``."""
+    """A forked torchrun agent, read like a Popen: ``pid``, ``poll()`` (None while it runs,
+    else its exit status, negative for a signal), ``kill()``, ``wait(timeout)`` (kills it and
+    raises TimeoutError past ``timeout``), ``output()``. Daemonic: a caller that exits (a
+    failed test, a pytest worker at its end) terminates it, and torchrun then stops its ranks,
+    rather than waiting for it."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None,
                  context: Any = None) -> None:
         self.log = log
         ctx = context if context is not None else agent_context()
-        self._proc = ctx.Process(target=agent_main,
+        self._proc = ctx.Process(target=agent_main, daemon=True,
                                  args=(list(argv), dict(env or os.environ), str(log)))
         self._proc.start()
         self.pid: int = self._proc.pid
@@ -79,9 +94,11 @@ class Agent:
         return self._proc.exitcode  # type: ignore[no-any-return]
 
     def kill(self) -> None:
-        """SIGKILL to the agent and its ranks (its process group)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+        """SIGKILL to the agent and every process below it (torchrun starts each rank in a
+        session of its own: a kill of the agent's process group would leave them running)."""
+        for pid in [self.pid, *descendants(self.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         self._proc.join(timeout)

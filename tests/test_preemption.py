@@ -156,12 +156,16 @@ def test_sigterm_on_one_rank_saves_that_step_everywhere_and_the_job_resumes_from
     assert straight.wait(300) == 0, straight.output()
     log = tmp_path / "preempted.jsonl"
     job = _torchrun(tmp_path / "preempted", log, "--preemption", "--step-seconds", "0.2")
-    deadline = time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 5):
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.05)
-    os.kill(int(Path(f"{log}.pid1").read_text()), signal.SIGTERM)  # one rank of node 1
-    assert job.wait(120) == 0, job.output()
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and job.poll() is None, job.output()
+            time.sleep(0.05)
+        os.kill(int(Path(f"{log}.pid1").read_text()), signal.SIGTERM)  # one rank of node 1
+        assert job.wait(120) == 0, job.output()
+    finally:  # a failed check must not leave the job running
+        if job.poll() is None:
+            job.kill()
     steps = [s for s, _ in _losses(log)]
     stopped = steps[-1] + 1
     assert 5 <= stopped < 30
