@@ -77,16 +77,15 @@ class Job:
         if with_faults and self.faults:
             env["LOCALCKPT_FAULTS"] = self.faults
             env["LOCALCKPT_FAULTS_ONCE_DIR"] = str(self.work)  # each fault fires once per job
-        argv = [f"--nnodes={NODES}",
-               "--nproc-per-node=1", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=chaos",
-               # A dead node is noticed after 2 missed 1 s heartbeats (default: 3 x 5 s).
-               "--rdzv-conf=is_host=false,join_timeout=30,keep_alive_interval=1,"
-               "keep_alive_max_attempt=2", "--max-restarts=4",
-               "--monitor-interval=0.2", str(HERE / "train_demo.py"),
-               "--root", str(self.work / "node{node}"), "--out", str(self.work / "out"),
-               "--steps", str(self.steps), "--save-every", str(SAVE_EVERY),
-               "--timeout", str(self.timeout), *self.args]
+        argv = [f"--nnodes={NODES}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=chaos",
+                # A dead node is noticed after 2 missed 1 s heartbeats (default: 3 x 5 s).
+                "--rdzv-conf=is_host=false,join_timeout=30,keep_alive_interval=1,"
+                "keep_alive_max_attempt=2", "--max-restarts=4",
+                "--monitor-interval=0.2", str(HERE / "train_demo.py"),
+                "--root", str(self.work / "node{node}"), "--out", str(self.work / "out"),
+                "--steps", str(self.steps), "--save-every", str(SAVE_EVERY),
+                "--timeout", str(self.timeout), *self.args]
         self.agents[node] = Agent(argv, self.work / f"agent{node}-{len(self.replaced)}.log", env)
 
     def run(self, deadline: float, wipe_lost: bool) -> str | None:

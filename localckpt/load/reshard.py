@@ -311,9 +311,7 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     read = time.monotonic()
     if group.group is None:
         received.append(sent[0])
-    elif not pairs:  # every piece is its reader's own (every rank knows: the same plan)
-        received.append(torch.empty(0, dtype=torch.uint8))
-    else:
+    elif pairs:  # none when every piece is its reader's own (the same plan on every rank)
         clock: list[float] = []
         try:
             _all_to_all(group.group, received[0], sent[0], recv_splits, send_splits, rounds,
