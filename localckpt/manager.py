@@ -39,7 +39,7 @@ from .storage.durable import DurableStore
 from .storage.layout import session_dir
 from .storage.peer_io import PIECE_TARGET_NBYTES
 from .storage.rollback_fence import Fence
-from .storage.store import DEFAULT_CHUNK_NBYTES
+from .storage.space import DEFAULT_CHUNK_NBYTES
 
 logger = logging.getLogger(__name__)
 

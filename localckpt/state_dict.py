@@ -27,16 +27,8 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .dtensors import DTensorLayout
-from .hollow import (
-    JSON,
-    Restorer,
-    Walk,
-    decode_hollow,
-    encode_hollow,
-    format_nodes,
-    is_stateful,
-    resolve_device,
-)
+from .hollow import JSON, Walk, encode_hollow, format_nodes, is_stateful, resolve_device
+from .hollow_decode import Restorer, decode_hollow
 from .save.staging import GATHER_MAX_NBYTES, GATHER_RUN_MAX_NBYTES, split_runs
 
 __all__ = ["JSON", "BasicTensorAwareStateDict", "TensorAwareStateDict", "Walk", "as_tensor_aware",
@@ -178,7 +170,7 @@ def rebuild_state_dict(hollow: JSON, tensors: Sequence[torch.Tensor], key_paths:
     devices, as a plain structure when a plain one was saved, else a BasicTensorAwareStateDict.
     ``placed``: entries already in the caller's tensors (``load(into=...)``), kept as they are.
     ``wrap(i, local)``: the DTensor entry i of ``layouts`` becomes (its errors propagate);
-    ``stateful``, ``types``: see :class:`localckpt.hollow.Decoder` (Stateful objects are
+    ``stateful``, ``types``: see :class:`localckpt.hollow_decode.Decoder` (Stateful objects are
     restored here, in order)."""
     moved = restore_devices(tensors, devices, set(placed or ()))
     for i, t in (placed or {}).items():

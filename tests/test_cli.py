@@ -192,7 +192,8 @@ def _shard(root: Path, it: int, owner: int, world: int, session: str = "job",
     import torch
 
     from localckpt.storage.manifest import ShardManifest
-    from localckpt.storage.store import ShardStore, chunking
+    from localckpt.storage.space import chunking
+    from localckpt.storage.store import ShardStore
 
     store = ShardStore(root, session, writer_rank=owner, chunk_nbytes=4096)
     size, count = chunking(1000, 4096)

@@ -23,7 +23,8 @@ from localckpt.save.staging import StagingArena, plan_layout
 from localckpt.storage import device_reader, shard_reader, tensor_reads
 from localckpt.storage.manifest import ShardManifest, TensorEntry, dtype_name
 from localckpt.storage.shard_reader import read_chunks_into
-from localckpt.storage.store import ShardStore, chunking
+from localckpt.storage.space import chunking
+from localckpt.storage.store import ShardStore
 from localckpt.storage.views import byte_view, device_bytes
 
 

@@ -205,7 +205,7 @@ def test_a_parity_holder_has_room_for_a_block_whose_manifest_holds_every_members
     for it, so a node sized to the check filled up after everything was written (3,300
     tensors in an 8+1 stripe: 1 MB reserved, 1.9 MB written)."""
     from localckpt.save.prepare import bytes_written
-    from localckpt.storage.store import bytes_needed, chunking
+    from localckpt.storage.space import bytes_needed, chunking
     from replication import ExchangePlan
     from replication.erasure import Stripe, StripeLayout
 

@@ -19,7 +19,8 @@ from localckpt.storage.manifest import ShardManifest
 from localckpt.storage.parity_info import ParityInfo
 from localckpt.storage.parity_io import ParityFolder, ShardRebuilder, parity_manifest
 from localckpt.storage.peer_io import PieceRing, piece_nbytes
-from localckpt.storage.store import ShardStore, chunking
+from localckpt.storage.space import chunking
+from localckpt.storage.store import ShardStore
 from replication import Topology, Transfer, parity_slot
 from replication.codes import encode
 from replication.erasure import stripe_layout

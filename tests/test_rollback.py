@@ -573,7 +573,8 @@ def test_copies_of_an_erasure_coded_iteration_are_not_compared(tmp_path: Path) -
 
     from localckpt.load.rounds import copies_held
     from localckpt.storage.manifest import ShardManifest
-    from localckpt.storage.store import ShardStore, chunking
+    from localckpt.storage.space import chunking
+    from localckpt.storage.store import ShardStore
     from replication import Topology
 
     store = ShardStore(tmp_path / "root", "job", writer_rank=0)

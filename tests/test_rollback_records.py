@@ -18,7 +18,8 @@ from localckpt.control.coverage import (
 )
 from localckpt.storage import rollback_fence
 from localckpt.storage.manifest import ShardManifest
-from localckpt.storage.store import ShardStore, chunking
+from localckpt.storage.space import chunking
+from localckpt.storage.store import ShardStore
 
 WORLD = 3
 

@@ -16,7 +16,8 @@ import zarr
 from localckpt.errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
 from localckpt.storage.layout import find_leftovers, list_shards
 from localckpt.storage.manifest import ShardManifest
-from localckpt.storage.store import ShardStore, check_free_space, chunking
+from localckpt.storage.space import check_free_space, chunking
+from localckpt.storage.store import ShardStore
 from localckpt.storage.views import byte_view
 
 
@@ -563,7 +564,7 @@ def test_the_space_a_save_asks_for_covers_what_its_files_take(root: Path,
     import os
 
     from localckpt import LocalCheckpointManager
-    from localckpt.storage.store import bytes_needed
+    from localckpt.storage.space import bytes_needed
 
     nbytes = 1 << 20
     with LocalCheckpointManager(root, "s", chunk_nbytes=chunk_nbytes) as mgr:

@@ -52,7 +52,7 @@ from ..storage.manifest import (
 )
 from ..storage.peer_io import piece_count
 from ..storage.rollback_fence import Fence, lowest
-from ..storage.store import bytes_needed, chunking
+from ..storage.space import bytes_needed, chunking
 from .dedupe import Deduped, dedupe, missing_replicas
 from .early_copies import EagerCopies
 from .metadata import iteration_metadata, wall_clock

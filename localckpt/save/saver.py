@@ -41,7 +41,7 @@ from ..errors import (
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..state_dict import as_tensor_aware
-from ..storage.store import chunking
+from ..storage.space import chunking
 from .async_calls import AsyncRequest, finalizing_agreed_calls
 from .dedupe import dedupe
 from .job import AGREEMENT_STEPS, SaveJob, wait_for_save, waitable

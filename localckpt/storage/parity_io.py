@@ -36,7 +36,8 @@ from .manifest import ShardManifest, TensorEntry, writer_identity
 from .parity_info import PARITY_FORMAT_VERSION, ParityInfo
 from .peer_io import PieceRing, received_manifest
 from .shard_stream import STREAM_PIECE_NBYTES
-from .store import ShardStore, chunking
+from .space import chunking
+from .store import ShardStore
 from .views import byte_view
 
 

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import json
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -290,3 +291,20 @@ def _preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
         if n:
             pieces[i] = pieces[i][n:]
     return total
+
+
+def check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
+    """Every chunk file must be a regular file of ``chunk_nbytes`` + 4 bytes: checked before a
+    reader allocates what the manifest claims (a forged manifest could claim terabytes)."""
+    want = manifest.chunk_nbytes + 4
+    for i in range(manifest.chunk_count):
+        path = chunk_dir / str(i)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as exc:
+            raise unreadable(path, exc, "chunk file") from exc
+        if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+            raise CorruptShardError(
+                f"{path}: expected a {want}-byte chunk file as the manifest says, found "
+                f"{st.st_size if stat.S_ISREG(st.st_mode) else 'no regular file'} "
+                "(truncated, overwritten or forged)")

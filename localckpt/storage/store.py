@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import shutil
-import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CorruptShardError, InsufficientSpaceError
+from ..errors import CorruptShardError
 from .device_reader import SPARE_SLOTS
 from .layout import (
     ShardRef,
@@ -55,61 +54,16 @@ from .layout import (
 )
 from .manifest import ShardManifest
 from .recycle import FilePool
-from .rollback_fence import (
-    FENCE_NAME,
-    Done,
-    Fence,
-    finished_by,
-    hidden,
-    merged,
-    read_done,
-    read_fence,
-    record_done,
-    remove_fence,
-    unfinished,
-    write_fence,
-)
-from .shard_reader import parse_manifest_file, read_chunks_into, unreadable
+from .shard_reader import check_chunk_files, parse_manifest_file, read_chunks_into, unreadable
 from .shard_writer import ShardWriter
+from .space import DEFAULT_CHUNK_NBYTES
+from .store_rollback import RollbackOps
 from .tensor_reads import read_shard_tensors
 from .views import byte_view
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_NBYTES = 16 << 20
 _MANIFESTS_KEPT = 8
-
-
-def chunking(data_nbytes: int, target_chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> tuple[int, int]:
-    """(chunk_nbytes, chunk_count) splitting ``data_nbytes`` into near-equal chunks of at most
-    ``target_chunk_nbytes``. Equal chunks keep zarr's padded edge chunk under ``chunk_count``
-    bytes instead of up to a whole chunk."""
-    if data_nbytes == 0:
-        return 1, 0
-    count = -(-data_nbytes // target_chunk_nbytes)
-    return -(-data_nbytes // count), count
-
-
-def check_free_space(root: Path, needed: int) -> None:
-    """Raise InsufficientSpaceError if ``root`` has fewer than ``needed`` free bytes."""
-    st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
-    if free < needed:
-        total = st.f_blocks * st.f_frsize
-        raise InsufficientSpaceError(
-            f"checkpoint root {root} has {free / 2**20:.1f} MiB free (of {total / 2**20:.1f} MiB), "
-            f"this save needs {needed / 2**20:.1f} MiB. Enlarge the file system (for /dev/shm in "
-            "Docker: `docker run --shm-size=<size>`; for a tmpfs: `mount -o remount,size=<size>`), "
-            "lower keep_last, or choose another root."
-        )
-
-
-def bytes_needed(manifest_estimate: int, chunk_nbytes: int, chunk_count: int) -> int:
-    """Disk bytes a shard takes: chunk files with their checksums, each in whole 4 KiB blocks
-    (the 4-byte trailer of a 4 KiB chunk takes a block of its own), metadata, slack for
-    inodes."""
-    block = 4096
-    return chunk_count * -(-(chunk_nbytes + 4) // block) * block + manifest_estimate + 64 * 1024
 
 
 # The open stores of this process by (session directory, writer rank): each one's id, which
@@ -119,7 +73,7 @@ _LIVE_WRITERS: dict[tuple[str, int], set[str]] = {}
 _LIVE_LOCK = threading.Lock()
 
 
-class ShardStore:
+class ShardStore(RollbackOps):
     """Writes, reads, lists and deletes shards of one session under one node-local root.
 
     Thread-safe for distinct shards. ``writer_rank`` names this process's leftovers.
@@ -231,80 +185,6 @@ class ShardStore:
             refs = [r for r in refs if r.path not in self._set_aside]
         return refs
 
-    # ---------------------------------------------------------------- rollback
-
-    def fence(self) -> Fence | None:
-        """This root's rollback fence (see :mod:`.rollback_fence`), or None."""
-        return read_fence(self.session_path)
-
-    def rollbacks_done(self) -> frozenset[Done]:
-        """The rollbacks finished on this root: a fence of one of them hides none of its
-        shards (see :mod:`.rollback_fence`)."""
-        return read_done(self.session_path)
-
-    def record_rollbacks_done(self, done: list[Done]) -> None:
-        """Record ``done`` as finished on this root (OSError when that fails)."""
-        record_done(self.session_path, done, self._tag)
-
-    def fence_rollback(self, iteration: int, world_size: int | None,
-                       before: Fence | None, rollback_id: str) -> None:
-        """Hide this root's shards newer than ``iteration`` (of ``world_size``; None: of
-        every world size) from every listing, durably, until :meth:`finish_rollback` deleted
-        them. ``before``: the fence already there (:meth:`fence`), read by every rank sharing
-        this root before any of them wrote (what :meth:`cancel_rollback` puts back);
-        ``rollback_id``: the same on every rank."""
-        write_fence(self.session_path,
-                    merged(before, ((iteration, world_size, rollback_id),)), self._tag,
-                    merge=False)
-
-    def cancel_rollback(self, before: Fence | None = None) -> None:
-        """Put back this root's fence as it was ``before`` a rollback that deleted nothing
-        (None: remove it)."""
-        if before is None:
-            remove_fence(self.session_path)
-        else:
-            write_fence(self.session_path, before, self._tag, merge=False)
-
-    def discard_fenced(self, fence: Fence | None = None) -> list[str]:
-        """Delete the shards this root's fence hides (and those ``fence`` hides, the job's:
-        adopted as this root's first), but for rollbacks this root finished (what it holds
-        above their iteration was saved after them); what failed, as text. Never raises
-        (ranks must not part here). The space is freed in the background."""
-        try:
-            if fence is not None:
-                write_fence(self.session_path, fence, self._tag)
-            mine = unfinished(read_fence(self.session_path), self.rollbacks_done())
-        except OSError as exc:
-            return [str(exc)]
-        failed = []
-        for ref in list_shards(self.root, self.session_id, fenced=False):
-            if hidden(mine, ref.iteration, ref.world_size):
-                try:
-                    self.delete(ref, background=True)
-                except OSError as exc:
-                    failed.append(f"{ref.path}: {exc}")
-        return failed
-
-    def lift_fence(self) -> None:
-        """Once the rollbacks of this root's fence are finished on every root: record them as
-        finished here, then remove the fence (OSError when either fails)."""
-        done = finished_by(read_fence(self.session_path))
-        if done:
-            record_done(self.session_path, done, self._tag)
-        remove_fence(self.session_path)
-
-    def finish_rollback(self) -> list[str]:
-        """:meth:`discard_fenced`, then :meth:`lift_fence` (the rollbacks recorded as
-        finished here, then the fence goes; kept if a deletion failed: those shards stay
-        hidden). What failed, as text; never raises."""
-        failed = self.discard_fenced()
-        if not failed:
-            try:
-                self.lift_fence()
-            except OSError as exc:
-                failed.append(f"{self.session_path / FENCE_NAME}: {exc}")
-        return failed
-
     def path_of(self, iteration: int, owner: int, world_size: int) -> Path:
         return shard_path(self.root, self.session_id, iteration, owner, world_size)
 
@@ -384,7 +264,7 @@ class ShardStore:
             raise CorruptShardError(
                 f"{path}: manifest says (iteration, owner, world size) = {ids}, expected "
                 f"{(ref.iteration, ref.owner_rank, ref.world_size)}")
-        _check_chunk_files(ref.path / "data" / "c", manifest)
+        check_chunk_files(ref.path / "data" / "c", manifest)
         return manifest
 
     def read(self, ref: ShardRef,
@@ -519,24 +399,6 @@ class ShardStore:
         else:
             self._in_background(partial(remove_paths, self.session_path, found))
         return found
-
-
-def _check_chunk_files(chunk_dir: Path, manifest: ShardManifest) -> None:
-    """Every chunk file must be a regular file of ``chunk_nbytes`` + 4 bytes: checked before a
-    reader allocates what the manifest claims (a forged manifest could claim terabytes)."""
-    want = manifest.chunk_nbytes + 4
-    for i in range(manifest.chunk_count):
-        path = chunk_dir / str(i)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError as exc:
-            raise unreadable(path, exc, "chunk file") from exc
-        if not stat.S_ISREG(st.st_mode) or st.st_size != want:
-            raise CorruptShardError(
-                f"{path}: expected a {want}-byte chunk file as the manifest says, found "
-                f"{st.st_size if stat.S_ISREG(st.st_mode) else 'no regular file'} "
-                "(truncated, overwritten or forged)")
-
 
 
 def _content_key(path: Path, st: os.stat_result) -> tuple[str, int, int, int]:
