@@ -167,13 +167,13 @@ def test_a_resharding_load_falls_back_past_an_iteration_whose_lost_shards_cannot
     to get past it. (The rebuild's verdict is stubbed: a world of one has no stripes.)"""
     from types import SimpleNamespace
 
-    from localckpt.load import loader
+    from localckpt.load import resharding_loads
 
     with LocalCheckpointManager(root, "s", keep_last=3, reshard=True, timeout=10) as mgr:
         mgr.save({"w": torch.ones(4)}, 1)
         mgr.save({"w": torch.zeros(4)}, 2)
-    monkeypatch.setattr(loader, "needs_rebuild", lambda ctx, it, listed: it == 2)
-    monkeypatch.setattr(loader, "rebuild_lost", lambda ctx, it, listed: SimpleNamespace(
+    monkeypatch.setattr(resharding_loads, "needs_rebuild", lambda ctx, it, listed: it == 2)
+    monkeypatch.setattr(resharding_loads, "rebuild_lost", lambda ctx, it, listed: SimpleNamespace(
         unusable="parity block 0 of stripe 0 is of another save", retry=[], bad=[]))
     with LocalCheckpointManager(root, "s", keep_last=3, reshard=True, timeout=10) as mgr:
         manifest, state = mgr._load._load_resharded(None)
