@@ -38,7 +38,8 @@ _SCALAR_TYPES = (type(None), bool, int, str)
 #: Tags a format-4 reader knows and older ones do not.
 EXTENDED_TAGS = frozenset({"np", "npg", "G", "dc", "nt", "enum", "ns", "dtype", "slice"})
 
-SUPPORTED = ("a tensor, DTensor, numpy array or scalar, torch.Generator, torch.dtype, dict, "
+SUPPORTED = ("a tensor, DTensor, numpy array or scalar, torch.Generator, torch.dtype, "
+             "torch.Size, dict, "
              "OrderedDict, list, tuple, named tuple, dataclass, enum member, argparse.Namespace, "
              "slice, an object with state_dict() and load_state_dict(), None, bool, int, float, "
              "complex, str or bytes")
@@ -51,16 +52,19 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "/".join(map(str, path)) if path else "<root>"
 
 
-def _encode_key(key: Any, walk: Walk, path: tuple[Any, ...]) -> JSON:
-    if isinstance(key, tuple) and type(key) is tuple:
-        return {"tuple": [_encode_key(k, walk, path) for k in key]}
-    if isinstance(key, np.generic):
-        walk.extended = True  # a format-4 node, as a numpy scalar value is
-        return {"npg": leaves.scalar_to_json(key, f"state dict key at {path_str(path)!r}")}
+def _encode_key(key: Any, walk: Walk, path: tuple[Any, ...], whole: Any = None) -> JSON:
+    if type(key) is tuple or type(key) is torch.Size:  # a torch.Size loads back as a tuple
+        return {"tuple": [_encode_key(k, walk, path, key if whole is None else whole)
+                          for k in key]}
+    if isinstance(key, (np.generic, torch.dtype, enum.Enum)):
+        walk.extended = True  # a format-4 node, as such a value is
+        return _encode_extended(key, walk, path)
     if type(key) not in (*_SCALAR_TYPES, float, complex, bytes):
+        within = "" if whole is None else f" (in the tuple key {whole!r:.100})"
         raise TypeError(
-            f"state dict key at {path_str(path)!r}: expected a str, int, float, complex, bool, "
-            f"None, bytes, numpy scalar or tuple key, got {type(key).__name__}"
+            f"state dict key at {path_str(path)!r}: expected a key of str, int, float, complex, "
+            "bool, None, bytes, numpy scalar, torch.dtype, enum member or a tuple of them, got "
+            f"{type(key).__module__}.{type(key).__qualname__}{within}"
         )
     return _encode_leaf(key, path)
 
@@ -232,6 +236,8 @@ def encode_hollow(obj: Any, walk: Walk, path: tuple[Any, ...] = ()) -> JSON:
         return [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]
     if kind is tuple:
         return {"tuple": [encode_hollow(v, walk, (*path, i)) for i, v in enumerate(obj)]}
+    if kind is torch.Size:  # a tuple of ints, loaded back as a tuple (equal to it)
+        return {"tuple": list(obj)}
     if is_stateful(obj):
         return _encode_stateful(obj, walk, path)
     if isinstance(obj, _EXTENDED_TYPES) or leaves.is_record(obj):

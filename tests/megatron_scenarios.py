@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,3 +100,58 @@ def load_for_megatron(rank: int, world: int, base: str) -> dict[str, Any]:
             "rng": state["rng_state"]["step"] == latest and torch.equal(
                 state["rng_state"]["torch"], want["rng_state"].data["torch"]),
             "args": state["args"] == want["args"]}
+
+
+class NotAllowed(NamedTuple):
+    """A type no load may build (never registered); picklable, as Megatron's common-state
+    check pickles what a save holds."""
+
+    x: int
+
+
+def save_and_load_optimizer_shapes(rank: int, world: int, base: str) -> dict[str, Any]:
+    """What Megatron's distributed optimizer and rerun state machine put in a checkpoint:
+    per-bucket state keyed by (param dtype, grad dtype), a ShardedTensor whose local_shape is a
+    torch.Size, a failed validation call (named tuples of megatron.core). Saved and loaded;
+    then a save holding a named tuple no load may build (not allowed), refused on every rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import (
+        MCoreTensorAwareStateDict,
+    )
+    from megatron.core.rerun_state_machine import Call, Caller
+
+    def state(iteration: int, extra: Any = None) -> Any:
+        plain = sharded_state(rank, world, iteration)
+        plain["model"]["w"].local_shape = plain["model"]["w"].data.shape  # a torch.Size
+        buckets = {(torch.bfloat16, torch.float32): [[{"exp_avg": torch.full((3,), .5)}]]}
+        plain["optimizer"] = {"param_state": {0: buckets}, "per_bucket_numel": ShardedObject(
+            "per_bucket_numel", [{(torch.bfloat16, torch.float32): [6]}], (world,), (rank,),
+            replica_id=0)}
+        plain["rerun"] = {"failed_validation_call": Call(Caller("loss is NaN", 0), 17)}
+        if extra is not None:
+            plain["extra"] = extra
+        sharded, common = save_preprocess(plain, True)
+        return MCoreTensorAwareStateDict(common=common, sharded_state_dict=sharded)
+
+    with _manager(rank, base) as mgr:
+        mgr.save(state(5), 5)
+        loaded, _ = mgr.load()
+        try:
+            mgr.save(state(6, NotAllowed(1)), 6)
+            refused = "saved"
+        except Exception as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+        latest = mgr.find_latest()
+    got = loaded.to_state_dict(sharded_state(rank, world, 0, empty=True) | {
+        "optimizer": {"param_state": {}, "per_bucket_numel": ShardedObject(
+            "per_bucket_numel", None, (world,), (rank,), replica_id=0)},
+        "rerun": {}}, algo="atomic")
+    buckets = got["optimizer"]["param_state"][0]
+    return {"keys": list(buckets) == [(torch.bfloat16, torch.float32)],
+            "exp_avg": torch.equal(buckets[torch.bfloat16, torch.float32][0][0]["exp_avg"],
+                                   torch.full((3,), .5)),
+            "numel": got["optimizer"]["per_bucket_numel"] == [
+                {(torch.bfloat16, torch.float32): [6]}],
+            "call": got["rerun"]["failed_validation_call"] == Call(Caller("loss is NaN", 0), 17),
+            "refused": refused, "latest": latest}

@@ -411,6 +411,34 @@ def test_numpy_scalar_keys_round_trip() -> None:
     assert type(next(iter(out["counts"]))) is np.int64
 
 
+def test_dtype_and_enum_keys_round_trip() -> None:
+    """Megatron's distributed optimizer keys its per-bucket state by (param dtype, grad dtype)
+    tuples; such keys were refused at save though a load reads them."""
+    state = {"param_state": {0: {(torch.bfloat16, torch.float32): [torch.ones(3)]}},
+             "by_dtype": {torch.float16: 1, Backend.FLASH: "f", (Backend.LOCAL, 2): 3}}
+    out = round_trip(state)
+    assert list(out["param_state"][0]) == [(torch.bfloat16, torch.float32)]
+    assert torch.equal(out["param_state"][0][torch.bfloat16, torch.float32][0], torch.ones(3))
+    assert out["by_dtype"] == {torch.float16: 1, Backend.FLASH: "f", (Backend.LOCAL, 2): 3}
+    assert type(list(out["by_dtype"])[1]) is Backend
+    with pytest.raises(UnsafeTypeError, match="Secret"):  # saved; a load names what it refuses
+        round_trip({"k": {Secret.A: 1}})
+
+
+def test_a_key_of_another_type_is_named() -> None:
+    with pytest.raises(TypeError, match=r"key at 'k'.*torch.dtype, enum member.*got builtins"
+                       r".object \(in the tuple key \(1, <object"):
+        round_trip({"k": {(1, object()): 1}})
+
+
+def test_torch_size_values_load_back_as_equal_tuples() -> None:
+    """Megatron's ShardedTensor.narrow keeps ``new_data.shape`` (a torch.Size) as local_shape."""
+    out = round_trip({"local_shape": torch.Size([2, 3]), "nested": [torch.Size([])],
+                      "keyed": {torch.Size([4]): 1}})
+    assert out["local_shape"] == torch.Size([2, 3]) and type(out["local_shape"]) is tuple
+    assert out["nested"] == [()] and out["keyed"] == {(4,): 1}
+
+
 def test_a_named_tuple_that_became_a_dataclass_is_a_clear_error() -> None:
     saved = {"nt": {"type": "test_leaves:_D", "fields": [["x", 1]]}}
     with pytest.raises(ValueError, match="saved as a named tuple"):

@@ -64,3 +64,19 @@ def test_a_request_waits_in_a_process_it_was_sent_to() -> None:
     finally:
         worker.join(30)
     assert worker.exitcode == 0 and done.wait(0)
+
+
+def test_distributed_optimizer_and_rerun_state_round_trip(tmp_path: Path) -> None:
+    """Megatron's distributed optimizer keys its bucket state by dtype tuples (refused at save
+    before), ShardedTensor.narrow leaves a torch.Size as local_shape (refused), and the rerun
+    state machine's failed call is a named tuple of megatron.core (saved, then refused by every
+    load). A type no load may build is now refused by the save, on every rank."""
+    base = str(tmp_path / "roots")
+    results = run_ranks(sc.save_and_load_optimizer_shapes, 2, tmp_path, base, deadline=120)
+    assert all(r.ok for r in results), [r.message for r in results]
+    for r in results:
+        refused = r.value.pop("refused")
+        assert r.value == {"keys": True, "exp_avg": True, "numel": True, "call": True,
+                           "latest": 5}, r.value
+        assert refused.startswith("UnsafeTypeError") and "NotAllowed" in refused \
+            and "allow(" in refused, refused

@@ -22,8 +22,10 @@ How it is stored, without pickle: the ``MCoreTensorAwareStateDict`` is a datacla
 through localckpt's restricted encoding (:mod:`localckpt.leaves`): the data of its
 ShardedTensors as tensors, the rest (``common``, ShardedObjects' data, Megatron's ``args``
 Namespace, dtypes, enums) as JSON. Importing this module allows the Megatron types such a
-checkpoint holds (:data:`MEGATRON_TYPES`, and every enum of ``megatron.core``'s modules named in
-:data:`ENUM_MODULES`); :func:`allow` adds more (a model's own enums in ``args``).
+checkpoint holds (:data:`MEGATRON_TYPES`, and every enum, named tuple and dataclass of the
+``megatron.core`` modules named in :data:`ENUM_MODULES`); :func:`allow` adds more (a model's own
+enums in ``args``). A save refuses a type no load could build (UnsafeTypeError on every rank),
+so a missing :func:`allow` shows at the first save, not at the restore after a node loss.
 
 The save's write and replication start on a thread of the manager; the request's ``async_fn``
 only waits for them, from the process Megatron's queue runs it in (forked per save, or its
@@ -38,6 +40,7 @@ object as it does, from ``save_preprocess``).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import inspect
@@ -55,25 +58,41 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
 from replication.strategies import CliqueReplicationStrategy
 
 from ..leaves import add_safe_types
-from ..manager import LocalCheckpointManager
+from ..manager import LocalCheckpointManager as _Manager
 
 __all__ = ["ENUM_MODULES", "MEGATRON_TYPES", "CliqueReplicationStrategy",
            "LocalCheckpointManager", "allow"]
 
 MEGATRON_TYPES: tuple[type, ...] = (MCoreTensorAwareStateDict, ShardedTensor, ShardedObject)
 
-#: Modules of megatron-core whose enums Megatron's ``args`` may hold.
+#: Modules of megatron-core whose enums, named tuples and dataclasses Megatron's ``args`` and
+#: state may hold (the rerun state machine's failed call is a named tuple).
 ENUM_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums",
                 "megatron.core.rerun_state_machine")
 
 
-def _enums_of(module_name: str) -> list[type]:
+def _types_of(module_name: str) -> list[type]:
     try:
         module = importlib.import_module(module_name)
     except Exception:  # an optional module of another megatron-core version
         return []
     return [v for _, v in inspect.getmembers(module, inspect.isclass)
-            if issubclass(v, enum.Enum) and v.__module__ == module_name]
+            if v.__module__ == module_name and (issubclass(v, enum.Enum)
+                                                or dataclasses.is_dataclass(v)
+                                                or (issubclass(v, tuple)
+                                                    and hasattr(v, "_fields")))]
+
+
+class LocalCheckpointManager(_Manager):
+    """localckpt's manager (:class:`localckpt.LocalCheckpointManager`, the same arguments), as
+    Megatron builds NVIDIA's. Megatron's load passes no ``into`` that could allow a type, so a
+    save refuses a dataclass, named tuple or enum whose type no load could build
+    (UnsafeTypeError on every rank, raised by the save, or for an async save by its finalize):
+    register such types with :func:`allow` first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._save.loadable_types_only = True
 
 
 def allow(*types: Any) -> None:
@@ -82,4 +101,4 @@ def allow(*types: Any) -> None:
     add_safe_types(*types)
 
 
-allow(*MEGATRON_TYPES, *(e for name in ENUM_MODULES for e in _enums_of(name)))
+allow(*MEGATRON_TYPES, *(t for name in ENUM_MODULES for t in _types_of(name)))

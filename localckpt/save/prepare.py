@@ -37,8 +37,14 @@ from ..control.coverage import (
     job_unfinished,
     validate_save,
 )
-from ..errors import ConfigurationError, CorruptShardError, InsufficientSpaceError
+from ..errors import (
+    ConfigurationError,
+    CorruptShardError,
+    InsufficientSpaceError,
+    UnsafeTypeError,
+)
 from ..hollow import format_nodes
+from ..leaves import safe_types
 from ..ops.faults import fault_point
 from ..state_dict import BasicTensorAwareStateDict, as_tensor_aware
 from ..storage.manifest import (
@@ -92,15 +98,20 @@ class AgreedSave:
 
 
 def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: Any,
-                custom_metadata: Any, metrics: Any, dedupe_replicated: bool) -> StagedShard:
+                custom_metadata: Any, metrics: Any, dedupe_replicated: bool,
+                loadable_types_only: bool = False) -> StagedShard:
     """Stage this rank's shard. Training thread; local; raises what the state dict or the
-    metadata make impossible to save (TypeError, ValueError), or a staging fault."""
+    metadata make impossible to save (TypeError, ValueError), or a staging fault; with
+    ``loadable_types_only``, UnsafeTypeError for a dataclass, named tuple or enum type that is
+    not registered (:func:`localckpt.add_safe_types`)."""
     meta = iteration_metadata(custom_metadata, metrics)  # checked before any staging
     meta["saved_unix"] = wall_clock()  # rank 0's is kept: keep_interval's clock
     meta["save_id"] = uuid.uuid4().hex  # rank 0's is kept: names this save's shards
     early = EagerCopies(arena)  # large tensors are copied as the walk meets them
     try:
         tasd = as_tensor_aware(state_dict, early.offer, early.stateful_met, GATHER_MAX_NBYTES)
+        if loadable_types_only:
+            _refuse_unloadable(getattr(tasd, "types", {}))
         deduped = dedupe(tasd, dedupe_replicated)  # drops none copied early (DTensor shards)
         layout = plan_layout(deduped.tensors, *early.placement(), paths=tasd.key_paths)
         chunk_nbytes, chunk_count = chunking(layout.nbytes, ctx.store.chunk_nbytes)
@@ -117,6 +128,15 @@ def stage_shard(ctx: Context, arena: StagingArena, state_dict: Any, iteration: A
     finally:
         settle()
     return StagedShard(iteration, manifest, payload, deduped, request)
+
+
+def _refuse_unloadable(types: dict[str, type]) -> None:
+    refused = sorted(set(types) - set(safe_types()))
+    if refused:
+        raise UnsafeTypeError(
+            f"save: the state dict holds objects of {refused}, which no load could build (a "
+            "load builds only registered types): allow them first with "
+            "localckpt.integrations.megatron.allow(...) or localckpt.add_safe_types(...)")
 
 
 def _describe(ctx: Context, tasd: Any, deduped: Deduped, layout: PackedLayout, chunk_nbytes: int,

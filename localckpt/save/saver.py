@@ -71,6 +71,9 @@ class SavePath:
         self._finalizing = threading.RLock()  # see _finalize_job
         self.agreement = SaveAgreement(ctx)  # .any_world: reshard=True
         self.dedupe_replicated = True
+        # a save refuses a type no load could build (an integration whose load takes no
+        # ``into``: the user would find out at the restore, after the node was lost)
+        self.loadable_types_only = False
         self.persister: Persister | None = None  # the durable tier's, when there is one
 
     def save(self, state_dict: Any, iteration: Any, is_async: bool, custom_metadata: Any = None,
@@ -88,7 +91,8 @@ class SavePath:
             staged: StagedShard | BaseException
             try:
                 staged = stage_shard(ctx, self._arena, state_dict, iteration, custom_metadata,
-                                     metrics, self.dedupe_replicated)
+                                     metrics, self.dedupe_replicated,
+                                     self.loadable_types_only)
             except BaseException as exc:  # the agreement makes it every rank's
                 staged = exc
             if not isinstance(staged, (StagedShard, Exception)):
