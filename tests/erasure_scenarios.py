@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import itertools
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +67,41 @@ def save(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
                     fn()
 
 
-def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int]
-         ) -> dict[str, Any]:
+def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
+         slow_local_fold: float = 0.0) -> dict[str, Any]:
+    """find_latest + load; with ``slow_local_fold`` (a timeout: seconds), rank 0's folds of
+    parity from shards on its own node take longer than that timeout (a shard of tens of GB),
+    and the write-back that folds them is waited for."""
     rebuilt: list[int] = []
 
     def hook(metric: Any) -> None:
         if metric.phase == "rebuild":
             rebuilt.append(metric.nbytes)
 
-    with manager(rank, base, k, m, per, metrics=hook) as mgr:
+    kwargs: dict[str, Any] = {}
+    if slow_local_fold:
+        import localckpt.storage.parity_io as parity_io
+
+        kwargs["timeout"] = slow_local_fold
+        real = parity_io.ParityFolder.fold_local
+        if rank == 0:
+            def slow(self: Any, ref: Any) -> Any:
+                time.sleep(slow_local_fold + 1.5)
+                return real(self, ref)
+            parity_io.ParityFolder.fold_local = slow  # type: ignore[method-assign]
+    written_back = None
+    with manager(rank, base, k, m, per, metrics=hook, **kwargs) as mgr:
         latest = mgr.find_latest()
         if latest < 0:
             return {"latest": latest}
         loaded, (iteration, _, _) = mgr.load()
-    return {"latest": iteration, "found": latest,
+        if slow_local_fold:
+            try:
+                mgr.wait_for_write_back()
+                written_back = "ok"
+            except Exception as exc:
+                written_back = f"{type(exc).__name__}: {exc}"
+    return {"latest": iteration, "found": latest, "written_back": written_back,
             "ok": digest(loaded) == digest(state(rank, iteration)), "rebuilt": sum(rebuilt)}
 
 

@@ -78,15 +78,17 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
         return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
 
     errors: list[tuple[tuple[int, int], BaseException]] = []
+    for t, failure in run_transfers(plan, ctx.data_group, source, sink):
+        if t.src == ctx.rank and isinstance(failure, CorruptShardError):
+            errors.append((t.shard, failure))
+    # After the transfers, so that no peer waits in them for a whole shard read from disk (no
+    # timeout bounds that read; a fold is the same in any order).
     for t in repair.local:  # the holder's own node keeps this member's shard
         if t.dst == ctx.rank and (layout.stripe_of(t.owner), t.dst) in targets:
             try:
                 folder().fold_local(ctx.store.ref(*t.shard, ctx.world_size))
             except Exception as exc:
                 errors.append((t.shard, exc))
-    for t, failure in run_transfers(plan, ctx.data_group, source, sink):
-        if t.src == ctx.rank and isinstance(failure, CorruptShardError):
-            errors.append((t.shard, failure))
     for shard, error in errors:  # a damaged copy of this rank's is set aside, as a load would
         moved = ctx.store.quarantine(ctx.store.ref(*shard, ctx.world_size)) \
             if isinstance(error, CorruptShardError) else None
