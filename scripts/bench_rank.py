@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from localckpt import AsyncCallsQueue, LocalCheckpointManager, PhaseMetric
 from localckpt.storage.checksum import crc32c
+from localckpt.storage.host_memory import advise_huge_pages, empty_host
 from replication import (
     Topology,
     make_strategy,
@@ -98,7 +99,7 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
     """memcpy, crc32c, tmpfs write (fresh, in place) and read (warm, fresh), gloo one direction
     (node 0 -> node 1, every pair at once) and the replication schedule with bare send/recv."""
     src = case.payload
-    dst = torch.empty_like(src)
+    dst = advise_huge_pages(torch.empty_like(src))  # as localckpt's staging arena is
     dst.fill_(0)
     src_mv, dst_mv = memoryview(src.numpy()), memoryview(dst.numpy())
     path, copy = base / f"raw{rank}.bin", base / f"raw-received{rank}.bin"
@@ -115,7 +116,7 @@ def measure_raw(timer: Timer, case: bench_cases.Case, rank: int, world: int, bas
         os.close(fd)
         timer.run("tmpfs_read", lambda: raw_read(path, dst_mv))
         timer.run("tmpfs_read_fresh", lambda: raw_read(
-            path, memoryview(torch.empty(case.nbytes, dtype=torch.uint8).numpy())))
+            path, memoryview(empty_host(case.nbytes).numpy())))
         timer.run("gloo_one_direction",
                   lambda: dist.send(src, partner) if sender else dist.recv(dst, partner))
         if plan is not None:
@@ -210,22 +211,22 @@ def _node_loss(timer: Timer, case: bench_cases.Case, rank: int, world: int, root
 
     def raw_restore(write_back: bool) -> None:
         for _ in range(served):
-            raw_read(path, memoryview(torch.empty(case.nbytes, dtype=torch.uint8).numpy()))
+            raw_read(path, memoryview(empty_host(case.nbytes).numpy()))
         _transfers(plan.exchange, rank, case.payload,
-                   torch.empty(case.nbytes, dtype=torch.uint8),
+                   empty_host(case.nbytes),
                    write_to=written_back if write_back else None)
 
     def raw_overlapped() -> None:
         with ThreadPoolExecutor(1) as own:
             reading = own.submit(raw_read, path, memoryview(
-                torch.empty(case.nbytes, dtype=torch.uint8).numpy())) if rank not in lost \
+                empty_host(case.nbytes).numpy())) if rank not in lost \
                 else None
             for t in fetches.involving(rank):
                 if t.src == rank:
                     raw_read(path, memoryview(warm.numpy()))
                     dist.send(warm, t.dst)
                 else:
-                    dist.recv(torch.empty(case.nbytes, dtype=torch.uint8), t.src)
+                    dist.recv(empty_host(case.nbytes), t.src)
             if reading is not None:
                 reading.result()
 

@@ -558,18 +558,15 @@ def flat_load_with(rank: int, world: int, base: str, fault: str, timeout: float,
             return out
         reshard.dist.all_to_all_single = damaging
     if fault == "no_memory" and rank == 1:
-        real_torch, calls = reshard.torch, []
+        real_empty, calls = reshard.empty_host, []
 
-        class Allocator:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real_torch, name)
-
-            def empty(self, *args: Any, **kwargs: Any) -> Any:
+        def empty_host(shape: Any, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            if isinstance(shape, int):  # a byte buffer: the send buffer first, then the receive
                 calls.append(1)
-                if len(calls) == 2:  # the receive buffer (the send buffer is the first)
+                if len(calls) == 2:
                     raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
-                return real_torch.empty(*args, **kwargs)
-        reshard.torch = Allocator()  # type: ignore[assignment]
+            return real_empty(shape, dtype)
+        reshard.empty_host = empty_host  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     into = {"flat": distribute_tensor(torch.zeros(n), mesh, [Shard(0)])}
     with LocalCheckpointManager(Path(base), "flat", None, chunk_nbytes=4096, node_id="one",

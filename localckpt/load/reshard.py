@@ -42,6 +42,7 @@ from ..errors import ConfigurationError, CorruptShardError, MixedSavesError
 from ..ops.faults import fault_point
 from ..state_dict import rebuild_state_dict
 from ..storage.checksum import crc32c
+from ..storage.host_memory import empty_host
 from ..storage.manifest import ShardManifest, dtype_from_name, dtype_name
 from ..storage.shard_stream import wire_messages
 from ..storage.views import distinct_elements, first_read_only, refuse_past_storage
@@ -279,13 +280,12 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
             mine[p.owner] += nbytes(p)
         for p in outgoing[rank]:  # a view keeps the whole shard alive: only when worth it
             t = _piece(manifests[p.owner], buffers[p.owner], p)
-            own[p] = t if 2 * mine[p.owner] >= buffers[p.owner].numel() else t.clone()
-        out = torch.empty(sum(send_splits), dtype=torch.uint8)
+            own[p] = t if 2 * mine[p.owner] >= buffers[p.owner].numel() else _copy(t)
+        out = empty_host(sum(send_splits))
         if group.group is not None:  # a failure here is agreed, not one rank's alone
-            received.append(torch.empty(sum(recv_splits), dtype=torch.uint8))
+            received.append(empty_host(sum(recv_splits)))
             if rounds > 1:  # what a round sends and receives, reused by every round
-                round_buffers.extend(torch.empty(sum(_round_splits(splits, rounds, 0)),
-                                                 dtype=torch.uint8)
+                round_buffers.extend(empty_host(sum(_round_splits(splits, rounds, 0)))
                                      for splits in (send_splits, recv_splits))
             group.check_usable(f"{step}: transfer")
         pos = 0
@@ -349,6 +349,11 @@ def reshard_restore(ctx: Context, iteration: int, old_world: int,
     return built[0]
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in fresh host memory (huge pages when large)."""
+    return empty_host(t.shape, t.dtype).copy_(t)
+
+
 def _crcs(buffer: torch.Tensor, splits: list[int]) -> list[int]:
     """The CRC-32C of each consecutive ``splits`` bytes of ``buffer``."""
     data, out, pos = buffer.numpy(), [], 0
@@ -392,8 +397,8 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
             refuse_past_storage(mine.tensor, f"load(into=...): the tensor at key {e.key_path!r}")
             shards[e.key_path] = mine.tensor
         elif same_world:
-            shards[e.key_path] = torch.empty(manifest.replicas.get(i, e.shape),
-                                             dtype=dtype_from_name(e.dtype))
+            shards[e.key_path] = empty_host(manifest.replicas.get(i, e.shape),
+                                            dtype_from_name(e.dtype))
         else:
             missing.append(e.key_path)
     if missing:
@@ -429,14 +434,14 @@ def _build(manifest: ShardManifest, incoming: dict[int, list[Piece]],
                                         f"load(into=...): the tensor at key {e.key_path!r}")
                     fills[p.entry] = (mine.tensor, data)
                 else:
-                    plain[p.entry] = data.clone()
+                    plain[p.entry] = _copy(data)
             pos += nbytes(p) if src != rank else 0
     # Tensors of ``into`` sharing memory (tied weights) are filled only with agreeing values.
     apart = split_tied(fills, {i: manifest.tensors[i].key_path for i in fills})
     with torch.no_grad():
         for i, (mine_tensor, data) in fills.items():
             if i in apart:
-                plain[i] = data.clone()
+                plain[i] = _copy(data)
             else:
                 mine_tensor.copy_(data)
                 plain[i] = placed[i] = mine_tensor

@@ -17,6 +17,7 @@ from ..control.context import Context
 from ..control.coverage import Inventory, owner_runs, owners_in
 from ..errors import CorruptShardError, NoCheckpointError
 from ..storage.device_reader import cuda_destination
+from ..storage.host_memory import empty_host
 from ..storage.layout import ShardRef, saves_marked
 from ..storage.manifest import ShardManifest, dtype_from_name
 from .destinations import Destinations, Into, check_layouts, match
@@ -72,7 +73,7 @@ class Round:
         targets = list(targets)
         for i in self.destinations.copied:
             e = manifest.tensors[i]
-            targets[i] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            targets[i] = empty_host(e.shape, dtype_from_name(e.dtype))
         return targets
 
     @property

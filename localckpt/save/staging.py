@@ -25,6 +25,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from ..errors import CorruptShardError
+from ..storage.host_memory import MIN_NBYTES, advise_huge_pages, empty_host
 from ..storage.manifest import dtype_name
 from ..storage.views import refuse_past_storage
 
@@ -239,6 +240,8 @@ class StagingArena:
             with torch.inference_mode(False):
                 self._buffer = torch.empty(max(nbytes + slack, 1), dtype=torch.uint8,
                                            pin_memory=self._pin)
+                if not self._pin:  # (pinned memory is the CUDA host allocator's)
+                    advise_huge_pages(self._buffer)
             self.allocations += 1
         return self._buffer[:nbytes]
 
@@ -384,7 +387,8 @@ def unpack(buffer: torch.Tensor,
             raise CorruptShardError(
                 f"manifest entry ({offset=}, {nbytes=}, {dtype}, shape {tuple(shape)}) does not "
                 f"fit its {buffer.numel()}-byte data")
-        t = torch.empty(tuple(shape), dtype=dtype)
+        t = torch.empty(tuple(shape), dtype=dtype) if nbytes < MIN_NBYTES \
+            else empty_host(tuple(shape), dtype)
         if nbytes <= _MEMMOVE_MAX_NBYTES:
             if nbytes:
                 ctypes.memmove(t.data_ptr(), base + offset, nbytes)

@@ -21,6 +21,7 @@ from ..errors import CorruptShardError
 from ..gc_pause import gc_paused
 from ..ops.faults import fault_point
 from ..save.staging import unpack
+from .host_memory import empty_host
 from .manifest import ShardManifest, dtype_from_name
 from .shard_writer import ShardWriter
 from .store import ShardStore
@@ -63,19 +64,22 @@ class PieceRing:
         the ring (a load's write-back): a buffer is touched before it is put in its slot, and
         one already handed out is never written here."""
         for k in range(self.slots):
-            self._grown(k, nbytes, torch.zeros)
+            self._grown(k, nbytes, touched=True)
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         k = index % self.slots
-        return self._grown(k, nbytes, torch.empty)[:nbytes]
+        return self._grown(k, nbytes)[:nbytes]
 
-    def _grown(self, k: int, nbytes: int, make: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _grown(self, k: int, nbytes: int, touched: bool = False) -> torch.Tensor:
         while len(self._buffers) <= k:
             self._buffers.append(torch.empty(0, dtype=torch.uint8))
         if self._buffers[k].numel() < nbytes:
             # Kept across saves: not an inference tensor (see StagingArena.buffer).
             with torch.inference_mode(False):
-                self._buffers[k] = make(nbytes, dtype=torch.uint8)
+                grown = empty_host(nbytes)
+                if touched:
+                    grown.zero_()
+                self._buffers[k] = grown
         return self._buffers[k]
 
 

@@ -41,6 +41,7 @@ import torch
 
 from ..errors import CorruptShardError
 from .device_reader import SPARE_SLOTS
+from .host_memory import empty_host
 from .layout import (
     ShardRef,
     find_leftovers,
@@ -274,7 +275,7 @@ class ShardStore(RollbackOps):
         in :meth:`read_into`."""
         manifest = self.read_manifest(ref)
         total = manifest.chunk_count * manifest.chunk_nbytes
-        buf = allocate(total) if allocate else torch.empty(total, dtype=torch.uint8)
+        buf = allocate(total) if allocate else empty_host(total)
         self.read_into(ref, manifest, [(0, byte_view(buf))] if total else [])
         return manifest, buf
 

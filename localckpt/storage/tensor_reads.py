@@ -22,6 +22,7 @@ import torch
 
 from ..hollow import resolve_device
 from .device_reader import DeviceScatter
+from .host_memory import MIN_NBYTES, empty_host
 from .manifest import ShardManifest, TensorEntry, dtype_from_name
 from .shard_reader import ChunkReads, read_chunks_into
 from .views import (
@@ -43,7 +44,8 @@ def fresh_or_given(manifest: ShardManifest, given: Sequence[torch.Tensor | None]
     fresh one on the CPU)."""
     if given is None and device is None:  # a plain load to the host: thousands of small ones
         empty = torch.empty
-        return [empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in manifest.tensors]
+        return [empty(e.shape, dtype=dtype_from_name(e.dtype)) if e.nbytes < MIN_NBYTES
+                else empty_host(e.shape, dtype_from_name(e.dtype)) for e in manifest.tensors]
     cache: dict[str, torch.device] = {}
     return [fresh(e, device, cache) if t is None else t
             for e, t in zip(manifest.tensors, given or [None] * len(manifest.tensors),
@@ -56,6 +58,8 @@ def fresh(e: TensorEntry, device: torch.device | None,
     bytes, else on the CPU."""
     here = device if (device is not None and e.nbytes and e.device.startswith("cuda")
                       and resolve_device(e.device, cache) == device) else None
+    if here is None:
+        return empty_host(e.shape, dtype_from_name(e.dtype))
     return torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=here)
 
 
