@@ -289,3 +289,24 @@ def test_a_fold_that_dies_leaves_no_parity_block_of_the_earlier_save_of_its_iter
     shutil.rmtree(root / "node0")
     for r in run_ranks(es.load_and_write_back, 3, tmp_path, str(root), 2, 1, 1):
         assert r.ok and r.value == {"latest": 10, "is": 1010}, (r.value, r.message)
+
+
+def test_damage_past_the_lost_shards_length_does_not_stop_its_rebuild(tmp_path: Path,
+                                                                      root: Path) -> None:
+    """3+1 on 4 nodes, node 0 (rank 0: the smallest shard of stripe 0) lost, and the last chunk
+    of stripe 0's parity block damaged: bytes the rebuild of rank 0's shard never needs. The
+    rebuild streamed every source whole, so the damaged chunk failed the transfer, the block
+    was quarantined and iteration 7 given up for 5 (then deleted by the next save's cleanup,
+    though rebuildable)."""
+    saved(tmp_path, root, 3, 1, 4, 1, [5, 7], keep_last=2)
+    lost = block_dir(root, 0, 7, 0, 4)
+    parity = block_dir(root, 3, 7, parity_slot(0, 0), 4)
+    chunks = sorted((parity / "data" / "c").iterdir(), key=lambda p: int(p.name))
+    assert len(chunks) > len(list((lost / "data" / "c").iterdir()))  # a tail past rank 0's
+    data = bytearray(chunks[-1].read_bytes())
+    data[5] ^= 0xFF
+    chunks[-1].write_bytes(bytes(data))
+    shutil.rmtree(root / "node0")
+    values = loaded(tmp_path, root, 3, 1, 4, 1)
+    assert [(v["latest"], v["ok"]) for v in values] == [(7, True)] * 4
+    assert values[0]["rebuilt"] > 0

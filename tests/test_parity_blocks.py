@@ -18,7 +18,7 @@ from localckpt.storage.layout import list_shards, shard_path
 from localckpt.storage.manifest import ShardManifest
 from localckpt.storage.parity_info import ParityInfo
 from localckpt.storage.parity_io import ParityFolder, ShardRebuilder, parity_manifest
-from localckpt.storage.peer_io import PieceRing, piece_nbytes
+from localckpt.storage.peer_io import PieceRing, piece_nbytes, prefix_nbytes
 from localckpt.storage.space import chunking
 from localckpt.storage.store import ShardStore
 from replication import Topology, Transfer, parity_slot
@@ -142,9 +142,14 @@ def test_blocks_folded_from_streams_rebuild_a_lost_shard(store: ShardStore, k: i
     for r in lost:
         store.delete(store.ref(9, r, world))
     rebuilder = ShardRebuilder(store, rebuild, 9, world, sizes[1], ring)
+    cut = []
     for slot, src, _ in rebuild.sources:
         manifest, payload = store.read(store.ref(9, slot, world))
-        send(rebuilder.sink, Transfer(src, 1, 9, slot), manifest, payload)
+        # a source is sent as far as the shard it rebuilds reaches, in whole chunks
+        reach = prefix_nbytes(manifest, sizes[1])
+        cut.append(reach < payload.numel())
+        send(rebuilder.sink, Transfer(src, 1, 9, slot), manifest, payload[:reach])
+    assert any(cut)  # the parity block (and longer members) reach past member 1
     rebuilt = rebuilder.commit()
     assert rebuilt == shards[1][0]
     assert torch.equal(store.read(store.ref(9, 1, world))[1], expected)

@@ -219,10 +219,16 @@ def _rebuild(ctx: Context, iteration: int, rebuilds: tuple[Rebuild, ...], plan: 
             ctx.store, mine, iteration, ctx.world_size,
             int(reports[parity]["sizes"][mine.index]), ctx.ring))
 
+    # Each source is sent only as far as the shard it rebuilds reaches (in whole chunks): a
+    # longer block's tail is never folded in, and damage there must not stop the rebuild.
+    reaches = {r.owner: int(reports[next((slot, src) for slot, src, _ in r.sources
+                                         if slot < 0)]["sizes"][r.index]) for r in rebuilds}
+
     def source(t: Transfer) -> Outgoing:
         fault_point("replica_send", ctx.rank, t.iteration)
         ref = shard_ref(ctx, t.shard)
-        return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring)
+        return outgoing_from_disk(ctx.store, ref, ctx.store.read_manifest(ref), ctx.ring,
+                                  prefix=reaches[t.dst])
 
     def sink(t: Transfer, meta: bytes, nbytes: int) -> Any:
         if mine is None:

@@ -34,7 +34,7 @@ from .checksum import crc32c
 from .layout import ShardRef
 from .manifest import ShardManifest, TensorEntry, writer_identity
 from .parity_info import PARITY_FORMAT_VERSION, ParityInfo
-from .peer_io import PieceRing, received_manifest
+from .peer_io import PieceRing, prefix_nbytes, received_manifest
 from .shard_stream import STREAM_PIECE_NBYTES
 from .space import chunking
 from .store import ShardStore
@@ -45,8 +45,8 @@ class _Incoming:
     """One block on the wire: its checked manifest, each piece folded in as it arrives."""
 
     def __init__(self, t: Transfer, meta: bytes, nbytes: int, world_size: int, ring: PieceRing,
-                 fold_in: Any) -> None:
-        self.manifest, self._where = received_manifest(t, meta, nbytes, world_size)
+                 fold_in: Any, prefix: int | None = None) -> None:
+        self.manifest, self._where = received_manifest(t, meta, nbytes, world_size, prefix)
         self.meta = meta
         self._ring, self._fold_in = ring, fold_in
         self._current = torch.empty(0, dtype=torch.uint8)
@@ -87,11 +87,13 @@ class _FromDisk:
 
 
 def fold_from_disk(store: ShardStore, ref: ShardRef, ring: PieceRing,
-                   fold_in: Callable[[int, memoryview], None]) -> _FromDisk:
+                   fold_in: Callable[[int, memoryview], None],
+                   prefix: int | None = None) -> _FromDisk:
     """Read the committed block ``ref`` piece by piece (every chunk checked against its CRC:
-    CorruptShardError) and fold each piece in, as if it had arrived from a peer."""
+    CorruptShardError; with ``prefix``, only the chunks holding its first ``prefix`` bytes) and
+    fold each piece in, as if it had arrived from a peer."""
     manifest = store.read_manifest(ref)
-    total = manifest.chunk_count * manifest.chunk_nbytes
+    total = prefix_nbytes(manifest, prefix)
     piece = manifest.chunk_nbytes * max(1, STREAM_PIECE_NBYTES // manifest.chunk_nbytes)
     for index, start in enumerate(range(0, total, piece)):
         buf = ring.slot(index, min(piece, total - start))
@@ -222,8 +224,9 @@ class ShardRebuilder:
             raise CorruptShardError(f"rank {t.src} sent block {t.shard}, which the rebuild of "
                                     f"rank {self.rebuild.owner}'s shard does not use")
         weight, out = self._weights[t.owner], self.out
+        # only the bytes the rebuilt shard has: a source's longer tail is never needed
         incoming = _Incoming(t, meta, nbytes, self.world_size, self.ring,
-                             lambda start, view: fold(out, start, view, weight))
+                             lambda start, view: fold(out, start, view, weight), len(out))
         self._arrived[t.owner] = incoming
         return incoming
 
@@ -232,7 +235,8 @@ class ShardRebuilder:
         owner's new node keeps a block of its stripe): CorruptShardError for a damaged copy."""
         weight, out = self._weights[ref.owner_rank], self.out
         self._arrived[ref.owner_rank] = fold_from_disk(
-            self.store, ref, self.ring, lambda start, view: fold(out, start, view, weight))
+            self.store, ref, self.ring, lambda start, view: fold(out, start, view, weight),
+            len(out))
 
     def commit(self) -> ShardManifest:
         """Commit the rebuilt shard under its manifest, taken from a parity block that arrived;

@@ -83,20 +83,31 @@ class PieceRing:
         return self._buffers[k]
 
 
-def received_manifest(t: Transfer, meta: bytes, nbytes: int, world_size: int
-                      ) -> tuple[ShardManifest, str]:
+def prefix_nbytes(manifest: ShardManifest, prefix: int | None) -> int:
+    """The bytes of ``manifest``'s data that hold its first ``prefix`` bytes, in whole chunks
+    (each checked against its CRC); None: all of it."""
+    total = manifest.chunk_count * manifest.chunk_nbytes
+    if prefix is None:
+        return total
+    return min(total, -(-max(prefix, 0) // manifest.chunk_nbytes) * manifest.chunk_nbytes)
+
+
+def received_manifest(t: Transfer, meta: bytes, nbytes: int, world_size: int,
+                      prefix: int | None = None) -> tuple[ShardManifest, str]:
     """The manifest a peer sent for transfer ``t`` (and how errors name the shard), checked to
-    be that shard's, of ``nbytes`` bytes. Raises CorruptShardError. The session may differ, as
-    on the local read path: a session directory copied or renamed on purpose (the load path
+    be that shard's, of ``nbytes`` bytes (with ``prefix``: the chunks holding its first
+    ``prefix`` bytes, :func:`prefix_nbytes`). Raises CorruptShardError. The session may differ,
+    as on the local read path: a session directory copied or renamed on purpose (the load path
     warns about it)."""
     where = f"shard (iteration {t.iteration}, owner {t.owner}) from rank {t.src}"
     with gc_paused():  # parsing allocates ~10 objects per tensor; see gc_paused
         m = ShardManifest.from_json_bytes(meta, where)
     expected = (t.iteration, t.owner, world_size)
     got = (m.iteration, m.owner_rank, m.world_size)
-    if got != expected or nbytes != m.chunk_count * m.chunk_nbytes:
+    if got != expected or nbytes != prefix_nbytes(m, prefix):
         raise CorruptShardError(f"{where}: manifest says (iteration, owner, world) = {got} "
-                                f"and {nbytes} bytes, expected {expected}")
+                                f"and {nbytes} bytes are sent, expected {expected} and "
+                                f"{prefix_nbytes(m, prefix)} bytes")
     return m, where
 
 

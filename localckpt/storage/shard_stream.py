@@ -23,7 +23,7 @@ from ..errors import CorruptShardError
 from .checksum import crc32c
 from .layout import ShardRef
 from .manifest import ShardManifest
-from .peer_io import PieceRing, received_manifest
+from .peer_io import PieceRing, prefix_nbytes, received_manifest
 from .store import ShardStore
 from .tensor_reads import fresh_or_given
 from .views import COPY_OUT_MAX_NBYTES, byte_view, copy_out
@@ -59,16 +59,18 @@ def wire_messages(manifest: ShardManifest, splits: tuple[int, ...] = ()) -> int:
 
 
 def outgoing_from_disk(store: ShardStore, ref: ShardRef, manifest: ShardManifest,
-                       ring: PieceRing, splits: tuple[int, ...] = ()) -> Outgoing:
-    """``ref``'s committed data as an :class:`Outgoing`, read piece by piece into ``ring``'s
-    buffers with one piece of read-ahead, on a thread of its own (not queued behind the I/O
-    pool, where the rank's own shard may be being read). A chunk that fails its checksum raises
+                       ring: PieceRing, splits: tuple[int, ...] = (),
+                       prefix: int | None = None) -> Outgoing:
+    """``ref``'s committed data as an :class:`Outgoing` (with ``prefix``: only the chunks
+    holding its first ``prefix`` bytes), read piece by piece into ``ring``'s buffers with one
+    piece of read-ahead, on a thread of its own (not queued behind the I/O pool, where the
+    rank's own shard may be being read). A chunk that fails its checksum raises
     CorruptShardError from ``read``."""
     # Pieces of about 16 MiB, not the 64 MiB a replica is sent in: the read of piece i + 1 then
     # overlaps the send of piece i even for a small shard (a 64 MiB shard was read whole, then
     # sent: its restore after node loss took 15% longer); the same at 256 MiB.
     piece = stream_piece_nbytes(manifest)
-    total = manifest.chunk_count * manifest.chunk_nbytes
+    total = prefix_nbytes(manifest, prefix)
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localckpt-send")
     ahead: dict[int, Future[torch.Tensor]] = {}
 
