@@ -410,3 +410,75 @@ def test_a_tensor_of_a_kind_no_shard_holds_is_refused_naming_its_key(tmp_path: P
         with pytest.raises(TypeError, match=r"'layer/q'.*dequantize"):
             mgr.save({"layer": {"q": q}, "w": torch.ones(2)}, 1)
         mgr.save({"w": torch.ones(2)}, 1)  # nothing of the refused save is in the way
+
+
+class _MasterWeightsSGD(torch.optim.SGD):
+    """An optimizer subclass whose state_dict() writes its master weights into the flat buffer
+    the model's parameters view (Megatron's and FSDP's pattern): the parameters' version
+    counters do not move, the buffer's does."""
+
+    def __init__(self, params: Any, flat: torch.Tensor) -> None:
+        super().__init__(params, lr=0.1)
+        self.flat, self.master = flat, flat.detach().clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        with torch.no_grad():
+            self.flat.copy_(self.master)
+        return super().state_dict()
+
+
+class _Renorm(torch.nn.Module):
+    """state_dict() changes a shared table through .data (no version bump)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self.table.data.div_(4.0)
+        return {"table": self.table}
+
+
+class _Transposes(torch.nn.Module):
+    """state_dict() points a tensor met before at a transposed view of its own memory: same
+    address, size and version."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = w
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self.w.data = self.w.data.t()
+        return {}
+
+
+def test_a_save_holds_what_every_state_dict_call_left_not_an_early_copy(tmp_path: Path) -> None:
+    """From the second save on, large tensors are copied as the walk meets them; a Stateful's
+    state_dict() run later may change them. Changes that move no version counter (writes through
+    a flat buffer the parameters view, through .data) or that keep address, size and version
+    (.data = a transposed view) kept the early copy: the checkpoint held the weights of one
+    step before, or scrambled rows. Every iteration must hold the values after the walk."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False))
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    model[0].weight.data = flat.view(512, 1024)
+    opt = _MasterWeightsSGD(model.parameters(), flat)
+    table = torch.nn.Parameter(torch.ones(1 << 20))
+    with LocalCheckpointManager(tmp_path / "root", "s", keep_last=1) as mgr:
+        for it in (1, 2, 3):
+            opt.master.fill_(float(it))
+            table.data.fill_(float(it))
+            w = torch.nn.Parameter(torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)
+                                   + it)
+            state = {"model": model, "optimizer": opt, "emb": table, "renorm": _Renorm(table),
+                     "w": w, "t": _Transposes(w)}
+            request = mgr.save(state, it, is_async=True)
+            want = {"weight": flat.view(512, 1024).clone(), "table": table.detach().clone(),
+                    "w": w.detach().clone()}
+            flat.fill_(-1.0)  # training goes on
+            table.data.fill_(-1.0)
+            request.execute_sync()
+            got, _ = mgr.load(iteration=it)
+            assert torch.equal(got["model"]["0.weight"], want["weight"]), it
+            assert torch.equal(got["emb"], want["table"]) and \
+                torch.equal(got["renorm"]["table"], want["table"]), it
+            assert torch.equal(got["w"], want["w"]), it

@@ -22,10 +22,29 @@ from .staging import (
     tensor_view,
 )
 
-# Their state_dict() reads, never writes, the tensors of a state dict (a state dict hook still
-# may: an in-place change is seen by the tensor's version either way).
-_READ_ONLY_STATEFULS = (torch.nn.Module, torch.optim.Optimizer,
-                        torch.optim.lr_scheduler.LRScheduler)
+_Module, _Optimizer = torch.nn.Module, torch.optim.Optimizer
+_LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def only_reads(obj: Any) -> bool:
+    """Whether ``obj.state_dict()`` is torch's own, running no user code that could write a
+    tensor met before it: no override (of a module below it either, nor of what a module's
+    state_dict calls on it), no state dict hook. A version counter cannot stand in for that: a
+    write through another tensor over the same memory (a flat buffer the parameters view, a
+    ``.data``) moves none of the parameters'."""
+    kind = type(obj)
+    if isinstance(obj, _Module):
+        return all(
+            type(m).state_dict is _Module.state_dict
+            and type(m)._save_to_state_dict is _Module._save_to_state_dict
+            and type(m).get_extra_state is _Module.get_extra_state
+            and not m._state_dict_pre_hooks and not m._state_dict_hooks
+            for m in obj.modules())
+    if isinstance(obj, _Optimizer):
+        return kind.state_dict is _Optimizer.state_dict and \
+            not getattr(obj, "_optimizer_state_dict_pre_hooks", None) and \
+            not getattr(obj, "_optimizer_state_dict_post_hooks", None)
+    return isinstance(obj, _LRScheduler) and kind.state_dict is _LRScheduler.state_dict
 
 
 class EagerCopies:
@@ -50,16 +69,16 @@ class EagerCopies:
         self._streams: set[torch.device] = set()
         self._storable: set[torch.dtype] = set()
         self._stale: set[int] = set()
-        # index -> the tensor, its version, memory and size when it was copied
-        self._copied: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+        # index -> the tensor, and what it was when it was copied (see _as_copied)
+        self._copied: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
         self.placed: dict[int, int] = {}  # tensor index -> its offset in the arena
         self.end = 0
 
     def stateful_met(self, obj: Any) -> None:
-        """The walk is about to run ``obj.state_dict()``: unless it is one of torch's that only
-        read, the tensors copied so far are copied again at the stage (in place, after the
-        early copy)."""
-        if not isinstance(obj, _READ_ONLY_STATEFULS):
+        """The walk is about to run ``obj.state_dict()``: unless it is torch's own, which only
+        reads (:func:`only_reads`), the tensors copied so far are copied again at the stage (in
+        place, after the early copy)."""
+        if len(self._stale) < len(self.placed) and not only_reads(obj):
             self._stale.update(self.placed)
 
     def placement(self) -> tuple[dict[int, int], int, frozenset[int]]:
@@ -70,11 +89,11 @@ class EagerCopies:
         placed: dict[int, int] = {}
         copied: set[int] = set()
         for i, offset in self.placed.items():
-            t, version, address, size = self._copied[i]
-            if t.nbytes != size:
+            t, was = self._copied[i]
+            if t.nbytes != was[1]:
                 continue
             placed[i] = offset
-            if i not in self._stale and t._version == version and t.data_ptr() == address:
+            if i not in self._stale and _as_copied(t) == was:
                 copied.add(i)
         return placed, self.end, frozenset(copied)
 
@@ -116,10 +135,17 @@ class EagerCopies:
             else:
                 dst.copy_(t)
         self.placed[i] = offset
-        self._copied[i] = (t, version, t.data_ptr(), size)
+        self._copied[i] = (t, _as_copied(t, version))
         self.end = offset + size
 
     def abandon(self) -> None:
         """The save gave up before its stage began: wait for the copies queued."""
         if self._streams:
             self._arena.synchronize()
+
+
+def _as_copied(t: torch.Tensor, version: int | None = None) -> tuple[Any, ...]:
+    """What an early copy of ``t`` stands for: its memory, size, version and how its bytes are
+    read (``t.data = t.data.t()`` keeps address, size and version, not the layout)."""
+    return (t.data_ptr(), t.nbytes, t._version if version is None else version, t.dtype,
+            t.shape, t.stride(), t.is_conj(), t.is_neg())
