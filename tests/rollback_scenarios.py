@@ -287,7 +287,7 @@ def rollback_fails_on_a_shared_root(rank: int, world: int, base: str) -> str:
     (a slower rank)."""
     import time
 
-    import localckpt.storage.store as store_module
+    import localckpt.storage.store_rollback as store_module
 
     def late(fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
