@@ -71,7 +71,7 @@ def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
          slow_local_fold: float = 0.0) -> dict[str, Any]:
     """find_latest + load; with ``slow_local_fold`` (a timeout: seconds), rank 0's folds of
     parity from shards on its own node take longer than that timeout (a shard of tens of GB),
-    and the write-back that folds them is waited for."""
+    and the next save follows at once (after the write-back that folds them)."""
     rebuilt: list[int] = []
 
     def hook(metric: Any) -> None:
@@ -83,6 +83,7 @@ def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
         import localckpt.storage.parity_io as parity_io
 
         kwargs["timeout"] = slow_local_fold
+        kwargs["keep_last"] = 2  # the repaired iteration stays beside the save after it
         real = parity_io.ParityFolder.fold_local
         if rank == 0:
             def slow(self: Any, ref: Any) -> Any:
@@ -95,9 +96,9 @@ def load(rank: int, world: int, base: str, k: int, m: int, per: int | list[int],
         if latest < 0:
             return {"latest": latest}
         loaded, (iteration, _, _) = mgr.load()
-        if slow_local_fold:
+        if slow_local_fold:  # what training does next: a save (it waits for the write-back)
             try:
-                mgr.wait_for_write_back()
+                mgr.save(state(rank, iteration + 2), iteration + 2)
                 written_back = "ok"
             except Exception as exc:
                 written_back = f"{type(exc).__name__}: {exc}"

@@ -65,8 +65,15 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
     targets = {(s, layout.stripes[s].parity[j]) for s, j in kept}
     plan = schedule(t for t in repair.plan.transfers
                     if (layout.stripe_of(t.owner), t.dst) in targets)
+    # Each holder's folds from its own disk, one piece at a time, after the transfers: the
+    # most any rank has, which the others wait for in the last step.
+    local_pieces = [0] * ctx.world_size
+    for t in repair.local:
+        if (layout.stripe_of(t.owner), t.dst) in targets and t.owner in known:
+            local_pieces[t.dst] += known[t.owner][1]
+    local_seconds = ctx.timeout * (1 + max(local_pieces))
     takes(transfer_seconds(ctx, plan, {f"{iteration}:{r}": v[1] for r, v in known.items()})
-          + 2 * ctx.timeout)
+          + 2 * ctx.timeout + local_seconds)
     mine = [(s, j) for s, j in kept if layout.stripes[s].parity[j] == ctx.rank]
     folder, sink = built_or_draining(lambda: ParityFolder(
         ctx.store, layout, iteration, ctx.rank, ctx.world_size,
@@ -94,13 +101,18 @@ def fold_parity(ctx: Context, iteration: int, repair: Repair,
             if isinstance(error, CorruptShardError) else None
         logger.warning("rank %d: folding parity of iteration %d: shard %s: %s%s", ctx.rank,
                        iteration, shard, error, f"; quarantined to {moved}" if moved else "")
-    if not mine:
-        return []
+    committed: list[tuple[int, int]] = []
     made = None
     try:
-        made = folder()
-        return made.commit()
+        if mine:
+            made = folder()
+            committed = made.commit()
     except Exception as exc:  # blocks whose members all arrived were committed
         logger.error("rank %d: folding parity blocks %s of iteration %d again: %s; the next "
                      "save folds new parity", ctx.rank, mine, iteration, exc)
-        return made.committed if made is not None else []
+        committed = made.committed if made is not None else []
+    # Every rank ends here together: a rank whose write-back is over goes on to a save, whose
+    # exchanges wait only the timeout for a rank still folding from its own disk.
+    ctx.data_group.exchange(f"parity of iteration {iteration}: folded", lambda: None,
+                            wait=local_seconds)
+    return committed
