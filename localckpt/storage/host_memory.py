@@ -55,10 +55,12 @@ def advise_huge_pages(t: torch.Tensor) -> torch.Tensor:
             or not t.is_contiguous():
         return t
     start = t.data_ptr()
-    lo = -(-start // _PAGE) * _PAGE  # madvise takes whole pages, inside the tensor only
-    hi = (start + nbytes) // _PAGE * _PAGE
-    if hi > lo:
-        _MADVISE(lo, hi - lo, mmap.MADV_HUGEPAGE)  # advice: a failure changes nothing
+    # Every page the tensor touches: advice writes nothing, and a large tensor is a mapping of
+    # its own (glibc's), which whole pages then cover without splitting it (advised inside,
+    # each tensor cost two more mappings: tens of thousands meet vm.max_map_count).
+    lo = start // _PAGE * _PAGE
+    hi = -(-(start + nbytes) // _PAGE) * _PAGE
+    _MADVISE(lo, hi - lo, mmap.MADV_HUGEPAGE)  # advice: a failure changes nothing
     return t
 
 
