@@ -59,6 +59,10 @@ are those of 4 processes on 2 cores, noisier and lower per rank than for 2.
   returns; the shards node 1 must hold again are then sent once more and written in the
   background (`write-back`, against raw read + transfer + write of the whole plan), waited for
   by the next save.
+- **Fresh memory** is advised for transparent huge pages (`madvise`), in localckpt's loads
+  and in the raw operations alike (from 2026-11-28; earlier rows read into 4 KiB pages): a read
+  into fresh memory with 4 KiB pages spends more time in page faults than in the read (256 MiB
+  here: 0.9 GB/s against 2.2 with huge pages). Rows of different dates compare by their ratios.
 - **`load(into=...)`** reads into the caller's tensors (a restart that built its model first),
   against a raw read into preallocated memory on one thread. It also checks every chunk's CRC-32C,
   a 1 MiB window at a time while the window is in the cache. On one core (every rank here has
@@ -156,6 +160,18 @@ def _ms(row: dict[str, Any], key: str) -> str:
     return "–" if s is None else f"{s * 1000:,.0f}"
 
 
+def _remeasured(r: dict[str, Any]) -> str:
+    """The rows a later run measured again (``--merge``): by which command, on which date."""
+    later: dict[tuple[str, str], list[str]] = {}
+    for row in r["rows"]:
+        if row.get("date", r["date"]) != r["date"] or row.get("command", "") not in ("",
+                                                                               r["command"]):
+            later.setdefault((row.get("command", ""), row["date"]), []).append(
+                row.get("label", row["case"]))
+    return "".join(f"\nRows measured again by `{cmd}` on {date}: {'; '.join(labels)}."
+                   for (cmd, date), labels in sorted(later.items(), key=lambda kv: kv[0][1]))
+
+
 def markdown(r: dict[str, Any], cmd: str, plot: Path | None) -> str:
     rows = [row for row in r["rows"] if row["case"] != "fsdp2"]
     fsdp2 = [row for row in r["rows"] if row["case"] == "fsdp2"]
@@ -163,7 +179,7 @@ def markdown(r: dict[str, Any], cmd: str, plot: Path | None) -> str:
 
 Measured by `{cmd}` on {r['date']}: {r['machine']}, {r['cpus']} cores, {r['memory_gib']} GiB
 available, torch {r['torch']}, CRC-32C by {r.get('crc32c', 'crc32c')}, scratch on `{r['root_fs']}`;
-{r['wall_s'] / 60:.0f} minutes.
+{r['wall_s'] / 60:.0f} minutes.{_remeasured(r)}
 Each configuration is a fresh job of gloo ranks on 2 simulated nodes (loopback, one tmpfs root
 per node). Every figure is the median of {r['repeats']} runs of an operation done by **all ranks at
 once** (time of the slowest rank), and is compared with the raw limit measured the same way, in
