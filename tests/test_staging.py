@@ -482,3 +482,69 @@ def test_a_save_holds_what_every_state_dict_call_left_not_an_early_copy(tmp_path
             assert torch.equal(got["emb"], want["table"]) and \
                 torch.equal(got["renorm"]["table"], want["table"]), it
             assert torch.equal(got["w"], want["w"]), it
+
+
+class _Hooky(torch.Tensor):
+    """A buffer whose detach() (torch's Module._save_to_state_dict calls it) runs user code."""
+
+    target: torch.Tensor | None = None
+    value = 0.0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.Tensor.detach and cls.target is not None:
+            cls.target.data.fill_(cls.value)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {})).as_subclass(torch.Tensor)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("how", ["module_instance", "child_instance", "optimizer_instance",
+                                 "buffer_subclass"])
+def test_user_code_that_torch_state_dict_runs_is_not_trusted(tmp_path: Path, how: str) -> None:
+    """Code run by a Stateful's state_dict() that looks like torch's own: a method patched onto
+    the instance (of the Stateful or of a module below it) or a buffer's __torch_function__.
+    Each wrote a tensor met before through .data, and saves from the second on kept its early
+    copy (from a review of the fix before)."""
+    big = torch.nn.Parameter(torch.zeros(1 << 20))
+    step = {"value": 0.0}
+
+    def write() -> None:
+        big.data.fill_(step["value"])
+
+    obj: Any
+    if how in ("module_instance", "child_instance"):
+        obj = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        owner = obj if how == "module_instance" else obj[0]
+        real = owner.state_dict
+
+        def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+            write()
+            return real(*args, **kwargs)
+        owner.state_dict = types.MethodType(patched, owner)
+    elif how == "optimizer_instance":
+        obj = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1)
+        real_opt = obj.state_dict
+
+        def patched_opt(self: Any) -> Any:
+            write()
+            return real_opt()
+        obj.state_dict = types.MethodType(patched_opt, obj)
+    else:
+        obj = torch.nn.Linear(4, 4)
+        obj.register_buffer("hooky", torch.zeros(4, 4).as_subclass(_Hooky))
+        _Hooky.target = big
+    try:
+        with LocalCheckpointManager(tmp_path / "root", "s", keep_last=1) as mgr:
+            for it in (1, 2, 3):
+                step["value"] = _Hooky.value = float(it)
+                big.data.fill_(-7.0)
+                request = mgr.save({"big": big, "obj": obj}, it, is_async=True)
+                big.data.fill_(-1.0)  # training goes on
+                request.execute_sync()
+                got, _ = mgr.load(iteration=it)
+                assert torch.equal(got["big"], torch.full((1 << 20,), float(it))), \
+                    (it, float(got["big"][0]))
+    finally:
+        _Hooky.target = None

@@ -26,25 +26,40 @@ _Module, _Optimizer = torch.nn.Module, torch.optim.Optimizer
 _LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _own_module(m: Any) -> bool:
+    """A module whose part of torch's state_dict runs no user code: no override of what it
+    calls, on the class or patched onto the instance, no hook, and plain tensors only (a
+    subclass's __torch_function__ runs at their detach())."""
+    kind, own = type(m), m.__dict__
+    return kind.state_dict is _Module.state_dict and \
+        kind._save_to_state_dict is _Module._save_to_state_dict and \
+        kind.get_extra_state is _Module.get_extra_state and \
+        "state_dict" not in own and "_save_to_state_dict" not in own and \
+        not m._state_dict_pre_hooks and not m._state_dict_hooks and \
+        all(t is None or type(t) in _PLAIN for t in m._parameters.values()) and \
+        all(t is None or type(t) is torch.Tensor for t in m._buffers.values())
+
+
 def only_reads(obj: Any) -> bool:
     """Whether ``obj.state_dict()`` is torch's own, running no user code that could write a
     tensor met before it: no override (of a module below it either, nor of what a module's
-    state_dict calls on it), no state dict hook. A version counter cannot stand in for that: a
-    write through another tensor over the same memory (a flat buffer the parameters view, a
-    ``.data``) moves none of the parameters'."""
+    state_dict calls on it, on the class or the instance), no state dict hook, no tensor
+    subclass. A version counter cannot stand in for that: a write through another tensor over
+    the same memory (a flat buffer the parameters view, a ``.data``) moves none of the
+    parameters'."""
     kind = type(obj)
     if isinstance(obj, _Module):
-        return all(
-            type(m).state_dict is _Module.state_dict
-            and type(m)._save_to_state_dict is _Module._save_to_state_dict
-            and type(m).get_extra_state is _Module.get_extra_state
-            and not m._state_dict_pre_hooks and not m._state_dict_hooks
-            for m in obj.modules())
+        return all(_own_module(m) for m in obj.modules())
+    own = getattr(obj, "__dict__", {})
     if isinstance(obj, _Optimizer):
-        return kind.state_dict is _Optimizer.state_dict and \
+        return kind.state_dict is _Optimizer.state_dict and "state_dict" not in own and \
             not getattr(obj, "_optimizer_state_dict_pre_hooks", None) and \
             not getattr(obj, "_optimizer_state_dict_post_hooks", None)
-    return isinstance(obj, _LRScheduler) and kind.state_dict is _LRScheduler.state_dict
+    return isinstance(obj, _LRScheduler) and kind.state_dict is _LRScheduler.state_dict and \
+        "state_dict" not in own
 
 
 class EagerCopies:
